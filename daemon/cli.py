@@ -1,0 +1,161 @@
+"""``llmd`` command line (click): generate, kv-size, bench.
+
+User errors (:class:`LlmdError`) print one line ``llmd: error: ...`` and exit 1, never a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+
+import click
+
+from llmd.models.errors import LlmdError
+
+
+def one_line_errors(fn):
+    """Turn LlmdError (and Ctrl-C) into a one-line message and a non-zero exit code."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except LlmdError as e:
+            click.echo(f"llmd: error: {e}", err=True)
+            sys.exit(1)
+        except KeyboardInterrupt:
+            click.echo("llmd: interrupted", err=True)
+            sys.exit(130)
+
+    return wrapper
+
+
+def parse_bytes_option(ctx, param, value):
+    if value is None:
+        return None
+    from llmd.daemon.config import parse_bytes
+
+    try:
+        return parse_bytes(value)
+    except LlmdError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+model_option = click.option("--model", "-m", default="smollm2-135m", show_default=True, help="GGUF path or known model name.")
+
+
+def engine_options(fn):
+    """Options shared by every command that builds an engine."""
+    opts = [
+        model_option,
+        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None, help="Weights/activations dtype (default: float32 on CPU, bfloat16 on CUDA)."),
+        click.option("--device", default=None, help="cpu or cuda (default: cuda if available)."),
+        click.option("--block-size", default=16, show_default=True, type=int, help="Tokens per KV block."),
+        click.option("--kv-cache-memory", default=None, callback=parse_bytes_option, help="KV cache size, e.g. 512MiB (default: 512MiB on CPU, 80% of free memory on CUDA)."),
+        click.option("--max-num-seqs", default=32, show_default=True, type=int, help="Sequences running at once at most."),
+        click.option("--max-num-batched-tokens", default=None, type=int, help="Token budget per step (default: 256 on CPU, 4096 on CUDA)."),
+        click.option("--max-model-len", default=None, type=int, help="Context cap in tokens (default: the model's)."),
+    ]
+    for o in reversed(opts):
+        fn = o(fn)
+    return fn
+
+
+def build_engine(**kw):
+    from llmd.daemon.config import EngineConfig
+    from llmd.daemon.engine import Engine
+
+    click.echo(f"llmd: loading {kw['model']} ...", err=True)
+    t0 = time.monotonic()
+    engine = Engine.from_config(EngineConfig(**kw))
+    click.echo(f"llmd: loaded {engine.model_config.name} in {time.monotonic() - t0:.1f} s; {engine.capacity_summary()}", err=True)
+    return engine
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main():
+    """llmd: a local LLM inference daemon (continuous batching over a paged KV cache)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
+@main.command()
+@click.argument("prompt")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template as a user message.")
+@click.option("--max-tokens", default=None, type=int, help="New tokens at most (default: the remaining context).")
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
+@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--top-k", default=0, show_default=True, type=int, help="0 = off.")
+@click.option("--seed", default=None, type=int, help="Sampling seed (default: random).")
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@engine_options
+@one_line_errors
+def generate(prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, **engine_kw):
+    """Generate a completion for PROMPT with llmd's own engine, streaming text to stdout."""
+    from llmd.daemon.request import SamplingParams
+
+    if max_tokens is not None and max_tokens < 1:
+        raise LlmdError(f"--max-tokens must be >= 1, got {max_tokens}")
+    engine = build_engine(**engine_kw)
+    ids = engine.tokenizer.apply_chat([{"role": "user", "content": prompt}]) if chat else engine.tokenizer.encode(prompt)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=list(stop))
+    engine.add_request(ids, params)
+    t0 = time.monotonic()
+    n, reason = 0, None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            n += len(out.new_token_ids)
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+            reason = out.finish_reason
+    sys.stdout.write("\n")
+    dt = time.monotonic() - t0
+    click.echo(f"llmd: {n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s), finish_reason={reason}", err=True)
+
+
+@main.command("kv-size")
+@model_option
+@click.option("--context", default=None, type=int, help="Tokens per sequence (default: the model's context length).")
+@click.option("--memory", default="512MiB", show_default=True, callback=parse_bytes_option, help="KV cache budget.")
+@click.option("--block-size", default=16, show_default=True, type=int)
+@one_line_errors
+def kv_size(model, context, memory, block_size):
+    """KV cache bytes per token and sequences that fit, per cache dtype (GGUF metadata only)."""
+    from llmd.daemon.kv_size import kv_size_rows
+    from llmd.models.gguf_loader import load_config
+    from llmd.models.registry import resolve_model
+
+    cfg = load_config(resolve_model(model))
+    context = context or cfg.max_position
+    click.echo(f"{cfg.name}: {cfg.num_layers} layers, {cfg.num_kv_heads} KV heads x {cfg.head_dim} dims; context {context} tokens; memory {memory} B ({memory / 2**20:.0f} MiB)")
+    click.echo(f"{'kv dtype':<12}{'B/token':>12}{'B/sequence':>16}{'blocks':>10}{'sequences':>12}")
+    for r in kv_size_rows(cfg, context, memory, block_size):
+        click.echo(f"{r.name:<12}{r.bytes_per_token:>12,.0f}{r.bytes_per_sequence:>16,.0f}{r.num_blocks:>10}{r.sequences:>12.2f}")
+
+
+@main.group()
+def bench():
+    """Benchmarks that print side-by-side ratios measured in one run."""
+
+
+@bench.command("throughput")
+@click.option("--num-requests", default=32, show_default=True, type=int)
+@click.option("--min-prompt", default=16, show_default=True, type=int)
+@click.option("--max-prompt", default=256, show_default=True, type=int)
+@click.option("--min-output", default=8, show_default=True, type=int)
+@click.option("--max-output", default=128, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=int)
+@engine_options
+@one_line_errors
+def bench_throughput(num_requests, min_prompt, max_prompt, min_output, max_output, seed, **engine_kw):
+    """Continuous vs static batching on the same seeded mixed-length requests."""
+    from llmd.daemon.bench import run_throughput_bench
+
+    engine = build_engine(**engine_kw)
+    run_throughput_bench(engine, num_requests, (min_prompt, max_prompt), (min_output, max_output), seed, echo=click.echo)
+
+
+if __name__ == "__main__":
+    main()

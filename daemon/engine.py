@@ -1,0 +1,229 @@
+"""The engine: ``add_request`` / ``abort`` / ``step``, in-process.
+
+One step is schedule → run → postprocess (nano-vllm ``llm_engine.py``, vLLM v1
+``EngineCore.step``): the scheduler picks requests, the runner computes logits and samples,
+the scheduler appends tokens and frees finished requests, and the detokenizer turns new
+tokens into safe text (stop strings end a request here).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from llmd.daemon.config import CUDA_KV_CACHE_FRACTION, DEFAULT_KV_CACHE_MEMORY_CPU, EngineConfig
+from llmd.daemon.detokenizer import IncrementalDetokenizer
+from llmd.daemon.kv import KVCacheManager
+from llmd.daemon.kv_size import kv_bytes_per_token
+from llmd.daemon.request import Request, RequestStatus, SamplingParams
+from llmd.daemon.runner import ModelRunner
+from llmd.daemon.sampler import TokenLogprobs
+from llmd.daemon.scheduler import Scheduler, SchedulerOutput
+from llmd.models.config import ModelConfig
+from llmd.models.errors import LlmdError
+from llmd.models.tokenizer import Tokenizer
+
+log = logging.getLogger("llmd.engine")
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (a streaming delta).
+
+    Attributes:
+        request_id: the request.
+        new_token_ids: tokens generated this step.
+        new_text: text released this step (UTF-8 safe, stop strings withheld).
+        logprobs: per new token, :class:`TokenLogprobs` or None.
+        finished: True on the request's last output.
+        finish_reason: "stop", "length", "abort" or None.
+        num_prompt_tokens, num_output_tokens: token counts so far.
+    """
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+def num_kv_blocks(memory: int, block_size: int, bytes_per_token: int) -> int:
+    """``floor(memory / (block_size × bytes_per_token))``; raises LlmdError below 2 blocks."""
+    n = memory // (block_size * bytes_per_token)
+    if n < 2:
+        raise LlmdError(f"--kv-cache-memory {memory} B holds {n} blocks of {block_size} tokens; need at least 2")
+    return n
+
+
+class Engine:
+    """Continuous-batching engine over a paged KV cache.
+
+    Build with :meth:`from_config` (loads model + tokenizer) or directly from an already
+    loaded model (tests vary pool and scheduler sizes without reloading).
+
+    Args:
+        model: loaded llmd model (``model.config`` is its :class:`ModelConfig`).
+        tokenizer: its :class:`Tokenizer`.
+        config: :class:`EngineConfig` (resolved here).
+    """
+
+    def __init__(self, model, tokenizer: Tokenizer, config: EngineConfig):
+        self.config = config.resolve()
+        self.model_config: ModelConfig = model.config
+        self.tokenizer = tokenizer
+        cfg = self.model_config
+        self.max_model_len = min(config.max_model_len or cfg.max_position, cfg.max_position)
+        kv_dtype = next(model.parameters()).dtype
+        self.bytes_per_token = kv_bytes_per_token(cfg, torch.empty(0, dtype=kv_dtype).element_size())
+        memory = config.kv_cache_memory
+        if memory is None:
+            if self.config.device.startswith("cuda"):
+                memory = int(torch.cuda.mem_get_info()[0] * CUDA_KV_CACHE_FRACTION)
+            else:
+                memory = DEFAULT_KV_CACHE_MEMORY_CPU
+        self.num_blocks = num_kv_blocks(memory, config.block_size, self.bytes_per_token)
+        self.kv_cache_memory = memory
+        self.kv_manager = KVCacheManager(self.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        self.runner = ModelRunner(model, self.num_blocks, config.block_size, kv_dtype, self.config.device)
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.last_scheduler_output: SchedulerOutput | None = None
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "Engine":
+        """Resolve the model, load weights and tokenizer, allocate the KV cache.
+
+        Raises:
+            LlmdError: unknown model, bad GGUF, bad setting.
+        """
+        from llmd.models.gguf_loader import load_model, open_gguf
+        from llmd.models.registry import resolve_model
+        from llmd.models.tokenizer import load_tokenizer
+
+        config.resolve()
+        path = resolve_model(config.model)
+        model, cfg = load_model(path, config.torch_dtype, config.device)
+        tokenizer = load_tokenizer(path, cfg, open_gguf(path).data_offset)
+        return cls(model, tokenizer, config)
+
+    def capacity_summary(self) -> str:
+        """One line: bytes/token, blocks, and how many full-context sequences fit."""
+        tokens = (self.num_blocks - 1) * self.config.block_size
+        return (
+            f"KV cache: {self.bytes_per_token} B/token ({self.config.dtype}), {self.num_blocks} blocks of "
+            f"{self.config.block_size} tokens ({self.kv_cache_memory / 2**20:.0f} MiB), {tokens} tokens = "
+            f"{tokens / self.max_model_len:.2f} sequences of {self.max_model_len} tokens"
+        )
+
+    # ---- requests -----------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Tokenize (if text), validate and queue a request; returns its id.
+
+        Raises:
+            LlmdError: empty prompt, prompt longer than ``max_model_len``, prompt + max_tokens
+                beyond ``max_model_len``, a request that can never fit in the KV pool, or a
+                bad sampling parameter.
+        """
+        params = params or SamplingParams()
+        try:
+            params.validate()
+        except ValueError as e:
+            raise LlmdError(str(e)) from None
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise LlmdError("the prompt is empty (0 tokens)")
+        if any(not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size for t in ids):
+            raise LlmdError(f"prompt token ids must be integers in [0, {self.model_config.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise LlmdError(f"prompt has {len(ids)} tokens but the context is {self.max_model_len} tokens (max-model-len), leaving no room to generate")
+        if params.max_tokens is None:
+            params.max_tokens = self.max_model_len - len(ids)
+        elif len(ids) + params.max_tokens > self.max_model_len:
+            raise LlmdError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {len(ids) + params.max_tokens} "
+                f"exceeds the context of {self.max_model_len} tokens"
+            )
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.scheduler.requests:
+            raise LlmdError(f"request id {rid!r} is already in use")
+        eos = frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
+        req = Request(rid, ids, params, eos_token_ids=eos)
+        try:
+            self.scheduler.add_request(req)
+        except ValueError as e:
+            raise LlmdError(str(e)) from None
+        self.detokenizers[rid] = IncrementalDetokenizer(self.tokenizer.hf, ids, params.stop)
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request and free its blocks; returns False if it was not live."""
+        live = request_id in self.scheduler.requests
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        self.detokenizers.pop(request_id, None)
+        return live
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- one iteration ------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler iteration; returns an output for every request that produced a
+        token (or finished) in it."""
+        sched = self.scheduler.schedule()
+        self.last_scheduler_output = sched
+        if not sched:
+            return []
+        reqs = {s.request_id: self.scheduler.requests[s.request_id] for s in sched.scheduled}
+        sampling = [reqs[s.request_id] for s in sched.scheduled if s.sample]
+        result = self.runner.execute(sched, sampling)
+        sampled, logprobs = {}, {}
+        if result is not None:
+            for req, tok, lp in zip(sampling, result.sampled_token_ids, result.logprobs):
+                sampled[req.request_id], logprobs[req.request_id] = tok, lp
+        self.scheduler.update_from_output(sched, sampled)
+        outputs = []
+        for req in sampling:
+            outputs.append(self._postprocess(req, sampled[req.request_id], logprobs[req.request_id]))
+        return outputs
+
+    def _postprocess(self, req: Request, token: int, lp: TokenLogprobs | None) -> RequestOutput:
+        detok = self.detokenizers[req.request_id]
+        text = detok.update([token])
+        if detok.stop_matched is not None and not req.is_finished:
+            req.stop_reason = detok.stop_matched
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+        if req.is_finished:
+            if detok.stop_matched is None:
+                text += detok.finish()
+            del self.detokenizers[req.request_id]
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=[token],
+            new_text=text,
+            logprobs=[lp],
+            finished=req.is_finished,
+            finish_reason=req.status.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+        )
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:
+        """Run prompts to completion (tests, benchmarks). Returns per prompt a dict with
+        ``token_ids``, ``text``, ``finish_reason``, in prompt order."""
+        plist = params if isinstance(params, list) else [SamplingParams(**vars(params)) for _ in prompts]
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        results = {i: {"token_ids": [], "text": "", "finish_reason": None} for i in ids}
+        while self.has_unfinished_requests():
+            for o in self.step():
+                r = results[o.request_id]
+                r["token_ids"] += o.new_token_ids
+                r["text"] += o.new_text
+                r["finish_reason"] = o.finish_reason
+        return [results[i] for i in ids]

@@ -1,0 +1,164 @@
+"""Requests, their sampling parameters and their lifecycle status.
+
+Vocabulary follows vLLM v1 (`vllm/v1/request.py`): a request owns its prompt token ids,
+the output token ids generated so far, and ``num_computed_tokens`` (tokens whose K/V are
+already in the paged KV cache).
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+import time
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a request; every value >= FINISHED_STOPPED is terminal."""
+
+    WAITING = 0
+    RUNNING = 1
+    FINISHED_STOPPED = 2
+    FINISHED_LENGTH = 3
+    FINISHED_ABORTED = 4
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI ``finish_reason`` ("stop", "length", "abort") or None while live."""
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(self)
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings (OpenAI / vLLM semantics).
+
+    Attributes:
+        max_tokens: new tokens to generate at most; ``None`` means "the remaining context"
+            (``max_model_len - prompt_tokens``), resolved by the engine at admission.
+        temperature: 0 means greedy (argmax).
+        top_k: keep the k most likely tokens; 0 or -1 disables.
+        top_p: nucleus sampling mass in (0, 1]; 1 disables.
+        min_p: drop tokens whose probability is below ``min_p * p_max``; 0 disables.
+        repetition_penalty: HF/CTRL-style penalty (> 0) on tokens in prompt + output;
+            1 disables. Positive logits are divided by it, negative ones multiplied.
+        frequency_penalty: subtracted ``count * frequency_penalty`` for output tokens.
+        presence_penalty: subtracted once for every token present in the output.
+        seed: per-request seed; ``None`` draws a random one at creation, so a request's
+            own choices are reproducible regardless of batch composition.
+        stop: strings that end generation; the matched string is not returned.
+        stop_token_ids: token ids that end generation (added to the model's EOS ids).
+        ignore_eos: keep generating past the model's end-of-sequence tokens.
+        logprobs: number of top logprobs to return per token (0 = only the chosen one),
+            ``None`` for none. Logprobs are of the raw model distribution (vLLM's convention).
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        if self.seed is None:
+            self.seed = secrets.randbits(63)
+
+    def validate(self) -> None:
+        """Check ranges; raises ``ValueError`` naming the offending field."""
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Request:
+    """One sequence being generated.
+
+    Attributes:
+        request_id: unique id (str).
+        prompt_token_ids: the prompt, list[int] (tokens).
+        sampling_params: see :class:`SamplingParams`.
+        eos_token_ids: the model's end-of-sequence / end-of-turn token ids.
+        output_token_ids: generated tokens so far.
+        num_computed_tokens: tokens whose K/V are in the KV cache.
+        status: :class:`RequestStatus`.
+        arrival_time: ``time.monotonic()`` at creation (seconds).
+        first_token_time: monotonic time of the first generated token, for TTFT.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        self.output_token_ids.append(token_id)

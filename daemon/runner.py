@@ -1,0 +1,108 @@
+"""Model runner: scheduler output → tensors → model → logits → sampled tokens.
+
+Owns the paged KV cache tensors (one per layer, allocated once) and turns each step's
+:class:`SchedulerOutput` into input ids, positions, the slot mapping and padded block tables
+(vLLM v1 ``gpu_model_runner.py`` ``_prepare_inputs``; nano-vllm ``model_runner.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from llmd.daemon.request import Request
+from llmd.daemon.sampler import Sampler, SamplerOutput
+from llmd.daemon.scheduler import SchedulerOutput
+from llmd.kernels import AttentionMetadata
+from llmd.models.config import ModelConfig
+
+
+def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """Shape of one layer's cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``."""
+    return (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+
+
+class ModelRunner:
+    """Runs the model on a scheduled batch.
+
+    Args:
+        model: an llmd model (``forward(ids, positions, kv_caches, meta)``, ``compute_logits``).
+        num_blocks: KV blocks per layer (block 0 is the null block).
+        block_size: tokens per block.
+        kv_dtype: dtype of the cache (the model dtype).
+        device: where tensors live.
+    """
+
+    def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device: str | torch.device):
+        self.model = model
+        self.config: ModelConfig = model.config
+        self.block_size = block_size
+        self.device = torch.device(device)
+        shape = kv_cache_shape(self.config, num_blocks, block_size)
+        self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in range(self.config.num_layers)]
+        self.sampler = Sampler()
+
+    def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Flatten a step into model inputs.
+
+        Returns:
+            ``input_ids [T] int64``, ``positions [T] int64``, the :class:`AttentionMetadata`,
+            and ``logits_indices``: the flat index of the last token of each sequence that samples.
+        """
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qlens, seq_lens, logits_indices = [], [], []
+        max_blocks = max(len(s.block_table) for s in out.scheduled)
+        tables = torch.zeros(len(out.scheduled), max_blocks, dtype=torch.int32)
+        for b, s in enumerate(out.scheduled):
+            start, n = s.num_computed_tokens, s.num_new_tokens
+            ids.extend(s.token_ids)
+            pos = range(start, start + n)
+            positions.extend(pos)
+            table = s.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            tables[b, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            qlens.append(n)
+            seq_lens.append(start + n)
+            if s.sample:
+                logits_indices.append(len(ids) - 1)
+        qsl = [0]
+        for n in qlens:
+            qsl.append(qsl[-1] + n)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=tables.to(dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_lens_cpu=qlens,
+            seq_lens_cpu=seq_lens,
+            block_size=bs,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
+        return input_ids, pos_t, meta, logits_indices
+
+    @torch.inference_mode()
+    def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:
+        """Run the model; return ``[num_sampling_seqs, vocab]`` float32 logits of the last
+        position of every sequence with ``sample=True`` (batch order)."""
+        input_ids, positions, meta, logits_indices = self.prepare_inputs(out)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not logits_indices:
+            return torch.empty(0, self.config.vocab_size)
+        return self.model.compute_logits(hidden[torch.tensor(logits_indices, device=hidden.device)]).float().cpu()
+
+    def execute(self, out: SchedulerOutput, requests: Sequence[Request]) -> SamplerOutput | None:
+        """Run one step and sample. ``requests`` are the sampling requests in batch order.
+
+        Returns:
+            The sampler's output (one token per sampling request) or None if none samples.
+        """
+        logits = self.compute_logits(out)
+        if not requests:
+            return None
+        return self.sampler(logits, requests)

@@ -1,0 +1,225 @@
+"""Token sampling: penalties, temperature, top-k / top-p / min-p, seeded per-request draws.
+
+Pipeline per row (order as in vLLM's ``vllm/v1/sample/sampler.py`` and HF transformers'
+``generation/logits_process.py``):
+
+1. logprobs of the *raw* distribution, ``log_softmax(logits)`` (vLLM's default
+   ``logprobs_mode="raw_logprobs"``);
+2. repetition penalty over prompt + output tokens (HF ``RepetitionPenaltyLogitsProcessor``,
+   CTRL, Keskar et al. 2019): positive logits divided by the penalty, negative multiplied;
+3. frequency and presence penalties over output tokens only (OpenAI formula, vLLM
+   ``apply_penalties``): ``logit -= count * frequency_penalty + (count > 0) * presence_penalty``;
+4. ``temperature == 0`` -> argmax of the penalized logits (first index on ties);
+   otherwise divide by the temperature, then top-k (HF ``TopKLogitsWarper``), top-p
+   (HF ``TopPLogitsWarper``; keeps the smallest set whose mass >= top_p, the top token always
+   kept), min-p (HF ``MinPLogitsWarper``: drop p < min_p * p_max), softmax over the
+   surviving tokens, and draw with the exponential race ``argmax(probs / q), q ~ Exp(1)`` (vLLM ``random_sample``; Gumbel-max
+   in disguise).
+
+Reproducibility: the draw for output position ``i`` of a request uses a fresh CPU
+``torch.Generator`` seeded with ``blake2b(seed, i)``, and every row is processed alone on
+CPU in float32, so a request's token depends only on (seed, i, its logits row, its own
+token history for penalties), never on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from llmd.daemon.request import Request, SamplingParams
+
+__all__ = ["Sampler", "SamplerOutput", "TokenLogprobs", "row_seed"]
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs for one sampled token, from the raw (unprocessed) model distribution.
+
+    Attributes:
+        token_id: the sampled token.
+        logprob: natural-log probability of ``token_id`` under ``log_softmax(raw logits)``.
+        top: the ``sampling_params.logprobs`` most likely ``(token_id, logprob)`` pairs,
+            sorted by logprob descending (empty when ``logprobs == 0``).
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class SamplerOutput:
+    """Result of one sampler call; index b belongs to ``requests[b]``.
+
+    Attributes:
+        sampled_token_ids: one token id per row.
+        logprobs: per row, :class:`TokenLogprobs` or ``None`` when the request asked for none.
+    """
+
+    sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def row_seed(seed: int, position: int) -> int:
+    """Mix a request seed and an output position into a 63-bit generator seed.
+
+    ``blake2b(f"{seed}:{position}")`` truncated to 8 bytes, top bit cleared, so neighbouring
+    positions (and seeds) give unrelated streams. Deterministic across processes and runs.
+    """
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams,
+                    prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> torch.Tensor:
+    """Repetition, frequency and presence penalties on one row, in place.
+
+    Args:
+        logits: ``[V]`` float32 CPU tensor; modified in place and returned.
+        params: the request's sampling parameters.
+        prompt_token_ids / output_token_ids: the request's history (token ids < V).
+
+    Raises:
+        ValueError: a history token id is outside ``[0, V)``.
+    """
+    vocab = logits.shape[0]
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_token_ids) | set(output_token_ids)), dtype=torch.long)
+        if seen.numel():
+            _check_ids(seen, vocab)
+            vals = logits[seen]
+            p = params.repetition_penalty
+            logits[seen] = torch.where(vals > 0, vals / p, vals * p)
+    if (params.frequency_penalty != 0.0 or params.presence_penalty != 0.0) and output_token_ids:
+        counts = Counter(output_token_ids)
+        ids = torch.tensor(list(counts.keys()), dtype=torch.long)
+        _check_ids(ids, vocab)
+        cnt = torch.tensor(list(counts.values()), dtype=torch.float32)
+        logits[ids] -= cnt * params.frequency_penalty + params.presence_penalty
+    return logits
+
+
+def _check_ids(ids: torch.Tensor, vocab: int) -> None:
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+        raise ValueError(f"token id out of range for vocab size {vocab}: "
+                         f"min {int(ids.min())}, max {int(ids.max())}")
+
+
+def filter_candidates(logits: torch.Tensor, top_k: int, top_p: float,
+                      min_p: float) -> torch.Tensor | None:
+    """Token ids that survive top-k, then top-p, then min-p; ``None`` when no filter is on.
+
+    Args:
+        logits: ``[V]`` float32, already divided by the temperature (not modified).
+        top_k: keep tokens whose logit >= the k-th largest (ties at the threshold are kept,
+            as in HF ``TopKLogitsWarper`` / vLLM ``apply_top_k_only``); ``<= 0`` or ``>= V``
+            disables.
+        top_p: keep the smallest prefix of the descending-probability order (over the
+            top-k survivors, renormalized) whose mass is >= top_p; the most likely token is
+            always kept (HF ``TopPLogitsWarper``); ``>= 1`` disables.
+        min_p: drop tokens with ``p < min_p * max(p)`` over the survivors, renormalized
+            (HF ``MinPLogitsWarper``); ``<= 0`` disables.
+
+    Returns:
+        ``[N]`` int64 token ids (N >= 1 if any logit is finite), or ``None`` = all of V.
+        Only the survivors are ranked: top-p takes a growing ``topk`` instead of a full
+        sort of V (same order, same cumulative sums).
+    """
+    vocab = logits.shape[0]
+    idx: torch.Tensor | None = None
+    if 0 < top_k < vocab:
+        kth = torch.topk(logits, top_k).values[-1]
+        idx = torch.nonzero(logits >= kth).squeeze(1)
+    if top_p < 1.0:
+        if idx is None:
+            probs = logits.softmax(dim=-1)
+            k = min(vocab, 1024)
+            while True:
+                p_sorted, order = torch.topk(probs, k)
+                if k == vocab or float(p_sorted.sum()) >= top_p:
+                    break
+                k = min(vocab, 4 * k)
+            cand = order
+        else:
+            vals, order = torch.sort(logits[idx], descending=True, stable=True)
+            p_sorted, cand = vals.softmax(dim=-1), idx[order]
+        mass_before = p_sorted.cumsum(dim=-1) - p_sorted  # mass of strictly more likely tokens
+        keep = mass_before < top_p
+        keep[0] = True
+        idx = cand[keep]
+    if min_p > 0.0:
+        probs = (logits if idx is None else logits[idx]).softmax(dim=-1)
+        keep = probs >= min_p * probs.max()
+        idx = torch.nonzero(keep).squeeze(1) if idx is None else idx[keep]
+    return idx
+
+
+class Sampler:
+    """Samples one token per row of a logits batch.
+
+    Call: ``sampler(logits, requests) -> SamplerOutput``.
+
+    Args (of ``__call__``):
+        logits: ``[B, V]`` float tensor (any device; copied to CPU float32), the last
+            position's logits of each running request.
+        requests: ``B`` requests; row b samples output position
+            ``len(requests[b].output_token_ids)`` of ``requests[b]``.
+
+    Raises:
+        ValueError: ``logits`` is not 2-D, ``B != len(requests)``, or a history token id is
+            outside the vocabulary.
+    """
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
+        if logits.shape[0] != len(requests):
+            raise ValueError(f"{logits.shape[0]} logits rows for {len(requests)} requests")
+        cpu = logits.detach().to(device="cpu", dtype=torch.float32)
+        tokens: list[int] = []
+        logprobs: list[TokenLogprobs | None] = []
+        for b, req in enumerate(requests):
+            # clone(): a fresh contiguous buffer per row, so no kernel sees batch layout.
+            tok, lp = self.sample_row(cpu[b].clone(), req)
+            tokens.append(tok)
+            logprobs.append(lp)
+        return SamplerOutput(sampled_token_ids=tokens, logprobs=logprobs)
+
+    @staticmethod
+    def sample_row(row: torch.Tensor, req: Request) -> tuple[int, TokenLogprobs | None]:
+        """Sample one token for ``req`` from ``row`` (``[V]`` float32 CPU; consumed).
+
+        Returns ``(token_id, TokenLogprobs | None)``; see the module docstring for the order.
+        """
+        params = req.sampling_params
+        raw_logprobs = torch.log_softmax(row, dim=-1) if params.logprobs is not None else None
+
+        logits = apply_penalties(row, params, req.prompt_token_ids, req.output_token_ids)
+        if params.temperature == 0.0:
+            token = int(torch.argmax(logits))
+        else:
+            logits.div_(params.temperature)
+            idx = filter_candidates(logits, params.top_k, params.top_p, params.min_p)
+            probs = (logits if idx is None else logits[idx]).softmax(dim=-1)
+            seed = params.seed if params.seed is not None else 0
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(row_seed(seed, len(req.output_token_ids)))
+            # Noise only over the survivors: cheaper, and still a function of (seed, i, row).
+            q = torch.empty_like(probs).exponential_(generator=gen)
+            q.clamp_min_(torch.finfo(torch.float32).tiny)  # no 0/0 on a zero-probability token
+            j = int(torch.argmax(probs / q))
+            token = j if idx is None else int(idx[j])
+
+        if raw_logprobs is None:
+            return token, None
+        k = min(params.logprobs, raw_logprobs.shape[0])
+        top: list[tuple[int, float]] = []
+        if k > 0:
+            vals, idx = torch.topk(raw_logprobs, k)
+            top = [(int(i), float(v)) for i, v in zip(idx.tolist(), vals.tolist())]
+        return token, TokenLogprobs(token_id=token, logprob=float(raw_logprobs[token]), top=top)

@@ -1,0 +1,45 @@
+"""Attention metadata: what one forward step needs to find every token's K/V in the paged cache.
+
+Built by the runner from the scheduler's output; read by the attention ops. Names follow
+vLLM v1 (``FlashAttentionMetadata``): slot mapping, block tables, query_start_loc, seq_lens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step layout of a flattened batch of ``T`` tokens from ``B`` sequences.
+
+    Sequence ``b`` owns query tokens ``query_start_loc[b] : query_start_loc[b+1]``; these are
+    its positions ``seq_lens[b] - query_len_b ... seq_lens[b] - 1`` (its context after this step
+    is ``seq_lens[b]`` tokens, of which ``seq_lens[b] - query_len_b`` were already cached).
+
+    Attributes:
+        slot_mapping: ``[T]`` int64, cache slot of each new token = ``block_id * block_size + offset``.
+        block_tables: ``[B, max_blocks]`` int32, block ids per sequence, padded with 0 (the null block).
+        query_start_loc: ``[B + 1]`` int32, cumulative query lengths (tokens).
+        seq_lens: ``[B]`` int32, context length of each sequence after this step (tokens).
+        query_lens_cpu, seq_lens_cpu: the same lengths as Python lists (no device sync on CPU paths).
+        block_size: tokens per KV block.
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])

