@@ -13,8 +13,8 @@ Pipeline per row (order as in vLLM's ``vllm/v1/sample/sampler.py`` and HF transf
    otherwise divide by the temperature, then top-k (HF ``TopKLogitsWarper``), top-p
    (HF ``TopPLogitsWarper``; keeps the smallest set whose mass >= top_p, the top token always
    kept), min-p (HF ``MinPLogitsWarper``: drop p < min_p * p_max), softmax over the
-   surviving tokens, and draw with the exponential race ``argmax(probs / q), q ~ Exp(1)`` (vLLM ``random_sample``; Gumbel-max
-   in disguise).
+   surviving tokens, and draw with the exponential race ``argmax(probs / q)``,
+   ``q ~ Exp(1)`` i.i.d. (vLLM ``random_sample``; the Gumbel-max trick in disguise).
 
 Reproducibility: the draw for output position ``i`` of a request uses a fresh CPU
 ``torch.Generator`` seeded with ``blake2b(seed, i)``, and every row is processed alone on
@@ -33,7 +33,7 @@ import torch
 
 from llmd.daemon.request import Request, SamplingParams
 
-__all__ = ["Sampler", "SamplerOutput", "TokenLogprobs", "row_seed"]
+__all__ = ["Sampler", "SamplerOutput", "TokenLogprobs", "apply_penalties", "filter_candidates", "row_seed"]
 
 
 @dataclass
@@ -195,6 +195,7 @@ class Sampler:
         """Sample one token for ``req`` from ``row`` (``[V]`` float32 CPU; consumed).
 
         Returns ``(token_id, TokenLogprobs | None)``; see the module docstring for the order.
+        A ``seed`` of ``None`` (never the case after ``SamplingParams.__post_init__``) acts as 0.
         """
         params = req.sampling_params
         raw_logprobs = torch.log_softmax(row, dim=-1) if params.logprobs is not None else None

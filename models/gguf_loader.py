@@ -74,7 +74,7 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torc
         p = params[pname]
         if tuple(w.shape) != tuple(p.shape):
             raise GGUFLoadError(f"GGUF tensor {t.name} has shape {tuple(w.shape)}, expected {tuple(p.shape)}")
-        p.data.copy_(torch.from_numpy(w))
+        p.data.copy_(torch.from_numpy(np.require(w, requirements="W")))
         filled.add(pname)
     missing = sorted(set(params) - filled)
     if missing:

