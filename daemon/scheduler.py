@@ -96,8 +96,10 @@ class Scheduler:
         """Queue a request. Its ``sampling_params.max_tokens`` must already be resolved.
 
         Raises:
-            ValueError: the request can never fit in the KV pool, even alone.
+            ValueError: the id is already live, or the request can never fit in the KV pool, even alone.
         """
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
         needed = -(-self.reserved_tokens(req) // self.kv.block_size)
         if needed > self.kv.num_usable_blocks:
             raise ValueError(

@@ -1,7 +1,7 @@
 """Tokenizer and chat template from a GGUF file, through HF ``transformers`` (offline).
 
-``AutoTokenizer.from_pretrained(dir, gguf_file=...)`` rebuilds a fast tokenizer from the GGUF's
-vocabulary (about 10 s for a 49k vocabulary); the result is saved once under the XDG cache dir,
+``PreTrainedTokenizerFast.from_pretrained(dir, gguf_file=...)`` rebuilds a fast tokenizer from the
+GGUF's vocabulary (seconds for a 49k vocabulary); the result is saved once under the XDG cache dir,
 keyed by the GGUF's identity (header digest + file size) and the transformers version, written
 to a temporary directory and renamed into place (atomic), so later starts take a second or two.
 """
@@ -85,17 +85,17 @@ def load_tokenizer(gguf_path: str, config: ModelConfig, header_bytes: int, cache
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import transformers
-    from transformers import AutoTokenizer
+    from transformers import PreTrainedTokenizerFast  # not AutoTokenizer: it imports modeling_auto
 
     key = f"{gguf_identity(gguf_path, header_bytes)}-tf{transformers.__version__}"
     root = os.path.join(cache_dir or cache_root(), "tokenizers")
     target = os.path.join(root, key)
     if os.path.isdir(target):
         try:
-            return Tokenizer(AutoTokenizer.from_pretrained(target, local_files_only=True), config)
+            return Tokenizer(PreTrainedTokenizerFast.from_pretrained(target, local_files_only=True), config)
         except Exception:
             shutil.rmtree(target, ignore_errors=True)  # a corrupt cache entry is rebuilt
-    hf = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(gguf_path)), gguf_file=os.path.basename(gguf_path), local_files_only=True)
+    hf = PreTrainedTokenizerFast.from_pretrained(os.path.dirname(os.path.abspath(gguf_path)), gguf_file=os.path.basename(gguf_path), local_files_only=True)
     os.makedirs(root, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=root, prefix=".tmp-")
     try:

@@ -1,0 +1,77 @@
+"""The `llmd` command line: real generation in a fresh process, one-line errors, kv-size."""
+
+import os
+import subprocess
+import sys
+
+from click.testing import CliRunner
+
+from llmd.daemon.cli import main
+from tiny_gguf import write_tiny_llama
+
+GENERATE_AND_LIST_MODULES = r"""
+import re, sys
+from llmd.daemon.cli import main
+try:
+    main(["generate", "What is the capital of France?", "--chat", "--max-tokens", "24"], standalone_mode=False)
+finally:
+    sys.stdout.flush()
+    bad = sorted(m for m in sys.modules if re.match(r"transformers\.models\.[^.]+\.modeling_", m))
+    print("MODELING_MODULES=" + ",".join(bad), file=sys.stderr)
+"""
+
+
+def test_generate_chat_answers_paris_without_transformers_modeling():
+    """`llmd generate ... --chat` in a fresh process: the answer names Paris, and no
+    transformers modeling module was imported (the tokens come from llmd's own model)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-c", GENERATE_AND_LIST_MODULES], capture_output=True, text=True, env=env, timeout=300, cwd="/")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+    assert "MODELING_MODULES=\n" in proc.stderr or proc.stderr.rstrip().endswith("MODELING_MODULES=")
+    assert "KV cache: 46080 B/token" in proc.stderr
+
+
+def run_cli(args):
+    return CliRunner().invoke(main, args)
+
+
+def assert_one_line_error(result, text):
+    assert result.exit_code == 1, result.output
+    lines = result.output.strip().splitlines()
+    assert lines[-1].startswith("llmd: error: ") and text in lines[-1], result.output
+    assert "Traceback" not in result.output
+
+
+def test_missing_model_file_is_one_line(tmp_path):
+    assert_one_line_error(run_cli(["generate", "hi", "--model", str(tmp_path / "nope.gguf")]), "model file not found")
+
+
+def test_unknown_model_name_is_one_line():
+    assert_one_line_error(run_cli(["generate", "hi", "--model", "llama-9000"]), "unknown model 'llama-9000'")
+
+
+def test_unsupported_architecture_is_one_line(tmp_path):
+    path = tmp_path / "mamba.gguf"
+    write_tiny_llama(path, arch="mamba")
+    assert_one_line_error(run_cli(["generate", "hi", "--model", str(path)]), "unsupported model architecture 'mamba'")
+
+
+def test_prompt_longer_than_max_model_len_is_one_line():
+    prompt = "word " * 40
+    result = run_cli(["generate", prompt, "--max-model-len", "16", "--kv-cache-memory", "8MiB"])
+    assert_one_line_error(result, "but the context is 16 tokens")
+
+
+def test_bad_max_tokens_is_one_line():
+    assert_one_line_error(run_cli(["generate", "hi", "--max-tokens", "0"]), "--max-tokens must be >= 1")
+
+
+def test_kv_size_smollm2():
+    result = run_cli(["kv-size", "--context", "8192", "--memory", "512MiB"])
+    assert result.exit_code == 0, result.output
+    rows = {line.split()[0]: line.split() for line in result.output.splitlines()[2:]}
+    assert rows["bf16/fp16"][1] == "23,040"
+    assert rows["float32"][1] == "46,080"
+    assert rows["int8"][1] == "12,240"  # 1 byte per element + a float32 scale per (token, KV head)
+    assert rows["bf16/fp16"][3] == str(512 * 2**20 // (16 * 23040))
