@@ -43,6 +43,17 @@ def parse_bytes_option(ctx, param, value):
         raise click.BadParameter(str(e)) from None
 
 
+def parse_kv_scales_option(ctx, param, value):
+    if value is None:
+        return None
+    from llmd.daemon.config import parse_kv_scales
+
+    try:
+        return parse_kv_scales(value)
+    except LlmdError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 model_option = click.option("--model", "-m", default="smollm2-135m", show_default=True, help="GGUF path or known model name.")
 
 
@@ -57,6 +68,9 @@ def engine_options(fn):
         click.option("--max-num-seqs", default=32, show_default=True, type=int, help="Sequences running at once at most."),
         click.option("--max-num-batched-tokens", default=None, type=int, help="Token budget per step (default: 256 on CPU, 4096 on CUDA)."),
         click.option("--max-model-len", default=None, type=int, help="Context cap in tokens (default: the model's)."),
+        click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8_e4m3", "fp8_e5m2", "int8"]), default="auto", show_default=True, help="KV cache storage: auto = model dtype; 8-bit formats keep float32 scales per (token, KV head)."),
+        click.option("--kv-scales", default=None, callback=parse_kv_scales_option, help="Static per-tensor KV scales k,v (vLLM convention: stored = x / scale); default: dynamic."),
+        click.option("--attention-backend", type=click.Choice(["torch", "triton"]), default=None, help="Attention ops (default: triton on CUDA, torch on CPU)."),
     ]
     for o in reversed(opts):
         fn = o(fn)
@@ -156,6 +170,66 @@ def bench_throughput(num_requests, min_prompt, max_prompt, min_output, max_outpu
     engine = build_engine(**engine_kw)
     run_throughput_bench(engine, num_requests, (min_prompt, max_prompt), (min_output, max_output), seed, echo=click.echo)
 
+
+@bench.command("kv-quality")
+@click.option("--chunk", default=64, show_default=True, type=int, help="Teacher-forcing chunk (tokens); store-then-read.")
+@click.option("--hf-reference", is_flag=True, help="Also run HF transformers with fake-quantized K/V (loads the HF model).")
+@engine_options
+@one_line_errors
+def bench_kv_quality(chunk, hf_reference, kv_cache_dtype, **engine_kw):
+    """Teacher-forced ΔNLL and top-1 agreement per KV dtype on a fixed ~1,000-token text (cases Q1/Q4)."""
+    from llmd.daemon.kv_quality import KV_DTYPES, format_table, kv_quality
+    from llmd.daemon.kv_quality_text import QUALITY_TEXT
+
+    engine_kw.pop("kv_scales", None)
+    engine = build_engine(**engine_kw)
+    ids = engine.tokenizer.encode(QUALITY_TEXT)
+    kw = {k: getattr(engine.config, k) for k in ("device", "dtype", "block_size", "kv_cache_memory", "attention_backend")}
+    t0 = time.monotonic()
+    rows = kv_quality(engine.runner.model, engine.tokenizer, ids, KV_DTYPES, chunk, **kw)
+    click.echo(f"{engine.model_config.name}: {len(ids)} tokens, chunks of {chunk}, {engine.config.dtype} weights, "
+               f"attention {engine.config.attention_backend} ({time.monotonic() - t0:.0f} s)")
+    for line in format_table(rows):
+        click.echo(line)
+    if hf_reference:
+        _hf_fake_quant_table(engine, ids, rows)
+
+
+def _hf_fake_quant_table(engine, ids, rows):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from llmd.daemon.kv_quality import hf_fake_quant_nll, nll_and_argmax
+    from llmd.models.registry import resolve_model
+
+    path = resolve_model(engine.config.model)
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        base = nll_and_argmax(hf(torch.tensor([ids])).logits[0], ids)[0]
+    click.echo(f"HF transformers fake-quant reference: NLL {base:.4f} (model dtype)")
+    for r in rows[1:]:
+        ref = 100 * (hf_fake_quant_nll(hf, ids, r.kv_cache_dtype) - base) / base
+        click.echo(f"{r.kv_cache_dtype:<10} ΔNLL llmd {r.delta_nll_pct:.3f}%  HF fake-quant {ref:.3f}%  |diff| {abs(r.delta_nll_pct - ref):.3f} pp")
+
+
+@bench.command("kernels")
+@click.option("--block-n", default=64, show_default=True, type=int, help="Tokens per K/V tile in the decode kernel.")
+@one_line_errors
+def bench_kernels(block_n):
+    """Paged decode attention (bf16/int8/fp8 KV) vs torch SDPA and a d2d copy on the Llama-3-8B shape (CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise LlmdError("llmd bench kernels needs a CUDA device (see benchmarks/gpu_kernels.sh)")
+    from llmd.kernels.bench import run_kernel_bench
+
+    run_kernel_bench(click.echo, block_n=block_n)
+
+
+# serve, chat, ps, status, stop (daemon/cli_daemon.py)
+from llmd.daemon.cli_daemon import register as _register_daemon_commands  # noqa: E402
+
+_register_daemon_commands(main, engine_options, one_line_errors, build_engine)
 
 if __name__ == "__main__":
     main()

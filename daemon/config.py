@@ -28,6 +28,10 @@ class EngineConfig:
         max_num_batched_tokens: token budget of one step (tokens); ``None`` = 256 on CPU,
             4096 on CUDA.
         max_model_len: context cap (prompt + output tokens); ``None`` = the model's trained length.
+        kv_cache_dtype: "auto" (model dtype), "int8", "fp8_e4m3", "fp8_e5m2" (``llmd.quant.kv``).
+        kv_scales: static (k_scale, v_scale) per-tensor KV scales; ``None`` = dynamic scales.
+        attention_backend: "torch" / "triton"; ``None`` = triton on CUDA, torch on CPU (triton
+            on CPU needs ``TRITON_INTERPRET=1``: the interpreter, for tests).
     """
 
     model: str = "smollm2-135m"
@@ -38,6 +42,9 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
+    kv_cache_dtype: str = "auto"
+    kv_scales: tuple[float, float] | None = None
+    attention_backend: str | None = None
 
     def resolve(self) -> "EngineConfig":
         """Fill device-dependent defaults and validate. Raises LlmdError naming the bad setting."""
@@ -61,11 +68,42 @@ class EngineConfig:
             raise LlmdError(f"--kv-cache-memory must be > 0 bytes, got {self.kv_cache_memory}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise LlmdError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+        self._resolve_kv_and_backend(on_cuda)
         return self
+
+    def _resolve_kv_and_backend(self, on_cuda: bool) -> None:
+        """Validate --kv-cache-dtype / --kv-scales / --attention-backend (issue 4)."""
+        import os
+
+        from llmd.quant.kv import KV_CACHE_FORMATS
+
+        if self.kv_cache_dtype not in KV_CACHE_FORMATS:
+            raise LlmdError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_FORMATS)}, got {self.kv_cache_dtype!r}")
+        if self.kv_scales is not None:
+            if self.kv_cache_dtype == "auto":
+                raise LlmdError("--kv-scales needs an 8-bit --kv-cache-dtype (int8, fp8_e4m3, fp8_e5m2)")
+            if len(self.kv_scales) != 2 or not all(s > 0 and s != float("inf") for s in self.kv_scales):
+                raise LlmdError(f"--kv-scales must be two positive finite numbers k,v; got {self.kv_scales}")
+            self.kv_scales = (float(self.kv_scales[0]), float(self.kv_scales[1]))
+        if self.attention_backend is None:
+            self.attention_backend = "triton" if on_cuda else "torch"
+        if self.attention_backend not in ("torch", "triton"):
+            raise LlmdError(f"--attention-backend must be torch or triton, got {self.attention_backend!r}")
+        if self.attention_backend == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise LlmdError("--attention-backend triton on CPU needs TRITON_INTERPRET=1 (the Triton interpreter, slow)")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype or "float32"]
+
+
+def parse_kv_scales(text: str) -> tuple[float, float]:
+    """Parse ``--kv-scales k,v`` (e.g. ``0.05,0.1``). Raises LlmdError."""
+    try:
+        k, v = (float(x) for x in text.split(","))
+    except ValueError:
+        raise LlmdError(f"--kv-scales takes two numbers k,v (e.g. 0.05,0.1), got {text!r}") from None
+    return k, v
 
 
 def parse_bytes(text: str) -> int:

@@ -17,7 +17,7 @@ import torch
 from llmd.daemon.config import CUDA_KV_CACHE_FRACTION, DEFAULT_KV_CACHE_MEMORY_CPU, EngineConfig
 from llmd.daemon.detokenizer import IncrementalDetokenizer
 from llmd.daemon.kv import KVCacheManager
-from llmd.daemon.kv_size import kv_bytes_per_token
+from llmd.daemon.kv_size import kv_cache_bytes_per_token
 from llmd.daemon.request import Request, RequestStatus, SamplingParams
 from llmd.daemon.runner import ModelRunner
 from llmd.daemon.sampler import TokenLogprobs
@@ -80,7 +80,7 @@ class Engine:
         cfg = self.model_config
         self.max_model_len = min(config.max_model_len or cfg.max_position, cfg.max_position)
         kv_dtype = next(model.parameters()).dtype
-        self.bytes_per_token = kv_bytes_per_token(cfg, torch.empty(0, dtype=kv_dtype).element_size())
+        self.bytes_per_token = kv_cache_bytes_per_token(cfg, self.config.kv_cache_dtype, kv_dtype)
         memory = config.kv_cache_memory
         if memory is None:
             if self.config.device.startswith("cuda"):
@@ -91,7 +91,10 @@ class Engine:
         self.kv_cache_memory = memory
         self.kv_manager = KVCacheManager(self.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
-        self.runner = ModelRunner(model, self.num_blocks, config.block_size, kv_dtype, self.config.device)
+        self.runner = ModelRunner(
+            model, self.num_blocks, config.block_size, kv_dtype, self.config.device,
+            self.config.kv_cache_dtype, self.config.kv_scales, self.config.attention_backend,
+        )
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.last_scheduler_output: SchedulerOutput | None = None
         self._ids = itertools.count()
@@ -117,10 +120,17 @@ class Engine:
         """One line: bytes/token, blocks, and how many full-context sequences fit."""
         tokens = (self.num_blocks - 1) * self.config.block_size
         return (
-            f"KV cache: {self.bytes_per_token} B/token ({self.config.dtype}), {self.num_blocks} blocks of "
+            f"KV cache: {self.bytes_per_token} B/token ({self._kv_dtype_label()}), {self.num_blocks} blocks of "
             f"{self.config.block_size} tokens ({self.kv_cache_memory / 2**20:.0f} MiB), {tokens} tokens = "
             f"{tokens / self.max_model_len:.2f} sequences of {self.max_model_len} tokens"
         )
+
+    def _kv_dtype_label(self) -> str:
+        c = self.config
+        if c.kv_cache_dtype == "auto":
+            return c.dtype
+        scales = f"static scales k={c.kv_scales[0]:g}, v={c.kv_scales[1]:g}" if c.kv_scales else "dynamic float32 scales"
+        return f"{c.kv_cache_dtype} + {scales}; attention {c.attention_backend}"
 
     # ---- requests -----------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None) -> str:

@@ -1,6 +1,7 @@
 """Model runner: scheduler output → tensors → model → logits → sampled tokens.
 
-Owns the paged KV cache tensors (one per layer, allocated once) and turns each step's
+Owns the paged KV cache tensors (one per layer, allocated once; int8/fp8 caches carry float32
+scales beside the data, see :mod:`llmd.quant.kv`) and turns each step's
 :class:`SchedulerOutput` into input ids, positions, the slot mapping and padded block tables
 (vLLM v1 ``gpu_model_runner.py`` ``_prepare_inputs``; nano-vllm ``model_runner.py``).
 """
@@ -16,6 +17,7 @@ from llmd.daemon.sampler import Sampler, SamplerOutput
 from llmd.daemon.scheduler import SchedulerOutput
 from llmd.kernels import AttentionMetadata
 from llmd.models.config import ModelConfig
+from llmd.quant.kv import PagedKVCache, get_format
 
 
 def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -30,17 +32,31 @@ class ModelRunner:
         model: an llmd model (``forward(ids, positions, kv_caches, meta)``, ``compute_logits``).
         num_blocks: KV blocks per layer (block 0 is the null block).
         block_size: tokens per block.
-        kv_dtype: dtype of the cache (the model dtype).
+        kv_dtype: the model dtype (the cache dtype for ``kv_cache_dtype="auto"``).
         device: where tensors live.
+        kv_cache_dtype: "auto", "int8", "fp8_e4m3" or "fp8_e5m2".
+        kv_scales: static (k_scale, v_scale) per-tensor scales, or None for dynamic scales.
+        attention_backend: "torch" or "triton" (set on every step's AttentionMetadata).
+
+    Attributes:
+        kv_caches: per layer, the data tensor ``[2, num_blocks, block_size, kv_heads, head_dim]``.
+        kv_scales: per layer, float32 ``[2, num_blocks, block_size, kv_heads]`` or None (auto).
+        layer_caches: per layer, the :class:`PagedKVCache` (data + scales + format) the model reads.
     """
 
-    def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device: str | torch.device):
+    def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device: str | torch.device,
+                 kv_cache_dtype: str = "auto", kv_scales: tuple[float, float] | None = None,
+                 attention_backend: str = "torch"):
         self.model = model
         self.config: ModelConfig = model.config
         self.block_size = block_size
         self.device = torch.device(device)
+        self.attention_backend = attention_backend
         shape = kv_cache_shape(self.config, num_blocks, block_size)
-        self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in range(self.config.num_layers)]
+        fmt = get_format(kv_cache_dtype)
+        self.layer_caches = [PagedKVCache.allocate(shape, fmt, kv_dtype, self.device, kv_scales) for _ in range(self.config.num_layers)]
+        self.kv_caches = [c.data for c in self.layer_caches]
+        self.kv_scales = [c.scales for c in self.layer_caches]
         self.sampler = Sampler()
 
     def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -81,6 +97,7 @@ class ModelRunner:
             query_lens_cpu=qlens,
             seq_lens_cpu=seq_lens,
             block_size=bs,
+            attn_backend=self.attention_backend,
         )
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
@@ -91,7 +108,7 @@ class ModelRunner:
         """Run the model; return ``[num_sampling_seqs, vocab]`` float32 logits of the last
         position of every sequence with ``sample=True`` (batch order)."""
         input_ids, positions, meta, logits_indices = self.prepare_inputs(out)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.model(input_ids, positions, self.layer_caches, meta)
         if not logits_indices:
             return torch.empty(0, self.config.vocab_size)
         return self.model.compute_logits(hidden[torch.tensor(logits_indices, device=hidden.device)]).float().cpu()

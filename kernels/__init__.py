@@ -1,6 +1,6 @@
-"""Attention ops over the paged KV cache (torch reference now; Triton kernels share its interface)."""
+"""Attention ops over the paged KV cache: torch reference and Triton kernels behind one interface."""
 
 from llmd.kernels.metadata import AttentionMetadata
-from llmd.kernels.reference import paged_attention, store_kv
+from llmd.kernels.ops import BACKENDS, paged_attention, store_kv
 
-__all__ = ["AttentionMetadata", "paged_attention", "store_kv"]
+__all__ = ["AttentionMetadata", "BACKENDS", "paged_attention", "store_kv"]

@@ -26,6 +26,7 @@ class AttentionMetadata:
         seq_lens: ``[B]`` int32, context length of each sequence after this step (tokens).
         query_lens_cpu, seq_lens_cpu: the same lengths as Python lists (no device sync on CPU paths).
         block_size: tokens per KV block.
+        attn_backend: "torch" (``kernels/reference.py``) or "triton" (the Triton kernels).
     """
 
     slot_mapping: torch.Tensor
@@ -35,6 +36,7 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
+    attn_backend: str = "torch"
 
     @property
     def num_seqs(self) -> int:

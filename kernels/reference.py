@@ -1,7 +1,11 @@
 """Pure-torch paged attention: the oracle for the Triton kernels and the CPU path.
 
-The KV cache of one layer is a tensor ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
-(index 0 = K, 1 = V). A token at slot ``s`` lives at ``[:, s // block_size, s % block_size]``.
+The KV cache of one layer is a :class:`~llmd.quant.kv.PagedKVCache` (or a bare ``auto`` data
+tensor): data ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 = K, 1 = V) plus,
+for int8/fp8, float32 scales ``[2, num_blocks, block_size, num_kv_heads]``. A token at slot
+``s`` lives at ``[:, s // block_size, s % block_size]``. Quantized rows are written with
+:func:`llmd.quant.kv.quantize` and read back as ``code × scale`` (every read multiplies by
+its scale).
 Semantics follow vLLM's ``ref_paged_attn`` (tests/kernels/attention): each query at position
 ``p`` attends causally to keys ``0..p`` of its own sequence, or to ``[p - W + 1, p]`` with a
 sliding window ``W``.
@@ -12,36 +16,59 @@ from __future__ import annotations
 import torch
 
 from llmd.kernels.metadata import AttentionMetadata
+from llmd.quant.kv import PagedKVCache, compute_scales, dequantize, quantize
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write new K/V rows into the paged cache, in place.
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, slot_mapping: torch.Tensor) -> None:
+    """Write new K/V rows into the paged cache, in place, quantizing on write for int8/fp8.
 
     Args:
         key, value: ``[T, num_kv_heads, head_dim]``, any float dtype (cast to the cache dtype).
-        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+        kv_cache: a :class:`PagedKVCache` or an ``auto`` data tensor
+            ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
         slot_mapping: ``[T]`` int64 slots; negative slots are skipped (padding).
     """
-    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
-    flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
+    cache = PagedKVCache.wrap(kv_cache)
+    data, fmt = cache.data, cache.fmt
+    num_blocks, block_size = data.shape[1], data.shape[2]
+    flat = data.view(2, num_blocks * block_size, *data.shape[3:])
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    flat[0, slot_mapping] = key.to(kv_cache.dtype)
-    flat[1, slot_mapping] = value.to(kv_cache.dtype)
+    if not fmt.quantized:
+        flat[0, slot_mapping] = key.to(data.dtype)
+        flat[1, slot_mapping] = value.to(data.dtype)
+        return
+    flat_scales = cache.scales.view(2, num_blocks * block_size, data.shape[3])
+    for i, x in enumerate((key, value)):
+        if cache.static_scales is None:
+            s = compute_scales(x, fmt)
+        else:
+            s = torch.full(x.shape[:2], cache.static_scales[i], dtype=torch.float32, device=x.device)
+        flat[i, slot_mapping] = quantize(x, s, fmt)
+        flat_scales[i, slot_mapping] = s
 
 
-def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(
+    kv_cache: torch.Tensor | PagedKVCache, block_table: torch.Tensor, seq_len: int, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Read a sequence's first ``seq_len`` K and V rows through its block table.
 
     Returns:
-        (K, V), each ``[seq_len, num_kv_heads, head_dim]`` in the cache dtype.
+        (K, V), each ``[seq_len, num_kv_heads, head_dim]``: the cache dtype for ``auto``,
+        ``code × scale`` computed in ``dtype`` for int8/fp8.
     """
-    block_size = kv_cache.shape[2]
+    cache = PagedKVCache.wrap(kv_cache)
+    data = cache.data
+    block_size = data.shape[2]
     nblocks = -(-seq_len // block_size)
     ids = block_table[:nblocks].long()
-    k = kv_cache[0, ids].reshape(-1, *kv_cache.shape[3:])[:seq_len]
-    v = kv_cache[1, ids].reshape(-1, *kv_cache.shape[3:])[:seq_len]
+    k = data[0, ids].reshape(-1, *data.shape[3:])[:seq_len]
+    v = data[1, ids].reshape(-1, *data.shape[3:])[:seq_len]
+    if cache.fmt.quantized:
+        ks = cache.scales[0, ids].reshape(-1, data.shape[3])[:seq_len]
+        vs = cache.scales[1, ids].reshape(-1, data.shape[3])[:seq_len]
+        k, v = dequantize(k, ks, dtype), dequantize(v, vs, dtype)
     return k, v
 
 
@@ -82,10 +109,11 @@ def attention_one_seq(
 
 def paged_attention(
     query: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: torch.Tensor | PagedKVCache,
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Attention for a mixed batch of prefill chunks and decodes, K/V read from the paged cache.
 
@@ -94,15 +122,16 @@ def paged_attention(
 
     Args:
         query: ``[T, num_heads, head_dim]``.
-        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+        kv_cache: :class:`PagedKVCache` or an ``auto`` data tensor.
         meta: :class:`AttentionMetadata` for the step.
+        compute_dtype: float32 (the CPU path) or float64 (the kernels' oracle).
     Returns:
         ``[T, num_heads, head_dim]`` in ``query.dtype``.
     """
     out = torch.empty_like(query)
     start = 0
     for b, (qlen, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-        k, v = gather_kv(kv_cache, meta.block_tables[b], seq_len)
-        out[start : start + qlen] = attention_one_seq(query[start : start + qlen], k, v, scale, sliding_window)
+        k, v = gather_kv(kv_cache, meta.block_tables[b], seq_len, compute_dtype)
+        out[start : start + qlen] = attention_one_seq(query[start : start + qlen], k, v, scale, sliding_window, compute_dtype)
         start += qlen
     return out

@@ -82,9 +82,11 @@ class GatedMLP(nn.Module):
 class PagedAttention(nn.Module):
     """Multi-head / grouped-query self-attention whose K/V live in the paged KV cache.
 
-    ``forward(x [T, hidden], positions [T], kv_cache [2, blocks, block_size, kv_heads, head_dim],
-    meta) -> [T, hidden]``. New K/V are stored first, then every query reads the cache
-    (store-then-read).
+    ``forward(x [T, hidden], positions [T], kv_cache, meta) -> [T, hidden]``; ``kv_cache`` is a
+    :class:`llmd.quant.kv.PagedKVCache` (data ``[2, blocks, block_size, kv_heads, head_dim]`` plus
+    float32 scales ``[2, blocks, block_size, kv_heads]`` for int8/fp8) or a bare ``auto`` data
+    tensor. New K/V are stored (quantized) first, then every query reads the cache back
+    (store-then-read), on the backend named by ``meta.attn_backend``.
     """
 
     def __init__(
@@ -120,6 +122,6 @@ class PagedAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, x.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        kernels.store_kv(k, v, kv_cache, meta.slot_mapping)
+        kernels.store_kv(k, v, kv_cache, meta.slot_mapping, meta.attn_backend)
         out = kernels.paged_attention(q, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))

@@ -64,3 +64,7 @@ def make_engine(smollm2, smollm2_tokenizer):
         return Engine(smollm2[0], smollm2_tokenizer, EngineConfig(device="cpu", dtype="float32", **kw))
 
     return make
+
+
+# Real daemons in subprocesses (session-scoped; see tests/daemon_harness.py).
+from daemon_harness import llmd_daemon, llmd_daemons, llmd_small_daemon  # noqa: E402,F401

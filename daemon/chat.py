@@ -1,0 +1,222 @@
+"""``llmd chat``: a streaming REPL over the daemon (or an in-process engine).
+
+No daemon on the socket → one is started in the background (``llmd serve``, its own
+session, logging to ``~/.cache/llmd/daemon.log``) under a lock (``<socket>.spawn.lock``)
+so two chats never both spawn one, and the chat shows progress until ``/health`` answers.
+That daemon keeps running after the chat exits; ``llmd stop`` ends it.
+
+REPL: ``/reset``, ``/system TEXT``, ``/stats``, ``/exit``; a line ending in ``\\`` continues
+on the next line; Ctrl-C cancels the reply being streamed (closing the connection makes
+the daemon abort it) and returns to the prompt; Ctrl-D exits.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import time
+from typing import Iterator
+
+import click
+
+from llmd.daemon.client import Client
+from llmd.models.errors import LlmdError
+
+STARTUP_TIMEOUT_S = 300.0
+
+
+def default_log_path() -> str:
+    from llmd.models.tokenizer import cache_root
+
+    return os.path.join(cache_root(), "daemon.log")
+
+
+def engine_args(engine_kw: dict) -> list[str]:
+    """Engine options as ``llmd serve`` arguments (None values dropped, flags as bare switches)."""
+    args = []
+    for k, v in engine_kw.items():
+        if v is None or v is False:
+            continue
+        args.append("--" + k.replace("_", "-"))
+        if v is not True:
+            args.append(",".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v))
+    return args
+
+
+def _lock_held(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def _tail(path: str, n: int = 5) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:]).strip()
+    except OSError:
+        return ""
+
+
+def ensure_daemon(socket_path: str, serve_args: list[str], log_path: str | None = None,
+                  timeout: float = STARTUP_TIMEOUT_S, echo=lambda m, nl=True: click.echo(m, err=True, nl=nl),
+                  env: dict | None = None) -> Client:
+    """Return a client of a healthy daemon on ``socket_path``, starting one if needed.
+
+    ``env`` is the spawned daemon's environment (default: this process's).
+
+    Raises:
+        LlmdError: the daemon could not start (its log's last lines are in the message) or
+            did not answer ``/health`` within ``timeout`` seconds.
+    """
+    client = Client(socket_path)
+    if client.health():
+        return client
+    log_path = log_path or default_log_path()
+    os.makedirs(os.path.dirname(os.path.abspath(socket_path)), mode=0o700, exist_ok=True)
+    lock_fd = os.open(socket_path + ".spawn.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)  # a second chat waits here, then finds the daemon
+        if client.health():
+            return client
+        os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+        with open(log_path, "ab") as log:
+            cmd = [sys.executable, "-c", "from llmd.daemon.cli import main; main()", "serve", "--socket", socket_path, *serve_args]
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                                    cwd="/", env=env)
+        echo(f"llmd: starting a daemon (pid {proc.pid}, log {log_path}); it keeps running after this chat, `llmd stop` ends it")
+        t0 = time.monotonic()
+        while not client.health():
+            elapsed = time.monotonic() - t0
+            if proc.poll() is not None and not _lock_held(socket_path + ".lock"):
+                raise LlmdError(f"the daemon exited with code {proc.returncode}; see {log_path}: {_tail(log_path, 3)}")
+            if elapsed > timeout:
+                raise LlmdError(f"the daemon did not answer within {timeout:.0f} s; see {log_path}")
+            last = _tail(log_path, 1).splitlines()[-1:] or [""]
+            echo(f"\rllmd: waiting for the daemon ({elapsed:4.0f} s) {last[0][:70]:<70}", nl=False)
+            time.sleep(0.25)
+        echo(f"\rllmd: daemon ready after {time.monotonic() - t0:.1f} s{' ' * 70}")
+        return client
+    finally:
+        os.close(lock_fd)
+
+
+class DaemonBackend:
+    """Streams chat replies from the daemon."""
+
+    def __init__(self, client: Client):
+        self.client = client
+
+    def stream_chat(self, messages: list[dict], params: dict) -> Iterator[str]:
+        body = {"messages": messages, **{k: v for k, v in params.items() if v is not None}}
+        for chunk in self.client.stream("/v1/chat/completions", body):
+            for choice in chunk.get("choices", []):
+                text = choice.get("delta", {}).get("content")
+                if text:
+                    yield text
+
+    def stats_line(self) -> str:
+        st = self.client.stats()
+        kv, pc, sc = st["kv_cache"], st["prefix_cache"], st["scheduler"]
+        return (f"KV {kv['usage']:.1%} ({kv['used']}/{kv['total']} blocks), prefix cache hits {pc['hits']}/{pc['queries']} tokens, "
+                f"{sc['running']} running, {sc['waiting']} waiting, aborted {st['counters']['requests_finished']['abort']}")
+
+
+class LocalBackend:
+    """Runs the engine in this process (``--no-daemon``)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def stream_chat(self, messages: list[dict], params: dict) -> Iterator[str]:
+        from llmd.daemon.request import SamplingParams
+
+        eng = self.engine
+        rid = eng.add_request(eng.tokenizer.apply_chat(messages), SamplingParams(**params))
+        try:
+            while eng.has_unfinished_requests():
+                for out in eng.step():
+                    if out.new_text:
+                        yield out.new_text
+        finally:
+            eng.abort(rid)
+
+    def stats_line(self) -> str:
+        kv = self.engine.kv_manager
+        return f"KV {kv.usage:.1%} ({kv.num_used_blocks}/{kv.num_usable_blocks} blocks) (in-process engine)"
+
+
+def _read_message() -> str:
+    lines = [input(">>> ")]
+    while lines[-1].endswith("\\"):
+        lines[-1] = lines[-1][:-1]
+        lines.append(input("... "))
+    return "\n".join(lines).strip()
+
+
+def _reply(backend, messages: list[dict], params: dict) -> str | None:
+    """Stream one reply to stdout; None if cancelled with Ctrl-C."""
+    parts = []
+    try:
+        for text in backend.stream_chat(messages, params):
+            parts.append(text)
+            sys.stdout.write(text)
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        sys.stdout.write("\n[cancelled]\n")
+        sys.stdout.flush()
+        return None
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return "".join(parts)
+
+
+def run_chat(backend, params: dict, system: str | None = None, prompt: str | None = None) -> None:
+    """One answer for ``prompt``, else the REPL until Ctrl-D or ``/exit``."""
+    base = [{"role": "system", "content": system}] if system else []
+    if prompt is not None:
+        if _reply(backend, base + [{"role": "user", "content": prompt}], params) is None:
+            raise KeyboardInterrupt
+        return
+    messages = list(base)
+    click.echo("llmd chat: /reset, /system TEXT, /stats, /exit; end a line with \\ to continue; Ctrl-C cancels a reply, Ctrl-D exits", err=True)
+    while True:
+        try:
+            text = _read_message()
+        except EOFError:
+            click.echo("", err=True)
+            return
+        except KeyboardInterrupt:
+            sys.stdout.write("\n")
+            continue
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return
+        if text == "/reset":
+            messages = list(base)
+            click.echo("(conversation cleared)")
+            continue
+        if text.startswith("/system"):
+            base = [{"role": "system", "content": text[len("/system"):].strip()}] if text[7:].strip() else []
+            messages = base + [m for m in messages if m["role"] != "system"]
+            click.echo("(system prompt set)")
+            continue
+        if text == "/stats":
+            click.echo(backend.stats_line())
+            continue
+        messages.append({"role": "user", "content": text})
+        reply = _reply(backend, messages, params)
+        if reply is None:
+            messages.pop()  # a cancelled turn leaves no trace in the conversation
+        else:
+            messages.append({"role": "assistant", "content": reply})

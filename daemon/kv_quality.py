@@ -1,0 +1,119 @@
+"""KV cache quality (cases Q1 and Q4): teacher-forced NLL and top-1 agreement per ``--kv-cache-dtype``.
+
+A fixed ~1,000-token text is fed in chunks of 64 tokens through the engine's own runner and
+paged cache: each chunk stores its K/V (quantized) first and attends to what it reads back
+(store-then-read), so the quantized cache is what is measured. For every KV dtype we report
+mean NLL of the next token, ΔNLL relative to the model-dtype cache, and top-1 agreement with
+the model-dtype run. :func:`hf_fake_quant_nll` is the independent reference: HF transformers
+with K/V passed through :func:`llmd.quant.kv.quantize_dequantize` inside attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from llmd.daemon.config import EngineConfig
+from llmd.daemon.engine import Engine
+from llmd.daemon.scheduler import ScheduledRequest, SchedulerOutput
+from llmd.quant.kv import get_format, quantize_dequantize
+
+KV_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
+
+
+@dataclass
+class QualityRow:
+    """One KV dtype's result. ``delta_nll_pct`` = 100·(nll − nll_auto)/nll_auto; ``top1`` is
+    the fraction of positions whose argmax equals the model-dtype run's; ``argmax`` ``[N - 1]``."""
+
+    kv_cache_dtype: str
+    bytes_per_token: int
+    nll: float
+    delta_nll_pct: float
+    top1: float
+    argmax: torch.Tensor = field(repr=False, default=None)
+
+
+@torch.inference_mode()
+def teacher_forced_logits(engine: Engine, ids: list[int], chunk: int = 64) -> torch.Tensor:
+    """Logits of every position of ``ids``, prefilled ``chunk`` tokens per step through the paged cache.
+
+    Returns:
+        ``[len(ids), vocab]`` float32 (CPU). Raises RuntimeError if the pool cannot hold ``ids``.
+    """
+    runner, mgr, rid = engine.runner, engine.kv_manager, "kv-quality"
+    if mgr.allocate_slots(rid, len(ids)) is None:
+        raise RuntimeError(f"KV pool too small for {len(ids)} tokens")
+    try:
+        table = mgr.get_block_table(rid)
+        out = []
+        for start in range(0, len(ids), chunk):
+            piece = ids[start : start + chunk]
+            sched = SchedulerOutput()
+            sched.scheduled.append(ScheduledRequest(rid, piece, start, table, True, True))
+            input_ids, positions, meta, _ = runner.prepare_inputs(sched)
+            hidden = runner.model(input_ids, positions, runner.layer_caches, meta)
+            out.append(runner.model.compute_logits(hidden).float().cpu())
+        return torch.cat(out)
+    finally:
+        mgr.free(rid)
+
+
+def nll_and_argmax(logits: torch.Tensor, ids: list[int]) -> tuple[float, torch.Tensor]:
+    """Mean NLL of ``ids[1:]`` under ``logits[:-1]`` ``[N, vocab]``, and the argmax ``[N - 1]``."""
+    lp = torch.log_softmax(logits[:-1].float(), dim=-1)
+    target = torch.tensor(ids[1:])
+    return -lp.gather(1, target[:, None]).mean().item(), logits[:-1].argmax(-1)
+
+
+def quality_row(model, tokenizer, ids: list[int], kv_cache_dtype: str, base: QualityRow | None = None,
+                chunk: int = 64, **engine_kw) -> QualityRow:
+    """Teacher-forced quality of one KV dtype on a loaded model, relative to ``base`` (the
+    ``auto`` row; None = this run is the base). ``engine_kw``: EngineConfig fields (device,
+    dtype, attention_backend, kv_cache_memory, ...)."""
+    engine = Engine(model, tokenizer, EngineConfig(kv_cache_dtype=kv_cache_dtype, **engine_kw))
+    nll, top = nll_and_argmax(teacher_forced_logits(engine, ids, chunk), ids)
+    base_nll, base_top = (nll, top) if base is None else (base.nll, base.argmax)
+    return QualityRow(kv_cache_dtype, engine.bytes_per_token, nll, 100 * (nll - base_nll) / base_nll,
+                      (top == base_top).float().mean().item(), top)
+
+
+def kv_quality(model, tokenizer, ids: list[int], kv_dtypes=KV_DTYPES, chunk: int = 64, **engine_kw) -> list[QualityRow]:
+    """:func:`quality_row` for ``auto`` and then each other dtype in ``kv_dtypes``."""
+    base = quality_row(model, tokenizer, ids, "auto", None, chunk, **engine_kw)
+    return [base] + [quality_row(model, tokenizer, ids, n, base, chunk, **engine_kw) for n in kv_dtypes if n != "auto"]
+
+
+@torch.inference_mode()
+def hf_fake_quant_nll(hf_model, ids: list[int], kv_cache_dtype: str) -> float:
+    """Mean NLL from HF transformers with K/V (after RoPE) fake-quantized per (token, KV head),
+    through a registered attention function wrapping SDPA. ``hf_model``: a Llama-family
+    ``*ForCausalLM``; its attention implementation is restored afterwards."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    fmt = get_format(kv_cache_dtype)
+
+    def fake_quant_attention(module, query, key, value, attention_mask, **kw):
+        # key/value: [B, kv_heads, L, head_dim] -> quantize over head_dim per (token, head)
+        key = quantize_dequantize(key.transpose(1, 2), fmt).transpose(1, 2)
+        value = quantize_dequantize(value.transpose(1, 2), fmt).transpose(1, 2)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+
+    AttentionInterface.register("llmd_fake_quant", fake_quant_attention)
+    old = hf_model.config._attn_implementation
+    hf_model.config._attn_implementation = "llmd_fake_quant"
+    try:
+        logits = hf_model(torch.tensor([ids])).logits[0]
+    finally:
+        hf_model.config._attn_implementation = old
+    return nll_and_argmax(logits, ids)[0]
+
+
+def format_table(rows: list[QualityRow]) -> list[str]:
+    """Lines of the ``llmd bench kv-quality`` table."""
+    lines = [f"{'kv dtype':<10}{'B/token':>9}{'mean NLL':>10}{'ΔNLL':>9}{'top-1 agree':>13}"]
+    for r in rows:
+        lines.append(f"{r.kv_cache_dtype:<10}{r.bytes_per_token:>9,}{r.nll:>10.4f}{r.delta_nll_pct:>8.3f}%{100 * r.top1:>12.2f}%")
+    return lines

@@ -1,0 +1,155 @@
+"""Prometheus metrics for ``GET /metrics`` (text exposition format, via ``prometheus-client``).
+
+The vLLM metric set under an ``llmd:`` prefix, every series labelled ``model_name``:
+
+* gauges (refreshed from the stats snapshot on each scrape): ``num_requests_running``,
+  ``num_requests_waiting`` (sequences), ``kv_cache_usage_perc`` (fraction 0..1 of usable
+  KV blocks in use, despite the name; vLLM's convention);
+* counters: ``prompt_tokens_total`` (prefill tokens computed), ``generation_tokens_total``
+  (tokens generated), ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (tokens;
+  0 until prefix caching lands), ``num_preemptions_total``, ``request_success_total``
+  (finished sequences, label ``finished_reason``: stop / length / abort);
+* histograms (seconds): ``time_to_first_token_seconds`` (engine arrival → first token),
+  ``inter_token_latency_seconds`` (between consecutive tokens of a sequence),
+  ``e2e_request_latency_seconds`` (engine arrival → finish).
+
+``--metrics-compat vllm`` registers the same metrics a second time under vLLM's own names
+(``vllm:`` prefix, e.g. ``vllm:kv_cache_usage_perc``), so existing Grafana dashboards and
+tools read llmd unchanged. Each daemon gets its own :class:`CollectorRegistry` (never the
+process-global one), so in-process servers and tests do not collide.
+
+Threading: the ``on_*`` hooks run on the engine thread (:class:`EngineLoop`), before the
+request's output reaches its client; :meth:`DaemonMetrics.refresh` and
+:meth:`DaemonMetrics.render` run on the event loop. prometheus-client's metric objects are
+thread-safe; the per-request timing dicts are touched by the engine thread only.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from llmd.models.errors import LlmdError
+
+COMPAT_PREFIXES = {"vllm": "vllm:"}
+PREFIX = "llmd:"
+# vLLM's bucket boundaries (seconds), so dashboards' quantile panels line up.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0]
+E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0]
+# (type, name without prefix and without _total, help, histogram buckets)
+SPECS = [
+    (Gauge, "num_requests_running", "Number of sequences in the running batch.", None),
+    (Gauge, "num_requests_waiting", "Number of sequences waiting to be scheduled.", None),
+    (Gauge, "kv_cache_usage_perc", "KV-cache usage as a fraction of usable blocks (1 = 100%).", None),
+    (Counter, "prompt_tokens", "Number of prefill tokens processed.", None),
+    (Counter, "generation_tokens", "Number of generation tokens processed.", None),
+    (Counter, "prefix_cache_queries", "Prefix cache queries, in tokens.", None),
+    (Counter, "prefix_cache_hits", "Prefix cache hits, in tokens.", None),
+    (Counter, "num_preemptions", "Cumulative number of preemptions.", None),
+    (Histogram, "time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS),
+    (Histogram, "inter_token_latency_seconds", "Inter-token latency in seconds.", ITL_BUCKETS),
+    (Histogram, "e2e_request_latency_seconds", "End-to-end request latency in seconds.", E2E_BUCKETS),
+]
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class DaemonMetrics:
+    """One daemon's Prometheus metrics.
+
+    Args:
+        model_name: the served model id (the ``model_name`` label).
+        compat: None, or ``"vllm"`` to also export every metric under the ``vllm:`` prefix.
+    Raises:
+        LlmdError: an unknown ``compat``.
+    """
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str, compat: str | None = None):
+        if compat is not None and compat not in COMPAT_PREFIXES:
+            raise LlmdError(f"--metrics-compat must be one of {sorted(COMPAT_PREFIXES)}, got {compat!r}")
+        self.registry = CollectorRegistry()
+        self.prefixes = [PREFIX] + ([COMPAT_PREFIXES[compat]] if compat else [])
+        self._m: dict[str, list] = {}  # name -> its labelled child in each prefix
+        self._success: list[dict] = []  # per prefix: finish reason -> labelled counter
+        for prefix in self.prefixes:
+            for cls, name, doc, buckets in SPECS:
+                kw = {"buckets": buckets} if buckets else {}
+                metric = cls(prefix + name, doc, ["model_name"], registry=self.registry, **kw)
+                self._m.setdefault(name, []).append(metric.labels(model_name))
+            success = Counter(prefix + "request_success", "Count of finished sequences.",
+                              ["model_name", "finished_reason"], registry=self.registry)
+            self._success.append({r: success.labels(model_name, r) for r in FINISH_REASONS})
+        self._arrival: dict[str, float] = {}  # request id -> engine arrival (monotonic s)
+        self._last_token: dict[str, float] = {}  # request id -> time of its latest token (monotonic s)
+        self._synced = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
+
+    # ---- fan-out over prefixes ----------------------------------------------------------
+    def _inc(self, name: str, amount: float = 1.0) -> None:
+        for m in self._m[name]:
+            m.inc(amount)
+
+    def _observe(self, name: str, seconds: float) -> None:
+        for m in self._m[name]:
+            m.observe(max(0.0, seconds))
+
+    def _set(self, name: str, value: float) -> None:
+        for m in self._m[name]:
+            m.set(value)
+
+    # ---- engine thread ------------------------------------------------------------------
+    def on_arrival(self, request_id: str, now: float) -> None:
+        """A sequence entered the engine at monotonic time ``now`` (seconds)."""
+        self._arrival[request_id] = now
+
+    def on_step(self, num_prompt_tokens: int) -> None:
+        """One engine step computed ``num_prompt_tokens`` prefill tokens."""
+        if num_prompt_tokens:
+            self._inc("prompt_tokens", num_prompt_tokens)
+
+    def on_output(self, out, now: float) -> None:
+        """A :class:`RequestOutput` is about to be delivered (``now``: monotonic seconds)."""
+        rid, n = out.request_id, len(out.new_token_ids)
+        if n:
+            self._inc("generation_tokens", n)
+            last = self._last_token.get(rid)
+            if last is None:
+                start = self._arrival.get(rid)
+                if start is not None:
+                    self._observe("time_to_first_token_seconds", now - start)
+            else:
+                self._observe("inter_token_latency_seconds", now - last)
+            self._last_token[rid] = now
+        if out.finished:
+            self._last_token.pop(rid, None)
+            start = self._arrival.pop(rid, None)
+            if start is not None:
+                self._observe("e2e_request_latency_seconds", now - start)
+            reason = out.finish_reason if out.finish_reason in FINISH_REASONS else "abort"
+            for per_prefix in self._success:
+                per_prefix[reason].inc()
+
+    # ---- event loop (scrape) ------------------------------------------------------------
+    def refresh(self, snapshot: dict) -> None:
+        """Set the gauges (and the snapshot-sourced counters) from a ``/v1/stats`` snapshot."""
+        if not snapshot:
+            return
+        sched = snapshot["scheduler"]
+        self._set("num_requests_running", sched["running"])
+        self._set("num_requests_waiting", sched["waiting"])
+        self._set("kv_cache_usage_perc", min(1.0, max(0.0, float(snapshot["kv_cache"]["usage"]))))
+        totals = {"prefix_cache_queries": snapshot["prefix_cache"]["queries"],
+                  "prefix_cache_hits": snapshot["prefix_cache"]["hits"],
+                  "num_preemptions": snapshot["counters"].get("num_preemptions", 0)}
+        for name, total in totals.items():
+            delta = total - self._synced[name]
+            if delta > 0:  # counters only go up; the snapshot may lag, never rewind
+                self._inc(name, delta)
+                self._synced[name] = total
+
+    def render(self) -> bytes:
+        """The registry in Prometheus text format (``content_type``)."""
+        return generate_latest(self.registry)

@@ -1,0 +1,131 @@
+"""Wire-level facts shared by the daemon and its clients (no torch, no aiohttp).
+
+* where the socket lives (:func:`default_socket_path`, :func:`check_socket_path`);
+* the OpenAI-style error body (:func:`error_body`);
+* Server-Sent Events framing (:func:`sse`, :data:`SSE_DONE`);
+* the ``GET /v1/stats`` schema, versioned by :data:`STATS_SCHEMA_VERSION` (bump it on any
+  incompatible change; clients such as ``llmd ps`` / ``llmd top`` check it), and the compact
+  block map (run-length encoded, or aggregated to a requested number of cells, so a
+  100k-block pool never ships 100k entries per poll).
+
+``/v1/stats`` (schema 1) is a JSON object::
+
+    schema_version  int (1)
+    model           served model id;  kv_cache_dtype  str;  uptime_s  float (seconds)
+    kv_cache        {block_size, num_blocks (incl. null block 0), total (usable), used,
+                     cached_free (0 until prefix caching), free, usage (0..1 fraction),
+                     groups: [{name, total, used, free, usage}]}
+    block_map       {encoding: "rle", runs: [[state, count], ...]} over block ids 0..N-1,
+                    states "null" / "free" / "used"; with ``?cells=K`` instead
+                    {encoding: "cells", cells: [used fraction of each of K equal ranges]}
+    prefix_cache    {queries, hits}  (tokens; 0 until prefix caching lands)
+    scheduler       {running, waiting, preempted}
+    throughput      {prompt_tokens_per_s, generation_tokens_per_s}  (over the last ~5 s)
+    counters        {prompt_tokens, generation_tokens, requests_finished: {stop, length, abort},
+                     requests_rejected, num_preemptions}
+    requests        [{id, state ("waiting"/"running"), prompt_tokens, cached_tokens,
+                      generated_tokens, blocks, block_table, ttft_s (null before the first
+                      token), age_s, preemptions}]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+STATS_SCHEMA_VERSION = 1
+SOCKET_NAME = "llmd.sock"
+# sun_path is 108 bytes on Linux (104 on macOS/BSD), including the terminating NUL.
+MAX_UNIX_PATH_BYTES = 107
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def default_socket_dir() -> str:
+    """``$XDG_RUNTIME_DIR/llmd`` when that variable is set, else ``~/.cache/llmd``
+    (``$XDG_CACHE_HOME/llmd`` when set)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return os.path.join(runtime, "llmd")
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "llmd")
+
+
+def default_socket_path() -> str:
+    """``LLMD_SOCKET`` if set, else ``<default_socket_dir()>/llmd.sock``."""
+    return os.environ.get("LLMD_SOCKET") or os.path.join(default_socket_dir(), SOCKET_NAME)
+
+
+def check_socket_path(path: str) -> str | None:
+    """Return an error message if ``path`` cannot be an AF_UNIX socket path, else None."""
+    n = len(os.fsencode(path))
+    if n > MAX_UNIX_PATH_BYTES:
+        return (f"socket path is {n} bytes, over the AF_UNIX limit of {MAX_UNIX_PATH_BYTES}: {path} "
+                "(pick a shorter --socket or XDG_RUNTIME_DIR)")
+    return None
+
+
+def error_body(message: str, param: str | None = None, type_: str = "invalid_request_error", code: int = 400) -> dict:
+    """OpenAI-style error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def sse(obj: dict) -> bytes:
+    """One Server-Sent Event carrying ``obj`` as compact JSON."""
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+# ---- block map ----------------------------------------------------------------------
+def rle(states: list[str]) -> list[list]:
+    """Run-length encode per-block states: ``["null","free","free"]`` → ``[["null",1],["free",2]]``."""
+    runs: list[list] = []
+    for s in states:
+        if runs and runs[-1][0] == s:
+            runs[-1][1] += 1
+        else:
+            runs.append([s, 1])
+    return runs
+
+
+def rle_to_cells(runs: list[list], cells: int) -> list[float]:
+    """Aggregate a run-length block map into ``cells`` equal ranges of block ids.
+
+    Each cell is the fraction (0..1) of its blocks that are "used" (the null block counts as
+    not used). ``cells`` is clamped to [1, number of blocks]. Cost O(runs + cells).
+    """
+    total = sum(n for _, n in runs)
+    cells = max(1, min(cells, total)) if total else 0
+    out = [0.0] * cells
+    if not cells:
+        return out
+    # cell c covers [c*total/cells, (c+1)*total/cells)
+    bounds = [(c * total) // cells for c in range(cells + 1)]
+    used = [0] * cells
+    pos, c = 0, 0
+    for state, n in runs:
+        start, end = pos, pos + n
+        pos = end
+        if state != "used":
+            continue
+        while c < cells and bounds[c + 1] <= start:
+            c += 1
+        k = c
+        while k < cells and bounds[k] < end:
+            used[k] += min(end, bounds[k + 1]) - max(start, bounds[k])
+            k += 1
+    return [used[k] / max(1, bounds[k + 1] - bounds[k]) for k in range(cells)]
+
+
+def stats_with_cells(stats: dict, cells: int | None) -> dict:
+    """A copy of a stats snapshot whose block map is aggregated to ``cells`` (None: keep RLE)."""
+    if cells is None:
+        return stats
+    out = dict(stats)
+    out["block_map"] = {"encoding": "cells", "cells": rle_to_cells(stats["block_map"]["runs"], cells)}
+    return out
+
+
+def check_stats_schema(stats: dict) -> None:
+    """Raise ``ValueError`` when a stats payload is of a schema version this client does not know."""
+    v = stats.get("schema_version")
+    if v != STATS_SCHEMA_VERSION:
+        raise ValueError(f"daemon stats schema {v!r}, this client understands {STATS_SCHEMA_VERSION}; upgrade llmd")

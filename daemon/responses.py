@@ -1,0 +1,155 @@
+"""OpenAI response shapes built from engine :class:`RequestOutput` deltas.
+
+One :class:`ResponseBuilder` per HTTP request; it turns each output of a sequence (choice
+``index``) into a streamed chunk, or accumulates it for the final non-streamed body.
+
+Logprobs are those of the raw model distribution (``log_softmax`` of the logits before
+penalties, temperature, top-k/top-p; vLLM's convention), in each endpoint's shape:
+
+* ``/v1/completions``: ``{"tokens": [str], "token_logprobs": [float], "top_logprobs":
+  [{str: float}] | null, "text_offset": [int]}`` (character offsets of each token's text
+  within the concatenated token texts);
+* ``/v1/chat/completions``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs":
+  [{"token", "logprob", "bytes"}]}]}``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from llmd.daemon.engine import RequestOutput
+
+
+@dataclass
+class _Choice:
+    text: str = ""
+    finish_reason: str | None = None
+    num_tokens: int = 0
+    tok_offset: int = 0  # characters of token text so far (completions ``text_offset``)
+    lp: dict = field(default_factory=lambda: {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []})
+    content: list = field(default_factory=list)
+
+
+class ResponseBuilder:
+    """Builds chunks / the final body for one request.
+
+    Args:
+        request_id: the response ``id`` (``cmpl-...`` / ``chatcmpl-...``).
+        model: served model id.
+        chat: chat shapes instead of completion shapes.
+        n: number of choices.
+        logprobs: top logprobs per token, or None when logprobs were not asked for.
+        token_text: token id → its text (for logprobs).
+    """
+
+    def __init__(self, request_id: str, model: str, chat: bool, n: int, logprobs: int | None,
+                 token_text: Callable[[int], str]):
+        self.id, self.model, self.chat, self.logprobs = request_id, model, chat, logprobs
+        self.created = int(time.time())
+        self.token_text = token_text
+        self.choices = [_Choice() for _ in range(n)]
+        self.num_prompt_tokens = 0
+
+    # ---- pieces ---------------------------------------------------------------------
+    def usage(self) -> dict:
+        """OpenAI usage: prompt counted once, completion summed over choices."""
+        completion = sum(c.num_tokens for c in self.choices)
+        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.num_prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": 0}}
+
+    def _logprobs(self, choice: _Choice, out: RequestOutput) -> dict | None:
+        """Logprobs of ``out``'s tokens (and record them in ``choice``); None if not asked."""
+        if self.logprobs is None:
+            return None
+        entries = [lp for lp in out.logprobs if lp is not None]
+        if self.chat:
+            content = []
+            for lp in entries:
+                tok = self.token_text(lp.token_id)
+                content.append({"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode()),
+                                "top_logprobs": [{"token": (t := self.token_text(i)), "logprob": v, "bytes": list(t.encode())}
+                                                 for i, v in lp.top]})
+            choice.content += content
+            return {"content": content}
+        d = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = choice.tok_offset
+        for lp in entries:
+            tok = self.token_text(lp.token_id)
+            d["tokens"].append(tok)
+            d["token_logprobs"].append(lp.logprob)
+            d["top_logprobs"].append({self.token_text(i): v for i, v in lp.top} if self.logprobs > 0 else None)
+            d["text_offset"].append(offset)
+            offset += len(tok)
+        choice.tok_offset = offset
+        for k in d:
+            choice.lp[k] += d[k]
+        return d
+
+    def _absorb(self, index: int, out: RequestOutput) -> tuple[_Choice, dict | None]:
+        choice = self.choices[index]
+        lp = self._logprobs(choice, out)
+        choice.text += out.new_text
+        choice.num_tokens = max(choice.num_tokens, out.num_output_tokens)
+        self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
+        if out.finished:
+            choice.finish_reason = out.finish_reason
+        return choice, lp
+
+    # ---- streaming ------------------------------------------------------------------
+    def _chunk(self, choices: list[dict], with_usage: bool) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        chunk = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        if with_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def role_chunks(self, with_usage: bool) -> list[dict]:
+        """Chat streams open each choice with ``delta: {"role": "assistant", "content": ""}``."""
+        if not self.chat:
+            return []
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}], with_usage) for i in range(len(self.choices))]
+
+    def delta_chunk(self, index: int, out: RequestOutput, with_usage: bool) -> dict | None:
+        """The chunk for one output, or None when it carries nothing (text held back, no logprobs)."""
+        _, lp = self._absorb(index, out)
+        delta = out.new_text
+        if not delta and lp is None and not out.finished:
+            return None
+        body = {"index": index, "logprobs": lp, "finish_reason": out.finish_reason if out.finished else None}
+        if self.chat:
+            body["delta"] = {"content": delta} if delta or not out.finished else {}
+        else:
+            body["text"] = delta
+        return self._chunk([body], with_usage)
+
+    def usage_chunk(self) -> dict:
+        """The final chunk of ``stream_options.include_usage``: empty choices plus usage."""
+        chunk = self._chunk([], False)
+        chunk["usage"] = self.usage()
+        return chunk
+
+    # ---- non-streaming --------------------------------------------------------------
+    def absorb(self, index: int, out: RequestOutput) -> None:
+        self._absorb(index, out)
+
+    def final_body(self) -> dict:
+        choices = []
+        for i, c in enumerate(self.choices):
+            if self.chat:
+                lp = {"content": c.content} if self.logprobs is not None else None
+                choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
+                                "logprobs": lp, "finish_reason": c.finish_reason})
+            else:
+                lp = None
+                if self.logprobs is not None:
+                    lp = dict(c.lp)
+                    if self.logprobs == 0:
+                        lp["top_logprobs"] = None
+                choices.append({"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices, "usage": self.usage()}

@@ -1,0 +1,154 @@
+"""``llmd serve``: the daemon's lifecycle around the HTTP app.
+
+Socket: ``$XDG_RUNTIME_DIR/llmd/llmd.sock`` (else ``~/.cache/llmd/llmd.sock``; ``--socket``
+or ``$LLMD_SOCKET`` override). Its directory is created 0700 and the socket is bound under
+umask 077, so it is 0600 from its first instant and other users cannot connect.
+
+* A lock file ``<socket>.lock`` (``flock``) is held for the daemon's lifetime: a second
+  daemon on the same path is refused even while the first is still loading its model.
+* A socket file that answers is a live daemon → refused; one that refuses connections is
+  stale (a crashed daemon) → replaced. A path over the AF_UNIX limit → a clear error.
+* ``SIGTERM`` / ``SIGINT`` / ``POST /v1/shutdown`` (``llmd stop``): stop accepting, let
+  in-flight requests finish for ``drain_timeout`` seconds, then abort them (streams get
+  ``finish_reason: "abort"`` and ``[DONE]``), remove the socket and exit 0.
+* An optional TCP listener (``--host/--port``), off by default, loopback unless asked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import logging
+import os
+import signal
+import socket
+import stat
+
+from aiohttp import web
+
+from llmd.daemon.engine_loop import EngineLoop
+from llmd.daemon.metrics import DaemonMetrics
+from llmd.daemon.protocol import check_socket_path, default_socket_dir
+from llmd.daemon.server import ServerState, make_app
+from llmd.models.errors import LlmdError
+
+log = logging.getLogger("llmd.serve")
+
+
+def prepare_socket_dir(path: str) -> None:
+    """Create the socket's directory 0700 (and tighten the default one to 0700)."""
+    d = os.path.dirname(os.path.abspath(path))
+    created = not os.path.isdir(d)
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    if created or os.path.abspath(d) == os.path.abspath(default_socket_dir()):
+        os.chmod(d, 0o700)
+
+
+def socket_is_live(path: str, timeout: float = 1.0) -> bool:
+    """True if something accepts connections on the Unix socket ``path``."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def claim_socket(path: str) -> int:
+    """Check the path, take the daemon lock and clear a stale socket file.
+
+    Returns the lock file descriptor (keep it open while serving).
+    Raises:
+        LlmdError: path too long, another daemon holds the lock or answers on the path, or
+            the path exists and is not a socket.
+    """
+    err = check_socket_path(path)
+    if err:
+        raise LlmdError(err)
+    prepare_socket_dir(path)
+    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            raise LlmdError(f"another llmd daemon is already running (or starting) on {path}; stop it with `llmd stop`") from None
+        raise
+    if os.path.lexists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.close(fd)
+            raise LlmdError(f"{path} exists and is not a socket; remove it or pick another --socket")
+        if socket_is_live(path):
+            os.close(fd)
+            raise LlmdError(f"an llmd daemon is already serving on {path}; stop it with `llmd stop`")
+        log.info("removing stale socket %s", path)
+        os.unlink(path)
+    return fd
+
+
+async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[str, ...], *,
+                     host: str | None = None, port: int | None = None, drain_timeout: float = 30.0,
+                     lock_fd: int | None = None, metrics_compat: str | None = None, echo=print) -> None:
+    """Serve until SIGTERM/SIGINT or ``POST /v1/shutdown``; then drain and clean up.
+
+    Args:
+        engine: a loaded :class:`Engine` (handed to a fresh :class:`EngineLoop`).
+        socket_path: where to bind (claimed with :func:`claim_socket` first).
+        model_id, model_ids: the served id and every name accepted as ``model``.
+        host, port: optional TCP listener.
+        drain_timeout: seconds in-flight requests get to finish before being aborted.
+        lock_fd: the descriptor :func:`claim_socket` returned, if the caller claimed the path
+            already (before loading the model, to fail fast); claimed here otherwise.
+        metrics_compat: None, or "vllm" to also export ``GET /metrics`` under vLLM's names.
+    """
+    if lock_fd is None:
+        lock_fd = claim_socket(socket_path)
+    loop = asyncio.get_running_loop()
+    metrics = DaemonMetrics(model_id, metrics_compat)
+    eloop = EngineLoop(engine, model_id, metrics=metrics).start()
+    state = ServerState(engine_loop=eloop, model_id=model_id, model_ids=model_ids,
+                        vocab_size=engine.model_config.vocab_size, max_model_len=engine.max_model_len,
+                        shutdown=asyncio.Event(), metrics=metrics)
+    runner = web.AppRunner(make_app(state), handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+    await runner.setup()
+    old_umask = os.umask(0o077)
+    try:
+        sites = [web.UnixSite(runner, socket_path)]
+        await sites[0].start()
+    finally:
+        os.umask(old_umask)
+    os.chmod(socket_path, 0o600)
+    if port is not None:
+        sites.append(web.TCPSite(runner, host or "127.0.0.1", port))
+        await sites[-1].start()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, state.shutdown.set)
+    echo(f"llmd: serving {model_id} on {socket_path}" + (f" and http://{host or '127.0.0.1'}:{port}" if port else "")
+         + f" (pid {os.getpid()})")
+    try:
+        await state.shutdown.wait()
+        echo(f"llmd: shutting down; {eloop.num_live} sequences in flight (drain timeout {drain_timeout:.0f} s)")
+        state.draining = True
+        for site in sites:
+            await site.stop()  # stop accepting
+        deadline = loop.time() + drain_timeout
+        while eloop.num_live and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if eloop.num_live:
+            await asyncio.wait_for(asyncio.wrap_future(eloop.abort_all()), 10.0)
+            await asyncio.sleep(0.2)  # let the handlers write finish_reason "abort" and [DONE]
+    finally:
+        await runner.cleanup()
+        eloop.stop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        try:
+            os.unlink(socket_path)
+        except FileNotFoundError:
+            pass
+        os.close(lock_fd)
+        echo("llmd: stopped")

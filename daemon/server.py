@@ -1,0 +1,252 @@
+"""The HTTP API (aiohttp): OpenAI-style endpoints in front of the :class:`EngineLoop`.
+
+Endpoints (JSON unless noted):
+
+* ``POST /v1/completions``, ``POST /v1/chat/completions``: OpenAI shapes; ``stream: true``
+  answers with Server-Sent Events ending in ``data: [DONE]``.
+* ``GET /v1/models``, ``GET /health`` (``{"status": "ok", "pid", "model", "uptime_s"}``).
+* ``GET /v1/stats[?cells=K]``: the versioned snapshot of ``protocol.py``.
+* ``GET /metrics``: Prometheus text (``metrics.py``: ``llmd:`` names, plus ``vllm:`` ones
+  with ``--metrics-compat vllm``); 404 when the daemon runs without metrics.
+* ``DELETE /v1/requests/{id}``: abort (404 if not live). ``POST /tokenize``: ``{"prompt"}``
+  or ``{"messages"}`` → ``{"tokens", "count"}``. ``POST /v1/shutdown``: graceful stop
+  (what ``llmd stop`` calls; same as SIGTERM).
+
+Errors are ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status. A client
+that disconnects (streaming or not; the app runs with ``handler_cancellation=True``) has
+its request aborted: the handler's ``finally`` queues an abort, honoured within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from llmd.daemon.engine_loop import EngineLoop
+from llmd.daemon.protocol import SSE_DONE, error_body, sse, stats_with_cells
+from llmd.daemon.responses import ResponseBuilder
+from llmd.daemon.validation import ApiError, parse_request
+from llmd.models.errors import LlmdError
+
+log = logging.getLogger("llmd.server")
+MAX_BODY_BYTES = 8 * 2**20
+
+
+@dataclass
+class ServerState:
+    """What handlers share: the engine loop, the served model ids and the shutdown switch."""
+
+    engine_loop: EngineLoop
+    model_id: str
+    model_ids: tuple[str, ...]
+    vocab_size: int
+    max_model_len: int
+    shutdown: asyncio.Event
+    draining: bool = False
+    metrics: object | None = None  # a metrics.DaemonMetrics, or None (no /metrics)
+
+
+STATE = web.AppKey("state", ServerState)
+
+
+def json_error(message: str, param: str | None = None, status: int = 400, type_: str = "invalid_request_error") -> web.Response:
+    return web.json_response(error_body(message, param, type_, status), status=status)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    """ApiError → its 4xx; aiohttp HTTP errors → JSON; anything else → logged 500, daemon keeps serving."""
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return json_error(e.message, e.param, e.status)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return json_error(e.reason, None, e.status)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("internal error on %s %s", request.method, request.path)
+        return json_error("internal server error (see the daemon log)", None, 500, "server_error")
+
+
+async def read_json(request: web.Request):
+    try:
+        raw = await request.read()
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(f"the request body is not valid JSON: {e}") from None
+
+
+def engine_error(e: LlmdError) -> ApiError:
+    """Map an engine rejection to a 400 naming the field (max_tokens or prompt)."""
+    msg = str(e)
+    return ApiError(msg, "max_tokens" if "max_tokens" in msg else "prompt")
+
+
+# ---- generation ---------------------------------------------------------------------
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=True)
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    st = request.app[STATE]
+    if st.draining:
+        raise ApiError("the daemon is shutting down", None, 503)
+    parsed = parse_request(await read_json(request), chat, st.model_ids, st.vocab_size)
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+
+    def sink(out):  # engine thread → event loop
+        loop.call_soon_threadsafe(queue.put_nowait, out)
+
+    fut = st.engine_loop.submit(rid, parsed.prompt, parsed.child_params(), sink, chat=chat)
+    done = False
+    try:
+        try:
+            children, n_prompt = await asyncio.wrap_future(fut)
+        except LlmdError as e:
+            done = True
+            raise engine_error(e) from None
+        tok = st.engine_loop.engine.tokenizer.hf
+        text_of = (lambda i: f"token_id:{i}") if parsed.tokens_as_ids else _token_text(tok)
+        builder = ResponseBuilder(rid, st.model_id, chat, parsed.n, parsed.logprobs, text_of)
+        builder.num_prompt_tokens = n_prompt
+        if parsed.stream:
+            try:
+                await _stream(request, builder, queue, parsed, len(children))
+            except ConnectionResetError:  # the client left mid-stream: abort (finally), no traceback
+                log.debug("client of %s disconnected", rid)
+                return request["sse_response"]
+        else:
+            remaining = len(children)
+            while remaining:
+                out = await queue.get()
+                builder.absorb(int(out.request_id.rsplit("-", 1)[1]), out)
+                remaining -= out.finished
+        done = True
+        if parsed.stream:
+            return request["sse_response"]
+        return web.json_response(builder.final_body())
+    finally:
+        if not done:  # client went away or we failed: free the engine's blocks
+            st.engine_loop.abort(rid)
+
+
+async def _stream(request: web.Request, builder: ResponseBuilder, queue: asyncio.Queue, parsed, n: int) -> None:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    request["sse_response"] = resp
+    await resp.prepare(request)
+    usage = parsed.include_usage
+    for chunk in builder.role_chunks(usage):
+        await resp.write(sse(chunk))
+    remaining = n
+    while remaining:
+        out = await queue.get()
+        remaining -= out.finished
+        chunk = builder.delta_chunk(int(out.request_id.rsplit("-", 1)[1]), out, usage)
+        if chunk is not None:
+            await resp.write(sse(chunk))
+    if usage:
+        await resp.write(sse(builder.usage_chunk()))
+    await resp.write(SSE_DONE)
+    await resp.write_eof()
+
+
+def _token_text(hf_tokenizer):
+    @functools.lru_cache(maxsize=65536)
+    def text(token_id: int) -> str:
+        return hf_tokenizer.decode([token_id], skip_special_tokens=False)
+
+    return text
+
+
+# ---- the rest -----------------------------------------------------------------------
+async def health(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    snap = st.engine_loop.snapshot()
+    return web.json_response({"status": "draining" if st.draining else "ok", "pid": os.getpid(),
+                              "model": st.model_id, "uptime_s": snap.get("uptime_s", 0.0)})
+
+
+async def models(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    created = int(time.time() - st.engine_loop.snapshot().get("uptime_s", 0.0))
+    return web.json_response({"object": "list", "data": [{"id": st.model_id, "object": "model", "created": created,
+                                                          "owned_by": "llmd", "max_model_len": st.max_model_len}]})
+
+
+async def stats(request: web.Request) -> web.Response:
+    cells = request.query.get("cells")
+    if cells is not None:
+        if not cells.isdigit() or not 1 <= int(cells) <= 100_000:
+            raise ApiError(f"cells must be an integer in [1, 100000], got {cells!r}", "cells")
+        cells = int(cells)
+    return web.json_response(stats_with_cells(request.app[STATE].engine_loop.snapshot(), cells))
+
+
+async def metrics(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    if st.metrics is None:
+        raise ApiError("metrics are not enabled on this daemon", None, 404)
+    st.metrics.refresh(st.engine_loop.snapshot())
+    return web.Response(body=st.metrics.render(), headers={"Content-Type": st.metrics.content_type})
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    rid = request.match_info["request_id"]
+    live = await asyncio.wrap_future(request.app[STATE].engine_loop.abort(rid))
+    if not live:
+        raise ApiError(f"no live request with id {rid!r}", "request_id", 404)
+    return web.json_response({"id": rid, "aborted": True})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    body = await read_json(request)
+    if not isinstance(body, dict) or not isinstance(body.get("prompt", body.get("messages")), (str, list)):
+        raise ApiError("send {\"prompt\": text} or {\"messages\": [...]}", "prompt")
+    tok = st.engine_loop.engine.tokenizer
+    if "messages" in body:
+        parsed = parse_request({"messages": body["messages"]}, True, st.model_ids, st.vocab_size)
+        ids = tok.apply_chat(parsed.prompt)
+    else:
+        if not isinstance(body["prompt"], str):
+            raise ApiError("prompt must be a string", "prompt")
+        ids = tok.encode(body["prompt"])
+    return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": st.max_model_len})
+
+
+async def shutdown(request: web.Request) -> web.Response:
+    request.app[STATE].shutdown.set()
+    return web.json_response({"status": "shutting down"}, status=202)
+
+
+def make_app(state: ServerState) -> web.Application:
+    """The aiohttp application; run it with ``handler_cancellation=True`` on the runner."""
+    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+    app[STATE] = state
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/stats", stats)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_delete("/v1/requests/{request_id}", abort_request)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/v1/shutdown", shutdown)
+    return app

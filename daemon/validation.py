@@ -1,0 +1,232 @@
+"""Validate OpenAI-style request bodies and turn them into engine inputs.
+
+Every rejection is an :class:`ApiError` (HTTP 400 unless stated) whose message names the
+field and the allowed range, so a client sees ``{"error": {"message": "max_tokens must be
+an integer >= 1 (got 0)", "param": "max_tokens", ...}}``. Checks that need the tokenized
+prompt (too long for the context, can never fit the KV pool) are the engine's
+(:class:`LlmdError`) and are mapped to 400 by the server.
+
+Ranges follow the OpenAI API where it has one (temperature 0–2, penalties −2–2,
+logprobs/top_logprobs 0–20) and vLLM's extras otherwise (top_k, min_p,
+repetition_penalty, ignore_eos, stop_token_ids). Unknown fields are ignored, as OpenAI
+clients send extras (``user``, ``metadata``); fields llmd cannot honour (``echo``,
+``best_of`` > n, ``suffix``, tools) are rejected rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from llmd.daemon.request import SamplingParams
+
+MAX_N = 16
+MAX_STOP = 16
+MAX_LOGPROBS = 20
+ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+class ApiError(Exception):
+    """A client error: ``message`` (one line), ``param`` (offending field), HTTP ``status``."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.message, self.param, self.status = message, param, status
+
+
+@dataclass
+class ParsedRequest:
+    """A validated request.
+
+    Attributes:
+        chat: True for /v1/chat/completions (``prompt`` is then the message list).
+        prompt: text, token ids, or chat messages.
+        params: sampling parameters shared by the ``n`` sequences (seed i → seed + i).
+        n: independent sequences.
+        stream, include_usage: SSE streaming and a final usage chunk.
+        logprobs: top logprobs per token (0 = only the chosen token), None = no logprobs.
+    """
+
+    chat: bool
+    prompt: str | list[int] | list[dict]
+    params: SamplingParams
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None
+    tokens_as_ids: bool = False
+
+    def child_params(self) -> list[SamplingParams]:
+        """Per-sequence params: vLLM's parallel sampling gives child i the seed ``seed + i``."""
+        out = []
+        for i in range(self.n):
+            p = SamplingParams(**{**vars(self.params), "seed": self.params.seed + i})
+            out.append(p)
+        return out
+
+
+def _int(body: dict, name: str, default=None, lo: int | None = None, hi: int | None = None):
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ApiError(f"{name} must be an integer, got {type(v).__name__} {_short(v)}", name)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise ApiError(f"{name} must be an integer in [{lo if lo is not None else '-inf'}, "
+                       f"{hi if hi is not None else 'inf'}], got {v}", name)
+    return v
+
+
+def _float(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ApiError(f"{name} must be a finite number, got {_short(v)}", name)
+    if v < lo or v > hi or (lo_open and v == lo):
+        raise ApiError(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", name)
+    return float(v)
+
+
+def _bool(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ApiError(f"{name} must be a boolean, got {_short(v)}", name)
+    return v
+
+
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
+def _token_ids(v, name: str, vocab_size: int) -> list[int]:
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        raise ApiError(f"{name} must be a list of integer token ids", name)
+    bad = [t for t in v if not 0 <= t < vocab_size]
+    if bad:
+        raise ApiError(f"{name} has token id {bad[0]} outside the vocabulary [0, {vocab_size})", name)
+    return list(v)
+
+
+def _prompt(body: dict, vocab_size: int) -> str | list[int]:
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # OpenAI's batch form with one prompt
+    if isinstance(p, str):
+        if not p:
+            raise ApiError("prompt is empty; send at least one token of text", "prompt")
+        return p
+    if isinstance(p, list):
+        if not p:
+            raise ApiError("prompt is an empty token list; send at least one token id", "prompt")
+        if all(isinstance(x, (str, list)) for x in p):
+            raise ApiError(f"prompt batches are not supported (got {len(p)} prompts); send one prompt per request", "prompt")
+        return _token_ids(p, "prompt", vocab_size)
+    if p is None:
+        raise ApiError("prompt is required (a string or a list of token ids)", "prompt")
+    raise ApiError(f"prompt must be a string or a list of token ids, got {type(p).__name__}", "prompt")
+
+
+def _messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise ApiError("messages must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ApiError(f"{where} must be an object with role and content", where)
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise ApiError(f"{where}.role must be one of {', '.join(ROLES)}, got {_short(role)}", f"{where}.role")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}]
+            if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str) for c in content):
+                raise ApiError(f"{where}.content parts must be {{type: 'text', text: str}} (no images)", f"{where}.content")
+            content = "".join(c["text"] for c in content)
+        if not isinstance(content, str):
+            raise ApiError(f"{where}.content must be a string, got {type(content).__name__}", f"{where}.content")
+        if not content:
+            raise ApiError(f"{where}.content is empty", f"{where}.content")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def parse_request(body, chat: bool, model_ids: tuple[str, ...], vocab_size: int) -> ParsedRequest:
+    """Validate a /v1/completions (``chat=False``) or /v1/chat/completions body.
+
+    Args:
+        body: the decoded JSON (any type; a non-object is rejected).
+        model_ids: names accepted in ``model`` (a missing ``model`` means the served one).
+        vocab_size: token ids must lie in [0, vocab_size).
+    Raises:
+        ApiError: naming the field and its limit.
+    """
+    if not isinstance(body, dict):
+        raise ApiError(f"the request body must be a JSON object, got {type(body).__name__}")
+    model = body.get("model")
+    if model is not None and model not in model_ids:
+        raise ApiError(f"model {_short(model)} is not served here; available: {', '.join(model_ids)}", "model")
+    for name in ("echo", "suffix", "tools", "functions", "response_format"):
+        if body.get(name) not in (None, False, "", [], {"type": "text"}):
+            raise ApiError(f"{name} is not supported by llmd", name)
+    prompt = _messages(body) if chat else _prompt(body, vocab_size)
+    n = _int(body, "n", 1, 1, MAX_N)
+    best_of = _int(body, "best_of", None, 1, MAX_N)
+    if best_of is not None and best_of != n:
+        raise ApiError(f"best_of must equal n ({n}); llmd does not rank sequences", "best_of")
+    max_tokens = _int(body, "max_tokens", None)
+    mct = _int(body, "max_completion_tokens", None)
+    field = "max_tokens"
+    if mct is not None:
+        if max_tokens is not None and max_tokens != mct:
+            raise ApiError(f"max_tokens ({max_tokens}) and max_completion_tokens ({mct}) disagree; send one", "max_tokens")
+        max_tokens, field = mct, "max_completion_tokens"
+    if max_tokens is not None and max_tokens < 1:
+        raise ApiError(f"{field} must be an integer >= 1 (got {max_tokens}); omit it for the remaining context", field)
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
+        raise ApiError(f"stop must be a non-empty string or a list of at most {MAX_STOP} non-empty strings", "stop")
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list):
+        raise ApiError("stop_token_ids must be a list of token ids", "stop_token_ids")
+    stop_ids = _token_ids(stop_ids, "stop_token_ids", vocab_size)
+    seed = _int(body, "seed", None, -(2**63), 2**63 - 1)
+    if chat:
+        want = _bool(body, "logprobs")
+        top = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+        if top is not None and not want:
+            raise ApiError("top_logprobs requires logprobs: true", "top_logprobs")
+        logprobs = (top or 0) if want else None
+    else:
+        logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    stream = _bool(body, "stream")
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not stream:
+            raise ApiError("stream_options is only allowed with stream: true", "stream_options")
+        if not isinstance(opts, dict):
+            raise ApiError("stream_options must be an object", "stream_options")
+        include_usage = _bool(opts, "include_usage")
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
+        top_k=_int(body, "top_k", 0, -1, None),
+        top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        min_p=_float(body, "min_p", 0.0, 0.0, 1.0),
+        repetition_penalty=_float(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True),
+        frequency_penalty=_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        presence_penalty=_float(body, "presence_penalty", 0.0, -2.0, 2.0),
+        seed=seed, stop=stop, stop_token_ids=stop_ids,
+        ignore_eos=_bool(body, "ignore_eos"), logprobs=logprobs,
+    )
+    return ParsedRequest(chat=chat, prompt=prompt, params=params, n=n, stream=stream,
+                         include_usage=include_usage, logprobs=logprobs,
+                         tokens_as_ids=_bool(body, "return_tokens_as_token_ids"))

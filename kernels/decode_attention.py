@@ -1,0 +1,164 @@
+"""Triton paged decode attention (one query token per sequence), split-KV with a deterministic merge.
+
+Grid ``(num_seqs, num_kv_heads, num_splits)``: each program loads a query group (the
+``num_heads / num_kv_heads`` heads sharing one KV head, padded with masked rows to at least 16
+for ``tl.dot``, so GQA groups like SmolLM2's 3 work), walks its split of the context in tiles of
+``BLOCK_N`` tokens, looks up each token's block through the block table (so tiles need not
+align with blocks), and loads each K/V tile once for the whole group. Quantized tiles are
+dequantized in registers: scores ``(q · k_code) × k_scale`` and ``(p × v_scale) · v_code``.
+Every program writes an unnormalized partial (acc, running max, running sum); a second kernel
+merges the splits in a fixed order (flash-decoding, Dao et al. 2023), so results do not depend
+on scheduling. Semantics as :func:`llmd.kernels.reference.paged_attention` with one query.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from llmd.quant.kv import PagedKVCache
+
+NEG = -1.0e30  # finite "minus infinity": fully masked tiles never produce inf - inf = NaN
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,  # [B, num_heads, HEAD_DIM] queries
+    k_ptr,  # [num_blocks, block_size, num_kv_heads, HEAD_DIM] K cache data
+    v_ptr,  # [num_blocks, block_size, num_kv_heads, HEAD_DIM] V cache data
+    ks_ptr,  # [num_blocks, block_size, num_kv_heads] float32 K scales (unused unless QUANT)
+    vs_ptr,  # [num_blocks, block_size, num_kv_heads] float32 V scales
+    bt_ptr,  # [B, max_blocks] int32 block tables
+    seq_lens_ptr,  # [B] int32 context lengths (tokens)
+    acc_ptr,  # [B, num_heads, num_splits, HEAD_DIM] float32 unnormalized partial outputs
+    m_ptr,  # [B, num_heads, num_splits] float32 partial running max (log-domain)
+    l_ptr,  # [B, num_heads, num_splits] float32 partial running sums
+    out_ptr,  # [B, num_heads, HEAD_DIM] output (query dtype), written directly when DIRECT
+    stride_qb, stride_qh,
+    stride_cb, stride_ct, stride_ch,
+    stride_sb, stride_st, stride_sh,
+    stride_bt,
+    scale, window, split_len, num_splits,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, USE_WINDOW: tl.constexpr, DIRECT: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1).to(tl.int64)
+    sp = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    lo = sp * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+    if USE_WINDOW:
+        lo = tl.maximum(lo, seq_len - window)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    g_mask = g < GROUP
+    heads = kvh * GROUP + g
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
+    dot_ty = q.dtype
+    m_i = tl.full([GROUP_PAD], NEG, tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_mask = n < hi
+        blk = tl.load(bt_ptr + b * stride_bt + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        off = (n % BLOCK_SIZE).to(tl.int64)
+        c_off = blk * stride_cb + off * stride_ct + kvh * stride_ch
+        k = tl.load(k_ptr + c_off[:, None] + d[None, :], mask=n_mask[:, None], other=0.0).to(dot_ty)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        if QUANT:
+            s_off = blk * stride_sb + off * stride_st + kvh * stride_sh
+            k_sc = tl.load(ks_ptr + s_off, mask=n_mask, other=0.0)
+            s = s * k_sc[None, :]
+        s = tl.where(n_mask[None, :], s * scale, NEG)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.where(n_mask[None, :], tl.exp(s - m_new[:, None]), 0.0)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + c_off[:, None] + d[None, :], mask=n_mask[:, None], other=0.0).to(dot_ty)
+        if QUANT:
+            v_sc = tl.load(vs_ptr + s_off, mask=n_mask, other=0.0)
+            p = p * v_sc[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(dot_ty), v, input_precision="ieee")
+        m_i = m_new
+    if DIRECT:  # one split: normalize here, no merge kernel
+        row = b * (GROUP * tl.num_programs(1)) + heads
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + row[:, None] * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+        return
+    part = (b * (GROUP * tl.num_programs(1)) + heads) * num_splits + sp
+    tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask[:, None])
+    tl.store(m_ptr + part, m_i, mask=g_mask)
+    tl.store(l_ptr + part, l_i, mask=g_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    acc_ptr,  # [B, num_heads, num_splits, HEAD_DIM] float32 partial outputs
+    m_ptr,  # [B, num_heads, num_splits] float32 partial maxima
+    l_ptr,  # [B, num_heads, num_splits] float32 partial sums
+    out_ptr,  # [B, num_heads, HEAD_DIM] output (query dtype)
+    num_splits,
+    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # b * num_heads + h
+    sp = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    sp_mask = sp < num_splits
+    m = tl.load(m_ptr + row * num_splits + sp, mask=sp_mask, other=NEG)
+    l = tl.load(l_ptr + row * num_splits + sp, mask=sp_mask, other=0.0)
+    acc = tl.load(acc_ptr + (row * num_splits + sp)[:, None] * HEAD_DIM + d[None, :], mask=sp_mask[:, None], other=0.0)
+    m_all = tl.max(m, axis=0)
+    w = tl.where(sp_mask, tl.exp(m - m_all), 0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
+
+
+def num_decode_splits(max_seq_len: int, block_n: int, target_tile_per_split: int = 8, max_splits: int = 64) -> int:
+    """Splits so that each covers about ``target_tile_per_split`` tiles (1 for short contexts)."""
+    tiles = triton.cdiv(max_seq_len, block_n)
+    return max(1, min(max_splits, triton.cdiv(tiles, target_tile_per_split)))
+
+
+def paged_decode_attention(
+    query: torch.Tensor, cache: PagedKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+    scale: float, sliding_window: int | None = None, num_splits: int | None = None, block_n: int = 32,
+) -> torch.Tensor:
+    """Decode attention over the paged cache.
+
+    Args:
+        query: ``[B, num_heads, head_dim]`` (one token per sequence; head_dim a power of 2 ≥ 16).
+        cache: the layer's :class:`PagedKVCache` (this step's K/V already stored).
+        block_tables: ``[B, max_blocks]`` int32; seq_lens: ``[B]`` int32 context lengths.
+        max_seq_len: ``max(seq_lens)`` as a Python int (sizes the splits; no device sync).
+        num_splits: split-KV factor (None = :func:`num_decode_splits`).
+    Returns:
+        ``[B, num_heads, head_dim]`` in ``query.dtype``.
+    """
+    bsz, nh, hd = query.shape
+    data = cache.data
+    nkv = data.shape[3]
+    group = nh // nkv
+    query = query.contiguous()
+    splits = num_splits or num_decode_splits(max_seq_len, block_n)
+    split_len = triton.cdiv(triton.cdiv(max_seq_len, splits), block_n) * block_n
+    dev = query.device
+    out = torch.empty_like(query)
+    direct = splits == 1
+    acc = torch.empty(0 if direct else bsz * nh * splits * hd, dtype=torch.float32, device=dev)
+    m = torch.empty(0 if direct else bsz * nh * splits, dtype=torch.float32, device=dev)
+    l = torch.empty_like(m)
+    sc = cache.scales if cache.fmt.quantized else data[..., 0]
+    _decode_split_kernel[(bsz, nkv, splits)](
+        query, data[0], data[1], sc[0], sc[1], block_tables, seq_lens, acc, m, l, out,
+        query.stride(0), query.stride(1), *data[0].stride()[:3], *sc[0].stride()[:3], block_tables.stride(0),
+        float(scale), int(sliding_window or 0), split_len, splits,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=hd, BLOCK_N=block_n,
+        BLOCK_SIZE=data.shape[2], QUANT=cache.fmt.quantized, USE_WINDOW=sliding_window is not None, DIRECT=direct,
+    )
+    if direct:
+        return out
+    _decode_merge_kernel[(bsz * nh,)](acc, m, l, out, splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=hd)
+    return out

@@ -1,0 +1,103 @@
+"""Triton ``store_kv``: write new K/V rows into the paged cache at their slots, quantizing on write.
+
+Same layout and numerics as :mod:`llmd.quant.kv` (the torch reference): dynamic scale
+``max(amax/qmax, SCALE_FLOOR)`` per (token, KV head) or a static per-tensor scale; ``x / scale``
+in float32, clamped to ``±qmax`` before any cast (``.to(tl.int8)`` wraps and out-of-range fp8
+casts give NaN), rounded half away from zero on the format's grid (explicitly, because
+``libdevice.rint`` is missing in the interpreter and its fp8 cast mis-rounds at binade edges).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from llmd.quant.kv import SCALE_FLOOR, PagedKVCache
+
+
+@triton.jit
+def _round_half_away(y):
+    """Nearest integer, ties away from zero; the same formula as ``llmd.quant.kv.round_half_away``."""
+    a = tl.abs(y)
+    f = tl.floor(a)
+    r = f + tl.where(a - f >= 0.5, 1.0, 0.0)
+    return tl.where(y < 0, -r, r)
+
+
+@triton.jit
+def _quantize_row(x, s, QMAX: tl.constexpr, FP8: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
+    """Codes (float32, on the grid) of ``x / s`` (``[BLOCK_T, HEAD_DIM]`` / ``[BLOCK_T, 1]``)
+    clamped to ±QMAX, ties away from zero."""
+    y = tl.minimum(tl.maximum(x / s, -QMAX), QMAX)
+    if FP8:
+        e = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        e = tl.maximum(e, EMIN) - MANT
+        quantum = ((e + 127) << 23).to(tl.float32, bitcast=True)
+        return _round_half_away(y / quantum) * quantum
+    return _round_half_away(y)
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr,  # [T, num_kv_heads, head_dim] new keys (any float dtype)
+    value_ptr,  # [T, num_kv_heads, head_dim] new values
+    slot_ptr,  # [T] int64 slot mapping (block_id * block_size + offset; < 0 = skip)
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] K data (storage dtype)
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] V data
+    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 K scales (unused unless QUANT)
+    v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 V scales
+    num_tokens,  # T
+    stride_xt, stride_xh,  # key/value strides (elements) over tokens, heads
+    stride_cb, stride_ct, stride_ch,  # cache strides over blocks, offsets, heads
+    stride_sb, stride_st, stride_sh,  # scale strides over blocks, offsets, heads
+    k_static, v_static,  # static per-tensor scales (used if STATIC)
+    BLOCK_T: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr,
+    STATIC: tl.constexpr, QMAX: tl.constexpr, FP8: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr,
+    FLOOR: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1).to(tl.int64)
+    slot = tl.load(slot_ptr + t, mask=t < num_tokens, other=-1)
+    t_mask = slot >= 0
+    slot = tl.where(t_mask, slot, 0)
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    d = tl.arange(0, HEAD_DIM)
+    src = (t * stride_xt + h * stride_xh)[:, None] + d[None, :]
+    dst = (blk * stride_cb + off * stride_ct + h * stride_ch)[:, None] + d[None, :]
+    k = tl.load(key_ptr + src, mask=t_mask[:, None], other=0.0).to(tl.float32)
+    v = tl.load(value_ptr + src, mask=t_mask[:, None], other=0.0).to(tl.float32)
+    if QUANT:
+        if STATIC:
+            ks = tl.zeros([BLOCK_T], tl.float32) + k_static
+            vs = tl.zeros([BLOCK_T], tl.float32) + v_static
+        else:
+            ks = tl.maximum(tl.max(tl.abs(k), axis=1) / QMAX, FLOOR)
+            vs = tl.maximum(tl.max(tl.abs(v), axis=1) / QMAX, FLOOR)
+        k = _quantize_row(k, ks[:, None], QMAX, FP8, MANT, EMIN)
+        v = _quantize_row(v, vs[:, None], QMAX, FP8, MANT, EMIN)
+        s_off = blk * stride_sb + off * stride_st + h * stride_sh
+        tl.store(k_scale_ptr + s_off, ks, mask=t_mask)
+        tl.store(v_scale_ptr + s_off, vs, mask=t_mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=t_mask[:, None])
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=t_mask[:, None])
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, slot_mapping: torch.Tensor, block_t: int = 16) -> None:
+    """Write ``key``/``value`` ``[T, num_kv_heads, head_dim]`` into ``cache`` at ``slot_mapping``
+    ``[T]`` int64 (negative slots skipped), quantizing on write. ``head_dim`` must be a power of 2.
+    """
+    t, h, d = key.shape
+    if t == 0:
+        return
+    key, value = key.contiguous(), value.contiguous()
+    fmt, data = cache.fmt, cache.data
+    sc = cache.scales if fmt.quantized else data[..., 0]
+    ks, vs = cache.static_scales or (1.0, 1.0)
+    _store_kv_kernel[(triton.cdiv(t, block_t), h)](
+        key, value, slot_mapping.to(torch.int64), data[0], data[1], sc[0], sc[1], t,
+        key.stride(0), key.stride(1), *data[0].stride()[:3], *sc[0].stride()[:3], float(ks), float(vs),
+        BLOCK_T=block_t, BLOCK_SIZE=data.shape[2], HEAD_DIM=d, QUANT=fmt.quantized, STATIC=cache.static_scales is not None,
+        QMAX=fmt.qmax or 1.0, FP8=fmt.is_fp8, MANT=fmt.mantissa_bits, EMIN=fmt.min_exponent, FLOOR=SCALE_FLOOR,
+    )

@@ -1,0 +1,48 @@
+"""The attention ops the models call: ``store_kv`` and ``paged_attention``, per backend.
+
+``torch`` runs :mod:`llmd.kernels.reference` (the CPU path and the oracle); ``triton`` runs
+the kernels in ``kv_store.py``, ``decode_attention.py`` (batches of decodes only) and
+``prefill_attention.py`` (any batch with a prefill chunk). The Triton modules are imported on
+first use, so ``TRITON_INTERPRET=1`` (the interpreter that runs them on CPU for tests) can be
+set after ``llmd`` is imported.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmd.kernels import reference
+from llmd.kernels.metadata import AttentionMetadata
+from llmd.quant.kv import PagedKVCache
+
+BACKENDS = ("torch", "triton")
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache,
+             slot_mapping: torch.Tensor, backend: str = "torch") -> None:
+    """Write ``key``/``value`` ``[T, num_kv_heads, head_dim]`` at ``slot_mapping`` ``[T]`` int64,
+    quantizing on write for int8/fp8 caches."""
+    if backend == "triton":
+        from llmd.kernels.kv_store import store_kv as triton_store_kv
+
+        triton_store_kv(key, value, PagedKVCache.wrap(kv_cache), slot_mapping)
+    else:
+        reference.store_kv(key, value, kv_cache, slot_mapping)
+
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, meta: AttentionMetadata,
+                    scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """Attention of ``query [T, num_heads, head_dim]`` over the paged cache, using
+    ``meta.attn_backend``. Returns ``[T, num_heads, head_dim]`` in ``query.dtype``."""
+    if meta.attn_backend != "triton":
+        return reference.paged_attention(query, kv_cache, meta, scale, sliding_window)
+    cache = PagedKVCache.wrap(kv_cache)
+    if max(meta.query_lens_cpu) == 1:
+        from llmd.kernels.decode_attention import paged_decode_attention
+
+        return paged_decode_attention(query, cache, meta.block_tables, meta.seq_lens, max(meta.seq_lens_cpu),
+                                      scale, sliding_window)
+    from llmd.kernels.prefill_attention import paged_prefill_attention
+
+    return paged_prefill_attention(query, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                                   max(meta.query_lens_cpu), scale, sliding_window)

@@ -1,0 +1,110 @@
+"""Cases Q1 (teacher-forced top-1 agreement) and Q4 (ΔNLL budgets, > 0, vs an HF fake-quant
+reference) on SmolLM2, fixed ~1,000-token text in chunks of 64, store-then-read."""
+
+import pytest
+import torch
+
+from llmd.daemon.kv_quality import KV_DTYPES, hf_fake_quant_nll, nll_and_argmax, quality_row
+from llmd.daemon.kv_quality_text import QUALITY_TEXT
+from llmd.daemon.request import SamplingParams
+
+TOP1_MIN = {"int8": 0.97, "fp8_e4m3": 0.94, "fp8_e5m2": 0.90}  # Q1
+DNLL_MAX_PCT = {"int8": 0.2, "fp8_e4m3": 0.75, "fp8_e5m2": 3.0}  # Q4
+# Measured on this text (962 tokens): int8 meets every bound; fp8 misses some. Strict xfails
+# so a fix (or a regression that changes the numbers) forces these marks to be revisited.
+MISSED = "measured miss, see README 'Quantized KV cache' (fp8: ΔNLL e4m3 0.86%, top-1 e4m3 93.1%, e5m2 86.3%)"
+
+
+def xfail_for(*names):
+    return [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=MISSED)) if n in names else n for n in KV_DTYPES[1:]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """These tests are matmul-bound; one intra-op thread keeps them fast on shared/oversubscribed
+    CPUs (4× faster than 2 threads under contention here, ≤ 2× slower on an idle 2-core box)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def quality(smollm2, smollm2_tokenizer):
+    """``(ids, get)``: ``get(name)`` runs one KV dtype on first use (each test pays for its own
+    dtype, so no single test carries all four teacher-forced runs)."""
+    ids = smollm2_tokenizer.encode(QUALITY_TEXT)
+    assert 900 <= len(ids) <= 1100
+    rows = {}
+
+    def get(name):
+        if name not in rows:
+            base = None if name == "auto" else get("auto")
+            rows[name] = quality_row(smollm2[0], smollm2_tokenizer, ids, name, base, device="cpu", dtype="float32",
+                                     kv_cache_memory=64 * 2**20)
+        return rows[name]
+
+    return ids, get
+
+
+@pytest.mark.parametrize("name", xfail_for("fp8_e4m3", "fp8_e5m2"))
+def test_q1_teacher_forced_top1_agreement(quality, name):
+    row = quality[1](name)
+    assert row.top1 >= TOP1_MIN[name], row
+
+
+@pytest.mark.parametrize("name", xfail_for("fp8_e4m3"))
+def test_q4_delta_nll_budget(quality, name):
+    row = quality[1](name)
+    assert row.delta_nll_pct <= DNLL_MAX_PCT[name], row
+
+
+@pytest.mark.parametrize("name", KV_DTYPES[1:])
+def test_q4_quantized_cache_was_read(quality, name):
+    assert quality[1](name).delta_nll_pct > 0
+
+
+@pytest.fixture(scope="module")
+def hf_base_nll(quality, hf_smollm2):
+    ids, get = quality
+    with torch.inference_mode():
+        base = nll_and_argmax(hf_smollm2(torch.tensor([ids])).logits[0], ids)[0]
+    assert abs(base - get("auto").nll) < 1e-3
+    return base
+
+
+@pytest.mark.parametrize("name", xfail_for("fp8_e4m3", "fp8_e5m2"))
+def test_q4_matches_hf_fake_quant_reference(quality, hf_smollm2, hf_base_nll, name):
+    """ΔNLL% within 0.05 percentage points of HF transformers with K/V fake-quantized the same way."""
+    ids, get = quality
+    ref_pct = 100 * (hf_fake_quant_nll(hf_smollm2, ids, name) - hf_base_nll) / hf_base_nll
+    assert abs(get(name).delta_nll_pct - ref_pct) <= 0.05, (name, get(name).delta_nll_pct, ref_pct)
+
+
+FREE_PROMPTS = ["The history of Rome", "How do plants make food?", "Write a haiku about rain.", "List three prime numbers:",
+                "The best way to learn programming is", "Once upon a time, in a small village,", "Explain gravity to a child.",
+                "The recipe for pancakes:", "def add(a, b):", "My favourite season is"]
+
+
+def repeated_8grams(toks: list[int]) -> int:
+    grams = [tuple(toks[i : i + 8]) for i in range(len(toks) - 7)]
+    return len(grams) - len(set(grams))
+
+
+@pytest.fixture(scope="module")
+def free_running_auto(make_engine):
+    params = SamplingParams(max_tokens=64, temperature=0)
+    return [r["token_ids"] for r in make_engine().generate(FREE_PROMPTS, params)]
+
+
+@pytest.mark.parametrize("name", KV_DTYPES[1:])
+def test_q1_free_running_no_degeneration(make_engine, free_running_auto, name):
+    """Q1 free-running greedy (10 prompts, 64 tokens): no quantized run is > 2× the model-dtype
+    run's length, and no quantized run (10 prompts) repeats 8-grams more often than the model-dtype
+    run does."""
+    params = SamplingParams(max_tokens=64, temperature=0)
+    runs = [r["token_ids"] for r in make_engine(kv_cache_dtype=name).generate(FREE_PROMPTS, params)]
+    for base, quant in zip(free_running_auto, runs):
+        assert len(quant) <= 2 * len(base)
+    # per run (all 10 prompts): single prompts may loop differently after a near-tie flip
+    assert sum(map(repeated_8grams, runs)) <= sum(map(repeated_8grams, free_running_auto)), name
