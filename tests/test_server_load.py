@@ -59,13 +59,13 @@ def test_sixteen_concurrent_streams_equal_solo(llmd_daemon):
 
 
 def _abort_storm(daemon, seed: int) -> dict:
-    """A1 (CI size): 20 requests, 20-120 prompt tokens, 16 new, n in {1, 2}; 10 aborted at
+    """A1 (CI size): 30 requests, 50-300 prompt tokens, 16 new, n in {1, 2}; 15 aborted at
     random points (queued / mid-prefill by timer, after the first token, mid-decode, at the
     last token; half by closing the stream, half by DELETE /v1/requests/{id})."""
     rng = random.Random(seed)
     plan = []
-    for i in range(20):
-        ids = [rng.randrange(100, 20000) for _ in range(rng.randint(20, 120))]
+    for i in range(30):
+        ids = [rng.randrange(100, 20000) for _ in range(rng.randint(50, 300))]
         n = rng.choice([1, 2])
         point = rng.choice(["timer", "first", "mid", "last"]) if i % 2 else None
         plan.append((ids, n, point, rng.random() * 0.4, rng.random() < 0.5))
