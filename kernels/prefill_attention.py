@@ -17,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from llmd.kernels.attend_tile import NEG, attend_tile
 from llmd.quant.kv import PagedKVCache
 
-NEG = -1.0e30
 
 
 @triton.jit
@@ -61,7 +61,6 @@ def _prefill_kernel(
     d = tl.arange(0, HEAD_DIM)
     q_off = tok * stride_qt + heads * stride_qh
     q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_mask[:, None], other=0.0)
-    dot_ty = q.dtype
     hi = tl.minimum(seq_len, ctx + (qt + 1) * BLOCK_Q)
     lo = 0
     if USE_WINDOW:
@@ -72,29 +71,13 @@ def _prefill_kernel(
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n < hi
-        blk = tl.load(bt_ptr + b * stride_bt + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        off = (n % BLOCK_SIZE).to(tl.int64)
-        c_off = blk * stride_cb + off * stride_ct + kvh * stride_ch
-        k = tl.load(k_ptr + c_off[:, None] + d[None, :], mask=n_mask[:, None], other=0.0).to(dot_ty)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        if QUANT:
-            s_off = blk * stride_sb + off * stride_st + kvh * stride_sh
-            k_sc = tl.load(ks_ptr + s_off, mask=n_mask, other=0.0)
-            s = s * k_sc[None, :]
         visible = n_mask[None, :] & (n[None, :] <= qpos[:, None])
         if USE_WINDOW:
             visible = visible & (n[None, :] > qpos[:, None] - window)
-        s = tl.where(visible, s * scale, NEG)
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.where(visible, tl.exp(s - m_new[:, None]), 0.0)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + c_off[:, None] + d[None, :], mask=n_mask[:, None], other=0.0).to(dot_ty)
-        if QUANT:
-            v_sc = tl.load(vs_ptr + s_off, mask=n_mask, other=0.0)
-            p = p * v_sc[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(dot_ty), v, input_precision="ieee")
-        m_i = m_new
+        m_i, l_i, acc = attend_tile(
+            q, m_i, l_i, acc, n, n_mask, visible, d, bt_ptr + b * stride_bt, k_ptr, v_ptr, ks_ptr, vs_ptr,
+            kvh, stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_sh, scale, BLOCK_SIZE, QUANT,
+        )
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_off[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
