@@ -68,8 +68,8 @@ def register(main, engine_options, one_line_errors, build_engine) -> None:
     @socket_option
     @click.option("-p", "--prompt", default=None, help="Answer this one question and exit.")
     @click.option("--system", default=None, help="System prompt.")
-    @click.option("--temperature", default=0.7, show_default=True, type=float, help="0 = greedy.")
-    @click.option("--top-p", default=0.95, show_default=True, type=float)
+    @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy (the default: small models answer best greedy); e.g. 0.7 for varied replies.")
+    @click.option("--top-p", default=1.0, show_default=True, type=float)
     @click.option("--max-tokens", default=None, type=int, help="New tokens per reply at most (default: the remaining context).")
     @click.option("--seed", default=None, type=int)
     @click.option("--no-daemon", is_flag=True, help="Run the engine in this process instead of talking to a daemon.")
