@@ -50,10 +50,6 @@ class ModelConfig:
     add_bos_token: bool = False
     chat_template: str | None = None
 
-    def kv_bytes_per_token(self, bytes_per_element: float) -> float:
-        """KV cache bytes per token: 2 · layers · kv_heads · head_dim · bytes (no windows)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
-
 
 def field_value(reader: gguf.GGUFReader, key: str, default=None):
     """Return the decoded value of GGUF metadata ``key`` (str, int, float, list) or ``default``."""
