@@ -71,6 +71,7 @@ def engine_options(fn):
         click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8_e4m3", "fp8_e5m2", "int8"]), default="auto", show_default=True, help="KV cache storage: auto = model dtype; 8-bit formats keep float32 scales per (token, KV head)."),
         click.option("--kv-scales", default=None, callback=parse_kv_scales_option, help="Static per-tensor KV scales k,v (vLLM convention: stored = x / scale); default: dynamic."),
         click.option("--attention-backend", type=click.Choice(["torch", "triton"]), default=None, help="Attention ops (default: triton on CUDA, torch on CPU)."),
+        click.option("--disable-hybrid-kv-cache-manager", is_flag=True, default=False, help="Keep every block of sliding-window layers (one full-attention KV cache group), as vLLM's flag."),
     ]
     for o in reversed(opts):
         fn = o(fn)
@@ -137,16 +138,21 @@ def generate(prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, **
 @one_line_errors
 def kv_size(model, context, memory, block_size):
     """KV cache bytes per token and sequences that fit, per cache dtype (GGUF metadata only)."""
-    from llmd.daemon.kv_size import kv_size_rows
+    from llmd.daemon.kv import make_kv_cache_groups
+    from llmd.daemon.kv_size import group_summary, kv_size_rows
     from llmd.models.gguf_loader import load_config
     from llmd.models.registry import resolve_model
 
     cfg = load_config(resolve_model(model))
     context = context or cfg.max_position
     click.echo(f"{cfg.name}: {cfg.num_layers} layers, {cfg.num_kv_heads} KV heads x {cfg.head_dim} dims; context {context} tokens; memory {memory} B ({memory / 2**20:.0f} MiB)")
-    click.echo(f"{'kv dtype':<12}{'B/token':>12}{'B/sequence':>16}{'blocks':>10}{'sequences':>12}")
-    for r in kv_size_rows(cfg, context, memory, block_size):
-        click.echo(f"{r.name:<12}{r.bytes_per_token:>12,.0f}{r.bytes_per_sequence:>16,.0f}{r.num_blocks:>10}{r.sequences:>12.2f}")
+    windows = cfg.sliding_window or (None,) * cfg.num_layers
+    layouts = [(True, "")] if all(w is None for w in windows) else [(True, " (hybrid KV cache groups)"), (False, " (every layer global)")]
+    for hybrid, title in layouts:
+        click.echo(group_summary(make_kv_cache_groups(windows, hybrid), block_size) + title)
+        click.echo(f"{'kv dtype':<12}{'B/token':>12}{'B/sequence':>16}{'blocks':>10}{'sequences':>12}")
+        for r in kv_size_rows(cfg, context, memory, block_size, hybrid):
+            click.echo(f"{r.name:<12}{r.bytes_per_token:>12,.0f}{r.bytes_per_sequence:>16,.0f}{r.num_blocks:>10}{r.sequences:>12.2f}")
 
 
 @main.group()

@@ -32,6 +32,9 @@ class EngineConfig:
         kv_scales: static (k_scale, v_scale) per-tensor KV scales; ``None`` = dynamic scales.
         attention_backend: "torch" / "triton"; ``None`` = triton on CUDA, torch on CPU (triton
             on CPU needs ``TRITON_INTERPRET=1``: the interpreter, for tests).
+        disable_hybrid_kv_cache_manager: put every layer in one full-attention KV cache group,
+            so sliding-window layers keep every block (vLLM's flag of the same name; for
+            comparisons). Default False: sliding-window layers free out-of-window blocks.
     """
 
     model: str = "smollm2-135m"
@@ -45,6 +48,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     kv_scales: tuple[float, float] | None = None
     attention_backend: str | None = None
+    disable_hybrid_kv_cache_manager: bool = False
 
     def resolve(self) -> "EngineConfig":
         """Fill device-dependent defaults and validate. Raises LlmdError naming the bad setting."""

@@ -16,8 +16,8 @@ import torch
 
 from llmd.daemon.config import CUDA_KV_CACHE_FRACTION, DEFAULT_KV_CACHE_MEMORY_CPU, EngineConfig
 from llmd.daemon.detokenizer import IncrementalDetokenizer
-from llmd.daemon.kv import KVCacheManager
-from llmd.daemon.kv_size import kv_cache_bytes_per_token
+from llmd.daemon.kv import KVCacheManager, make_kv_cache_groups
+from llmd.daemon.kv_size import group_summary, kv_block_bytes, kv_cache_bytes_per_token
 from llmd.daemon.request import Request, RequestStatus, SamplingParams
 from llmd.daemon.runner import ModelRunner
 from llmd.daemon.sampler import TokenLogprobs
@@ -53,9 +53,9 @@ class RequestOutput:
     num_output_tokens: int = 0
 
 
-def num_kv_blocks(memory: int, block_size: int, bytes_per_token: int) -> int:
-    """``floor(memory / (block_size × bytes_per_token))``; raises LlmdError below 2 blocks."""
-    n = memory // (block_size * bytes_per_token)
+def num_kv_blocks(memory: int, block_size: int, block_bytes: int) -> int:
+    """``floor(memory / block_bytes)``; raises LlmdError below 2 blocks."""
+    n = memory // block_bytes
     if n < 2:
         raise LlmdError(f"--kv-cache-memory {memory} B holds {n} blocks of {block_size} tokens; need at least 2")
     return n
@@ -81,19 +81,26 @@ class Engine:
         self.max_model_len = min(config.max_model_len or cfg.max_position, cfg.max_position)
         kv_dtype = next(model.parameters()).dtype
         self.bytes_per_token = kv_cache_bytes_per_token(cfg, self.config.kv_cache_dtype, kv_dtype)
+        self.kv_cache_groups = make_kv_cache_groups(cfg.sliding_window or (None,) * cfg.num_layers,
+                                                    hybrid=not self.config.disable_hybrid_kv_cache_manager)
+        from llmd.quant.kv import get_format
+
+        fmt = get_format(self.config.kv_cache_dtype)
+        self.block_bytes = kv_block_bytes(cfg, self.kv_cache_groups, config.block_size,
+                                          fmt.bytes_per_element(kv_dtype), fmt.scale_bytes)
         memory = config.kv_cache_memory
         if memory is None:
             if self.config.device.startswith("cuda"):
                 memory = int(torch.cuda.mem_get_info()[0] * CUDA_KV_CACHE_FRACTION)
             else:
                 memory = DEFAULT_KV_CACHE_MEMORY_CPU
-        self.num_blocks = num_kv_blocks(memory, config.block_size, self.bytes_per_token)
+        self.num_blocks = num_kv_blocks(memory, config.block_size, self.block_bytes)
         self.kv_cache_memory = memory
-        self.kv_manager = KVCacheManager(self.num_blocks, config.block_size)
+        self.kv_manager = KVCacheManager(self.num_blocks, config.block_size, self.kv_cache_groups)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(
             model, self.num_blocks, config.block_size, kv_dtype, self.config.device,
-            self.config.kv_cache_dtype, self.config.kv_scales, self.config.attention_backend,
+            self.config.kv_cache_dtype, self.config.kv_scales, self.config.attention_backend, self.kv_cache_groups,
         )
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.last_scheduler_output: SchedulerOutput | None = None
@@ -117,12 +124,16 @@ class Engine:
         return cls(model, tokenizer, config)
 
     def capacity_summary(self) -> str:
-        """One line: bytes/token, blocks, and how many full-context sequences fit."""
-        tokens = (self.num_blocks - 1) * self.config.block_size
+        """One line: bytes/token, blocks, KV cache groups, and how many full-context sequences fit."""
+        from llmd.daemon.kv_size import blocks_per_sequence
+
+        bs = self.config.block_size
+        per_seq = blocks_per_sequence(self.kv_cache_groups, self.max_model_len, bs, 1)
         return (
             f"KV cache: {self.bytes_per_token} B/token ({self._kv_dtype_label()}), {self.num_blocks} blocks of "
-            f"{self.config.block_size} tokens ({self.kv_cache_memory / 2**20:.0f} MiB), {tokens} tokens = "
-            f"{tokens / self.max_model_len:.2f} sequences of {self.max_model_len} tokens"
+            f"{bs} tokens x {max(len(g.layer_ids) for g in self.kv_cache_groups)} layers "
+            f"({self.kv_cache_memory / 2**20:.0f} MiB); {group_summary(self.kv_cache_groups, bs)}; "
+            f"{(self.num_blocks - 1) / per_seq:.2f} sequences of {self.max_model_len} tokens"
         )
 
     def _kv_dtype_label(self) -> str:

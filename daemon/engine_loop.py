@@ -252,13 +252,16 @@ class EngineLoop:
             self._rate_log.popleft()
         span = max(1e-9, min(RATE_WINDOW_S, now - self.started_at))
         total, used, free = kv.num_usable_blocks, kv.num_used_blocks, kv.num_free_blocks
-        group = {"name": "full_attention", "total": total, "used": used, "free": free, "usage": kv.usage}
+        groups = [{"name": g.name, "sliding_window": g.sliding_window, "layers": list(g.layer_ids), "total": total,
+                   "used": n, "free": free, "usage": n / max(1, total)}
+                  for g, n in zip(kv.groups, kv.num_used_blocks_per_group())]
         reqs = []
         for req in list(sched.running) + list(sched.waiting):
             reqs.append({
                 "id": req.request_id, "state": "running" if req.status == RequestStatus.RUNNING else "waiting",
                 "prompt_tokens": req.num_prompt_tokens, "cached_tokens": 0, "generated_tokens": req.num_output_tokens,
                 "blocks": kv.num_blocks_held(req.request_id), "block_table": kv.get_block_table(req.request_id),
+                "block_tables": kv.get_block_tables(req.request_id),
                 "ttft_s": None if req.first_token_time is None else req.first_token_time - req.arrival_time,
                 "age_s": now - req.arrival_time, "preemptions": 0,
             })
@@ -270,7 +273,7 @@ class EngineLoop:
             "kv_cache_dtype": eng.config.dtype if kv_dtype in (None, "auto") else kv_dtype,
             "uptime_s": now - self.started_at,
             "kv_cache": {"block_size": kv.block_size, "num_blocks": kv.num_blocks, "total": total, "used": used,
-                         "cached_free": 0, "free": free, "usage": kv.usage, "groups": [group]},
+                         "cached_free": 0, "free": free, "usage": kv.usage, "groups": groups},
             "block_map": {"encoding": "rle", "runs": rle(kv.block_pool.block_states())},
             "prefix_cache": {"queries": 0, "hits": 0},
             "scheduler": {"running": len(sched.running), "waiting": len(sched.waiting), "preempted": 0},

@@ -4,6 +4,11 @@ bytes/token = 2 · layers · kv_heads · (head_dim · bytes_per_element + scale_
 8-bit formats store one float32 scale per (token, KV head) for K and for V (the scale layout
 of :mod:`llmd.quant.kv`). SmolLM2 (30 layers, 3 KV heads × 64): 23,040 B/token in 16-bit,
 12,240 with int8/fp8 + float32 scales (1.88× the tokens in the same memory).
+
+With KV cache groups (:mod:`llmd.daemon.kv.groups`) one block holds ``block_size`` tokens of
+``group_size`` layers, and a sequence needs, per group, every block (full attention) or at
+most the window bound (sliding window). Gemma 3 270M in 16-bit: 18,432 B/token if every
+layer were global; a 32,768-token sequence needs ≈ 109 MB in the hybrid layout, 604 MB without.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmd.daemon.kv.groups import KVCacheGroupSpec, make_kv_cache_groups
 from llmd.models.config import ModelConfig
 from llmd.quant.kv import get_format
 
@@ -25,10 +31,10 @@ class KVSizeRow:
 
     Attributes:
         name: format name.
-        bytes_per_token: KV bytes per token (scales included).
-        bytes_per_sequence: bytes for one ``context``-token sequence.
-        num_blocks: ``floor(memory / (block_size × bytes_per_token))``.
-        sequences: full-context sequences that fit (``num_blocks × block_size / context``).
+        bytes_per_token: KV bytes per token if every layer kept every token (scales included).
+        bytes_per_sequence: bytes one ``context``-token sequence really holds (window bounds applied).
+        num_blocks: ``floor(memory / block_bytes)``.
+        sequences: full-context sequences that fit (``num_blocks / blocks per sequence``).
     """
 
     name: str
@@ -38,26 +44,70 @@ class KVSizeRow:
     sequences: float
 
 
-def kv_bytes_per_token(cfg: ModelConfig, element_bytes: int, scale_bytes: int = 0) -> int:
-    """2 · layers · kv_heads · (head_dim · element_bytes + scale_bytes), in bytes."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim * element_bytes + scale_bytes)
+def kv_bytes_per_token(cfg: ModelConfig, element_bytes: int, scale_bytes: int = 0, num_layers: int | None = None) -> int:
+    """2 · layers · kv_heads · (head_dim · element_bytes + scale_bytes), in bytes
+    (``num_layers`` defaults to all of the model's layers)."""
+    layers = cfg.num_layers if num_layers is None else num_layers
+    return 2 * layers * cfg.num_kv_heads * (cfg.head_dim * element_bytes + scale_bytes)
 
 
 def kv_cache_bytes_per_token(cfg: ModelConfig, kv_cache_dtype: str, model_dtype: torch.dtype) -> int:
-    """Bytes per token of the cache ``--kv-cache-dtype`` allocates (scales included)."""
+    """Bytes per token of all layers in the cache ``--kv-cache-dtype`` allocates (scales included)."""
     fmt = get_format(kv_cache_dtype)
     return kv_bytes_per_token(cfg, fmt.bytes_per_element(model_dtype), fmt.scale_bytes)
 
 
-def kv_size_rows(cfg: ModelConfig, context: int, memory: int, block_size: int) -> list[KVSizeRow]:
+def kv_block_bytes(cfg: ModelConfig, groups: list[KVCacheGroupSpec], block_size: int, element_bytes: int,
+                   scale_bytes: int = 0) -> int:
+    """Bytes of one block: ``block_size`` tokens of ``group_size`` layers (the largest group)."""
+    group_size = max(len(g.layer_ids) for g in groups)
+    return block_size * kv_bytes_per_token(cfg, element_bytes, scale_bytes, group_size)
+
+
+def blocks_per_sequence(groups: list[KVCacheGroupSpec], num_tokens: int, block_size: int, chunk_size: int) -> int:
+    """Most blocks one ``num_tokens``-token sequence holds at once, over all groups."""
+    return sum(g.max_blocks(num_tokens, block_size, chunk_size) for g in groups)
+
+
+def kv_size_rows(cfg: ModelConfig, context: int, memory: int, block_size: int, hybrid: bool = True,
+                 chunk_size: int = 1) -> list[KVSizeRow]:
     """Capacity of a ``memory``-byte KV cache for each format in :data:`KV_FORMATS`.
 
     Args:
         context: tokens per sequence; memory: bytes; block_size: tokens per block.
+        hybrid: group sliding-window layers apart (False: every layer keeps every token).
+        chunk_size: prefill chunk in tokens for the window bound (1 = decode).
     """
+    groups = make_kv_cache_groups(cfg.sliding_window or (None,) * cfg.num_layers, hybrid)
+    per_seq = blocks_per_sequence(groups, context, block_size, chunk_size)
     rows = []
     for name, elem, scale in KV_FORMATS:
-        bpt = kv_bytes_per_token(cfg, elem, scale)
-        blocks = memory // (block_size * bpt)
-        rows.append(KVSizeRow(name, bpt, bpt * context, blocks, blocks * block_size / context))
+        block = kv_block_bytes(cfg, groups, block_size, elem, scale)
+        blocks = memory // block
+        rows.append(KVSizeRow(name, kv_bytes_per_token(cfg, elem, scale), block * per_seq, blocks, blocks / per_seq))
     return rows
+
+
+def group_summary(groups: list[KVCacheGroupSpec], block_size: int) -> str:
+    """One line naming each group, its layers and (for windows) its per-sequence block bound."""
+    parts = []
+    for g in groups:
+        bound = "" if g.sliding_window is None else f", <= {g.max_blocks(10**9, block_size, 1)} blocks/seq in decode"
+        parts.append(f"{g.name} (layers {_ranges(g.layer_ids)}{bound})")
+    return f"{len(groups)} KV cache group{'s' if len(groups) != 1 else ''}: " + "; ".join(parts)
+
+
+def _ranges(ids: tuple[int, ...]) -> str:
+    """``(0, 1, 2, 4)`` → ``"0-2,4"``."""
+    out: list[str] = []
+    for i in ids:
+        if out and _last(out[-1]) == i - 1:
+            first = out[-1].split("-")[0]
+            out[-1] = f"{first}-{i}"
+        else:
+            out.append(str(i))
+    return ",".join(out)
+
+
+def _last(run: str) -> int:
+    return int(run.split("-")[-1])

@@ -14,7 +14,8 @@
     model           served model id;  kv_cache_dtype  str;  uptime_s  float (seconds)
     kv_cache        {block_size, num_blocks (incl. null block 0), total (usable), used,
                      cached_free (0 until prefix caching), free, usage (0..1 fraction),
-                     groups: [{name, total, used, free, usage}]}
+                     groups: [{name, sliding_window (tokens or null), layers, total (shared
+                               pool), used (blocks this group's tables hold), free, usage}]}
     block_map       {encoding: "rle", runs: [[state, count], ...]} over block ids 0..N-1,
                     states "null" / "free" / "used"; with ``?cells=K`` instead
                     {encoding: "cells", cells: [used fraction of each of K equal ranges]}
@@ -24,7 +25,8 @@
     counters        {prompt_tokens, generation_tokens, requests_finished: {stop, length, abort},
                      requests_rejected, num_preemptions}
     requests        [{id, state ("waiting"/"running"), prompt_tokens, cached_tokens,
-                      generated_tokens, blocks, block_table, ttft_s (null before the first
+                      generated_tokens, blocks (all groups), block_table (group 0),
+                      block_tables (per group; 0 = null block), ttft_s (null before the first
                       token), age_s, preemptions}]
 """
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from llmd.daemon.kv import KVCacheGroupSpec, layer_placement, make_kv_cache_groups
 from llmd.daemon.request import Request
 from llmd.daemon.sampler import Sampler, SamplerOutput
 from llmd.daemon.scheduler import SchedulerOutput
@@ -21,8 +22,27 @@ from llmd.quant.kv import PagedKVCache, get_format
 
 
 def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """Shape of one layer's cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``."""
+    """Shape of one cache tensor: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``."""
     return (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+
+
+def build_metadata(out: SchedulerOutput, group: int, block_size: int, device: torch.device,
+                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor, query_lens: list[int],
+                   seq_lens_cpu: list[int], backend: str) -> AttentionMetadata:
+    """One KV cache group's :class:`AttentionMetadata`: its block tables ``[B, max_blocks]``
+    int32 (0-padded) and slot mapping ``[T]`` int64 (``block_id * block_size + offset``)."""
+    bs = block_size
+    tables_py = [s.block_tables[group] for s in out.scheduled]
+    tables = torch.zeros(len(tables_py), max(len(t) for t in tables_py), dtype=torch.int32)
+    slots: list[int] = []
+    for b, (s, table) in enumerate(zip(out.scheduled, tables_py)):
+        tables[b, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        slots.extend(table[p // bs] * bs + p % bs for p in range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens))
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device), block_tables=tables.to(device),
+        query_start_loc=query_start_loc, seq_lens=seq_lens, query_lens_cpu=query_lens, seq_lens_cpu=seq_lens_cpu,
+        block_size=bs, attn_backend=backend,
+    )
 
 
 class ModelRunner:
@@ -37,50 +57,51 @@ class ModelRunner:
         kv_cache_dtype: "auto", "int8", "fp8_e4m3" or "fp8_e5m2".
         kv_scales: static (k_scale, v_scale) per-tensor scales, or None for dynamic scales.
         attention_backend: "torch" or "triton" (set on every step's AttentionMetadata).
+        kv_cache_groups: the KV cache groups (default: every layer in one full-attention group).
 
     Attributes:
+        caches: the ``group_size`` physical caches; layer ``k`` of every group uses ``caches[k]``
+            (:func:`llmd.daemon.kv.layer_placement`).
+        layer_caches: per layer, the :class:`PagedKVCache` (data + scales + format) the model reads.
         kv_caches: per layer, the data tensor ``[2, num_blocks, block_size, kv_heads, head_dim]``.
         kv_scales: per layer, float32 ``[2, num_blocks, block_size, kv_heads]`` or None (auto).
-        layer_caches: per layer, the :class:`PagedKVCache` (data + scales + format) the model reads.
     """
 
     def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device: str | torch.device,
                  kv_cache_dtype: str = "auto", kv_scales: tuple[float, float] | None = None,
-                 attention_backend: str = "torch"):
+                 attention_backend: str = "torch", kv_cache_groups: list[KVCacheGroupSpec] | None = None):
         self.model = model
         self.config: ModelConfig = model.config
         self.block_size = block_size
         self.device = torch.device(device)
         self.attention_backend = attention_backend
+        self.groups = kv_cache_groups or make_kv_cache_groups((None,) * self.config.num_layers)
+        group_size, placement = layer_placement(self.groups)
+        self.layer_group = [placement[i][0] for i in range(self.config.num_layers)]
         shape = kv_cache_shape(self.config, num_blocks, block_size)
         fmt = get_format(kv_cache_dtype)
-        self.layer_caches = [PagedKVCache.allocate(shape, fmt, kv_dtype, self.device, kv_scales) for _ in range(self.config.num_layers)]
+        self.caches = [PagedKVCache.allocate(shape, fmt, kv_dtype, self.device, kv_scales) for _ in range(group_size)]
+        self.layer_caches = [self.caches[placement[i][1]] for i in range(self.config.num_layers)]
         self.kv_caches = [c.data for c in self.layer_caches]
         self.kv_scales = [c.scales for c in self.layer_caches]
         self.sampler = Sampler()
 
-    def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata | list[AttentionMetadata], list[int]]:
         """Flatten a step into model inputs.
 
         Returns:
-            ``input_ids [T] int64``, ``positions [T] int64``, the :class:`AttentionMetadata`,
-            and ``logits_indices``: the flat index of the last token of each sequence that samples.
+            ``input_ids [T] int64``, ``positions [T] int64``, the attention metadata (one
+            :class:`AttentionMetadata` with a single KV cache group, else a list with one per
+            layer: its group's block tables and slot mapping), and ``logits_indices``: the flat
+            index of the last token of each sequence that samples.
         """
-        bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         qlens, seq_lens, logits_indices = [], [], []
-        max_blocks = max(len(s.block_table) for s in out.scheduled)
-        tables = torch.zeros(len(out.scheduled), max_blocks, dtype=torch.int32)
-        for b, s in enumerate(out.scheduled):
+        for s in out.scheduled:
             start, n = s.num_computed_tokens, s.num_new_tokens
             ids.extend(s.token_ids)
-            pos = range(start, start + n)
-            positions.extend(pos)
-            table = s.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            tables[b, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            positions.extend(range(start, start + n))
             qlens.append(n)
             seq_lens.append(start + n)
             if s.sample:
@@ -89,16 +110,11 @@ class ModelRunner:
         for n in qlens:
             qsl.append(qsl[-1] + n)
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=tables.to(dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_lens_cpu=qlens,
-            seq_lens_cpu=seq_lens,
-            block_size=bs,
-            attn_backend=self.attention_backend,
-        )
+        qsl_t = torch.tensor(qsl, dtype=torch.int32, device=dev)
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+        metas = [build_metadata(out, g, self.block_size, dev, qsl_t, seq_lens_t, qlens, seq_lens, self.attention_backend)
+                 for g in range(len(self.groups))]
+        meta = metas[0] if len(metas) == 1 else [metas[g] for g in self.layer_group]
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
         return input_ids, pos_t, meta, logits_indices

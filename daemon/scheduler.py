@@ -6,9 +6,13 @@ while the token budget, ``max_num_seqs`` and the KV pool allow (Orca, Yu et al. 
 vLLM v1 ``vllm/v1/core/sched/scheduler.py``). A prompt longer than the remaining budget is
 prefilled in chunks over several steps while the others keep decoding.
 
-Until preemption exists, admission reserves ``ceil((prompt + max_tokens) / block_size)``
-blocks so a running request never runs out of KV space. The scheduler returns plain data
-and never touches tensors.
+Blocks are allocated step by step as tokens are computed (sliding-window groups free the
+blocks that fell out of their window at the same time). Until preemption exists, admission
+counts each running request's peak: the most blocks it can ever hold over all KV cache
+groups (``ceil((prompt + max_tokens) / block_size)`` for full attention, the window bound
+for sliding windows, :meth:`KVCacheGroupSpec.max_blocks`), and admits a request only while
+the peaks fit in the pool, so a running request never runs out of KV space. The scheduler
+returns plain data and never touches tensors.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ class ScheduledRequest:
         request_id: the request.
         token_ids: the tokens to compute this step (``num_new_tokens`` of them).
         num_computed_tokens: tokens already in the KV cache before this step (= first position).
-        block_table: block ids covering at least ``num_computed_tokens + len(token_ids)`` tokens.
+        block_tables: per KV cache group, block ids covering at least
+            ``num_computed_tokens + len(token_ids)`` tokens (0 = null block where a sliding
+            window dropped a block).
         sample: True when this step reaches the end of the request's known tokens, so a new
             token is sampled from the last position's logits.
         is_prefill: True while the prompt is not fully computed.
@@ -37,9 +43,14 @@ class ScheduledRequest:
     request_id: str
     token_ids: list[int]
     num_computed_tokens: int
-    block_table: list[int]
+    block_tables: list[list[int]]
     sample: bool
     is_prefill: bool
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first group's block table (the only one for full-attention-only models)."""
+        return self.block_tables[0]
 
     @property
     def num_new_tokens(self) -> int:
@@ -86,11 +97,18 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # request_id -> peak blocks reserved for a running request (see module docstring)
+        self.reserved_blocks: dict[str, int] = {}
 
     # ---- admission ----------------------------------------------------------------
     def reserved_tokens(self, req: Request) -> int:
         """Tokens reserved at admission: prompt + max_tokens (max_tokens resolved by the engine)."""
         return req.num_prompt_tokens + req.sampling_params.max_tokens
+
+    def peak_blocks(self, req: Request) -> int:
+        """Most blocks ``req`` can hold at once, summed over KV cache groups."""
+        n = self.reserved_tokens(req)
+        return sum(g.max_blocks(n, self.kv.block_size, self.max_num_batched_tokens) for g in self.kv.groups)
 
     def add_request(self, req: Request) -> None:
         """Queue a request. Its ``sampling_params.max_tokens`` must already be resolved.
@@ -100,7 +118,7 @@ class Scheduler:
         """
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        needed = -(-self.reserved_tokens(req) // self.kv.block_size)
+        needed = self.peak_blocks(req)
         if needed > self.kv.num_usable_blocks:
             raise ValueError(
                 f"request needs {needed} KV blocks ({self.reserved_tokens(req)} tokens of prompt + max_tokens) "
@@ -122,6 +140,7 @@ class Scheduler:
             except ValueError:
                 pass
         req.status = status
+        self.reserved_blocks.pop(request_id, None)
         self.kv.free(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -131,11 +150,13 @@ class Scheduler:
     def _schedule_one(self, req: Request, budget: int) -> ScheduledRequest:
         num_new = min(req.num_tokens - req.num_computed_tokens, budget)
         start = req.num_computed_tokens
+        if self.kv.allocate_slots(req.request_id, start + num_new, start) is None:
+            raise RuntimeError(f"KV pool exhausted for {req.request_id!r} despite its reservation (bug)")
         return ScheduledRequest(
             request_id=req.request_id,
             token_ids=req.all_token_ids[start : start + num_new],
             num_computed_tokens=start,
-            block_table=self.kv.get_block_table(req.request_id),
+            block_tables=self.kv.get_block_tables(req.request_id),
             sample=start + num_new == req.num_tokens,
             is_prefill=start < req.num_prompt_tokens,
         )
@@ -153,8 +174,10 @@ class Scheduler:
             out.scheduled.append(s)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            if self.kv.allocate_slots(req.request_id, self.reserved_tokens(req)) is None:
+            peak = self.peak_blocks(req)
+            if sum(self.reserved_blocks.values()) + peak > self.kv.num_usable_blocks:
                 break  # head-of-line: FCFS order is kept
+            self.reserved_blocks[req.request_id] = peak
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)

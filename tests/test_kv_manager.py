@@ -175,10 +175,10 @@ def test_check_integrity_detects_corruption():
         m.check_integrity()
     m.block_pool.blocks[1].ref_cnt = 1
     m.check_integrity()
-    m.req_to_blocks["a"].append(m.block_pool.null_block)
+    m.req_to_blocks["a"][0].append(m.block_pool.null_block)
     with pytest.raises(AssertionError, match="null block"):
         m.check_integrity()
-    m.req_to_blocks["a"].pop()
+    m.req_to_blocks["a"][0].pop()
     blk = m.block_pool.free_block_queue.get_all_free_blocks()[0]
     blk.next_free_block.prev_free_block = None
     with pytest.raises(AssertionError):

@@ -20,7 +20,7 @@ def schedule_whole(engine, prompts: list[list[int]]) -> SchedulerOutput:
     for i, ids in enumerate(prompts):
         rid = f"ref-{i}"
         assert engine.kv_manager.allocate_slots(rid, len(ids)) is not None
-        out.scheduled.append(ScheduledRequest(rid, ids, 0, engine.kv_manager.get_block_table(rid), True, True))
+        out.scheduled.append(ScheduledRequest(rid, ids, 0, engine.kv_manager.get_block_tables(rid), True, True))
     return out
 
 

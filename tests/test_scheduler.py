@@ -113,8 +113,12 @@ class Harness:
         tables = [set(kv.get_block_table(r.request_id)) for r in s.running]
         assert sum(map(len, tables)) == len(set().union(*tables)), "a block is in two block tables"
         assert set(kv.request_ids()) == {r.request_id for r in s.running}, "blocks held by a non-running request"
-        for r in s.running:  # admission reserved prompt + max_tokens
-            assert kv.num_blocks_held(r.request_id) == blocks_for(s.reserved_tokens(r), kv.block_size)
+        # admission reserved each running request's peak (prompt + max_tokens); blocks are
+        # allocated as tokens are computed
+        assert sum(s.reserved_blocks[r.request_id] for r in s.running) <= kv.num_usable_blocks
+        for r in s.running:
+            assert s.reserved_blocks[r.request_id] == blocks_for(s.reserved_tokens(r), kv.block_size)
+            assert kv.num_blocks_held(r.request_id) == blocks_for(r.num_computed_tokens, kv.block_size)
             assert r.status == RequestStatus.RUNNING
         for r in s.waiting:
             assert r.status == RequestStatus.WAITING and kv.num_blocks_held(r.request_id) == 0
@@ -233,14 +237,14 @@ def test_finished_request_blocks_reused_by_waiting_request():
     b = h.add(make_req("b", prompt_of(3, 2), 9))  # 12 tokens -> 3 blocks
     out, _ = h.step()
     assert sched_ids(out) == ["a"]  # b is blocked by the pool
-    a_blocks = set(h.kv.get_block_table("a"))
-    assert len(a_blocks) == 3 and h.kv.num_free_blocks == 0
+    assert h.sched.reserved_blocks == {"a": 3}
     while not a.is_finished:
+        a_blocks = set(h.kv.get_block_table("a"))  # grows as tokens are computed
         out, _ = h.step()
         assert sched_ids(out) == ["a"]
-    assert h.kv.num_used_blocks == 0
+    assert len(a_blocks) == 3 and h.kv.num_used_blocks == 0
     out, _ = h.step()
-    assert sched_ids(out) == ["b"] and set(out.scheduled[0].block_table) == a_blocks
+    assert sched_ids(out) == ["b"] and set(out.scheduled[0].block_table) <= a_blocks
     h.run_to_completion()
     assert a.output_token_ids == reference(a.prompt_token_ids, 5)[0]
     assert b.output_token_ids == reference(b.prompt_token_ids, 9)[0]
@@ -323,7 +327,7 @@ def test_head_of_line_blocking():
     b = h.add(make_req("b", prompt_of(8, 2), 16))  # 6 blocks: does not fit next to a
     c = h.add(make_req("c", prompt_of(2, 3), 2))   # 1 block: would fit, but must wait behind b
     out, _ = h.step()
-    assert sched_ids(out) == ["a"] and h.kv.num_free_blocks == 4
+    assert sched_ids(out) == ["a"] and h.kv.num_usable_blocks - sum(h.sched.reserved_blocks.values()) == 4
     while not a.is_finished:
         out, _ = h.step()
         assert sched_ids(out) == ["a"], "a later request overtook a blocked earlier one"
@@ -343,7 +347,8 @@ def test_admission_reserves_prompt_plus_max_tokens(prompt_len, max_tokens):
     h = Harness(num_blocks=64, block_size=bs, budget=3)  # small budget: only a chunk is scheduled
     h.add(make_req("r", prompt_of(prompt_len), max_tokens))
     out = h.schedule()
-    want = blocks_for(prompt_len + max_tokens, bs)
+    assert h.sched.reserved_blocks["r"] == blocks_for(prompt_len + max_tokens, bs)
+    want = blocks_for(min(prompt_len, 3), bs)  # allocated: only what this step computes
     assert h.kv.num_blocks_held("r") == want == len(out.scheduled[0].block_table)
     assert h.kv.num_used_blocks == want
     h.sched.update_from_output(out, h.runner.execute(out))
@@ -458,7 +463,7 @@ def test_abort_running_request_frees_blocks_and_admits_next():
     b = h.add(make_req("b", prompt_of(2, 2), 3))
     h.step()
     h.step()
-    assert h.kv.num_used_blocks == 4 and [r.request_id for r in h.sched.waiting] == ["b"]
+    assert h.sched.reserved_blocks == {"a": 4} and [r.request_id for r in h.sched.waiting] == ["b"]
     n_out = a.num_output_tokens
     h.sched.finish_request("a", RequestStatus.FINISHED_ABORTED)
     assert a.status == RequestStatus.FINISHED_ABORTED and h.kv.num_used_blocks == 0
