@@ -72,6 +72,8 @@ def engine_options(fn):
         click.option("--kv-scales", default=None, callback=parse_kv_scales_option, help="Static per-tensor KV scales k,v (vLLM convention: stored = x / scale); default: dynamic."),
         click.option("--attention-backend", type=click.Choice(["torch", "triton"]), default=None, help="Attention ops (default: triton on CUDA, torch on CPU)."),
         click.option("--disable-hybrid-kv-cache-manager", is_flag=True, default=False, help="Keep every block of sliding-window layers (one full-attention KV cache group), as vLLM's flag."),
+        click.option("--enable-prefix-caching/--no-prefix-caching", default=True, show_default=True, help="Reuse the KV of cached full blocks across requests (block-chain hashes)."),
+        click.option("--prefix-cache-seed", default=None, type=int, help="Seed of the block-hash chain root (default: random per daemon; for tests)."),
     ]
     for o in reversed(opts):
         fn = o(fn)

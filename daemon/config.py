@@ -35,6 +35,9 @@ class EngineConfig:
         disable_hybrid_kv_cache_manager: put every layer in one full-attention KV cache group,
             so sliding-window layers keep every block (vLLM's flag of the same name; for
             comparisons). Default False: sliding-window layers free out-of-window blocks.
+        enable_prefix_caching: reuse the KV of cached full blocks across requests (default on;
+            ``--no-prefix-caching``).
+        prefix_cache_seed: seed of the block-hash chain root; ``None`` = random per daemon.
     """
 
     model: str = "smollm2-135m"
@@ -49,6 +52,8 @@ class EngineConfig:
     kv_scales: tuple[float, float] | None = None
     attention_backend: str | None = None
     disable_hybrid_kv_cache_manager: bool = False
+    enable_prefix_caching: bool = True
+    prefix_cache_seed: int | None = None
 
     def resolve(self) -> "EngineConfig":
         """Fill device-dependent defaults and validate. Raises LlmdError naming the bad setting."""

@@ -8,6 +8,7 @@ tokens into safe text (stop strings end a request here).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ class RequestOutput:
         finished: True on the request's last output.
         finish_reason: "stop", "length", "abort" or None.
         num_prompt_tokens, num_output_tokens: token counts so far.
+        num_cached_tokens: prompt tokens served from the prefix cache.
     """
 
     request_id: str
@@ -51,6 +53,7 @@ class RequestOutput:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0
 
 
 def num_kv_blocks(memory: int, block_size: int, block_bytes: int) -> int:
@@ -96,7 +99,11 @@ class Engine:
                 memory = DEFAULT_KV_CACHE_MEMORY_CPU
         self.num_blocks = num_kv_blocks(memory, config.block_size, self.block_bytes)
         self.kv_cache_memory = memory
-        self.kv_manager = KVCacheManager(self.num_blocks, config.block_size, self.kv_cache_groups)
+        self.kv_manager = KVCacheManager(
+            self.num_blocks, config.block_size, self.kv_cache_groups, enable_caching=self.config.enable_prefix_caching,
+            prefix_cache_seed=self.config.prefix_cache_seed, model_id=f"{cfg.name}|{cfg.architecture}|{self.config.dtype}",
+            kv_cache_dtype=f"{self.config.kv_cache_dtype}|{self.config.kv_scales}",
+        )
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(
             model, self.num_blocks, config.block_size, kv_dtype, self.config.device,
@@ -144,13 +151,24 @@ class Engine:
         return f"{c.kv_cache_dtype} + {scales}; attention {c.attention_backend}"
 
     # ---- requests -----------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
+                    cache_salt: str | None = None) -> str:
         """Tokenize (if text), validate and queue a request; returns its id.
 
         Raises:
             LlmdError: empty prompt, prompt longer than ``max_model_len``, prompt + max_tokens
                 beyond ``max_model_len``, a request that can never fit in the KV pool, or a
                 bad sampling parameter.
+        """
+        return self.add_parallel_request(prompt, params, [request_id or f"req-{next(self._ids)}"], cache_salt)[0]
+
+    def add_parallel_request(self, prompt: str | list[int], params: SamplingParams | None, request_ids: list[str],
+                             cache_salt: str | None = None) -> list[str]:
+        """Queue ``len(request_ids)`` sequences of one prompt (parallel sampling, OpenAI ``n``).
+
+        The prompt is prefilled once; the siblings then share its blocks by reference count
+        and sample with generators derived from (seed, sibling index, output position).
+        Raises LlmdError as :meth:`add_request`.
         """
         params = params or SamplingParams()
         try:
@@ -171,17 +189,20 @@ class Engine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {len(ids) + params.max_tokens} "
                 f"exceeds the context of {self.max_model_len} tokens"
             )
-        rid = request_id or f"req-{next(self._ids)}"
-        if rid in self.scheduler.requests:
-            raise LlmdError(f"request id {rid!r} is already in use")
         eos = frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
-        req = Request(rid, ids, params, eos_token_ids=eos)
+        reqs = [Request(rid, list(ids), dataclasses.replace(params), eos_token_ids=eos, cache_salt=cache_salt,
+                        sibling_index=i) for i, rid in enumerate(request_ids)]
         try:
-            self.scheduler.add_request(req)
+            self.scheduler.add_request(reqs[0], reqs[1:])
         except ValueError as e:
             raise LlmdError(str(e)) from None
-        self.detokenizers[rid] = IncrementalDetokenizer(self.tokenizer.hf, ids, params.stop)
-        return rid
+        for rid in request_ids:
+            self.detokenizers[rid] = IncrementalDetokenizer(self.tokenizer.hf, ids, params.stop)
+        return list(request_ids)
+
+    def reset_prefix_cache(self) -> int:
+        """Drop cached blocks that are free (blocks in use stay); returns how many."""
+        return self.kv_manager.reset_prefix_cache()
 
     def abort(self, request_id: str) -> bool:
         """Abort a request and free its blocks; returns False if it was not live."""
@@ -202,8 +223,13 @@ class Engine:
         if not sched:
             return []
         reqs = {s.request_id: self.scheduler.requests[s.request_id] for s in sched.scheduled}
-        sampling = [reqs[s.request_id] for s in sched.scheduled if s.sample]
-        result = self.runner.execute(sched, sampling)
+        sampling, rows = [], []
+        for row, s in enumerate([s for s in sched.scheduled if s.sample]):
+            leader = reqs[s.request_id]
+            for r in (leader, *leader.followers):  # followers fork now: same logits row
+                sampling.append(r)
+                rows.append(row)
+        result = self.runner.execute(sched, sampling, rows)
         sampled, logprobs = {}, {}
         if result is not None:
             for req, tok, lp in zip(sampling, result.sampled_token_ids, result.logprobs):
@@ -233,6 +259,7 @@ class Engine:
             finish_reason=req.status.finish_reason,
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=req.num_cached_tokens,
         )
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:

@@ -93,7 +93,7 @@ class EngineLoop:
         self._thread.join(timeout)
 
     def submit(self, parent_id: str, prompt: str | list[int] | list[dict], params: list[SamplingParams], sink: Sink,
-               chat: bool = False) -> cf.Future:
+               chat: bool = False, cache_salt: str | None = None) -> cf.Future:
         """Queue one request of ``len(params)`` independent sequences (ids ``{parent_id}-{i}``).
 
         ``prompt`` is text, token ids, or (``chat=True``) a list of chat messages rendered
@@ -101,13 +101,19 @@ class EngineLoop:
         or raises :class:`LlmdError` (nothing was queued then).
         """
         fut: cf.Future = cf.Future()
-        self._cmds.put(("submit", parent_id, prompt, params, sink, chat, fut))
+        self._cmds.put(("submit", parent_id, prompt, params, sink, chat, cache_salt, fut))
         return fut
 
     def abort(self, request_id: str) -> cf.Future:
         """Abort a request (parent id: all its sequences). Future → True if something was live."""
         fut: cf.Future = cf.Future()
         self._cmds.put(("abort", request_id, fut))
+        return fut
+
+    def reset_prefix_cache(self) -> cf.Future:
+        """Drop cached-but-free blocks (``POST /v1/cache/reset``). Future → how many."""
+        fut: cf.Future = cf.Future()
+        self._cmds.put(("reset_prefix_cache", fut))
         return fut
 
     def abort_all(self) -> cf.Future:
@@ -160,6 +166,8 @@ class EngineLoop:
                 result = self._submit(*cmd[1:-1])
             elif kind == "abort":
                 result = self._abort_ids(self._groups.get(cmd[1], [cmd[1]]))
+            elif kind == "reset_prefix_cache":
+                result = self.engine.reset_prefix_cache()
             else:  # abort_all
                 result = self._abort_ids(list(self._sinks))
             _resolve(fut, result=result)
@@ -171,7 +179,7 @@ class EngineLoop:
             _resolve(fut, exc=e)
         self._publish_snapshot()
 
-    def _submit(self, parent_id, prompt, params, sink, chat):
+    def _submit(self, parent_id, prompt, params, sink, chat, cache_salt=None):
         tok = self.engine.tokenizer
         if chat:
             ids = tok.apply_chat(prompt)
@@ -179,16 +187,9 @@ class EngineLoop:
             ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if parent_id in self._groups:
             raise LlmdError(f"request id {parent_id!r} is already in use")
-        children = []
-        try:
-            for i, p in enumerate(params):
-                rid = f"{parent_id}-{i}"
-                self.engine.add_request(ids, dataclasses.replace(p), rid)
-                children.append(rid)
-        except LlmdError:
-            for rid in children:
-                self.engine.abort(rid)
-            raise
+        # one prompt, n sequences: prefilled once, then forked (parallel sampling)
+        children = self.engine.add_parallel_request(
+            ids, dataclasses.replace(params[0]), [f"{parent_id}-{i}" for i in range(len(params))], cache_salt)
         for rid in children:
             self._sinks[rid] = sink
             if self.metrics is not None:
@@ -251,7 +252,8 @@ class EngineLoop:
         while self._rate_log and now - self._rate_log[0][0] > RATE_WINDOW_S:
             self._rate_log.popleft()
         span = max(1e-9, min(RATE_WINDOW_S, now - self.started_at))
-        total, used, free = kv.num_usable_blocks, kv.num_used_blocks, kv.num_free_blocks
+        cached_free = kv.block_pool.num_cached_free_blocks
+        total, used, free = kv.num_usable_blocks, kv.num_used_blocks, kv.num_free_blocks - cached_free
         groups = [{"name": g.name, "sliding_window": g.sliding_window, "layers": list(g.layer_ids), "total": total,
                    "used": n, "free": free, "usage": n / max(1, total)}
                   for g, n in zip(kv.groups, kv.num_used_blocks_per_group())]
@@ -259,7 +261,7 @@ class EngineLoop:
         for req in list(sched.running) + list(sched.waiting):
             reqs.append({
                 "id": req.request_id, "state": "running" if req.status == RequestStatus.RUNNING else "waiting",
-                "prompt_tokens": req.num_prompt_tokens, "cached_tokens": 0, "generated_tokens": req.num_output_tokens,
+                "prompt_tokens": req.num_prompt_tokens, "cached_tokens": req.num_cached_tokens, "generated_tokens": req.num_output_tokens,
                 "blocks": kv.num_blocks_held(req.request_id), "block_table": kv.get_block_table(req.request_id),
                 "block_tables": kv.get_block_tables(req.request_id),
                 "ttft_s": None if req.first_token_time is None else req.first_token_time - req.arrival_time,
@@ -273,9 +275,10 @@ class EngineLoop:
             "kv_cache_dtype": eng.config.dtype if kv_dtype in (None, "auto") else kv_dtype,
             "uptime_s": now - self.started_at,
             "kv_cache": {"block_size": kv.block_size, "num_blocks": kv.num_blocks, "total": total, "used": used,
-                         "cached_free": 0, "free": free, "usage": kv.usage, "groups": groups},
+                         "cached_free": cached_free, "free": free, "usage": kv.usage, "groups": groups},
             "block_map": {"encoding": "rle", "runs": rle(kv.block_pool.block_states())},
-            "prefix_cache": {"queries": 0, "hits": 0},
+            "prefix_cache": {"queries": kv.prefix_cache_queries, "hits": kv.prefix_cache_hits,
+                             "enabled": kv.enable_caching, "evictions": kv.block_pool.num_evictions},
             "scheduler": {"running": len(sched.running), "waiting": len(sched.waiting), "preempted": 0},
             "throughput": {"prompt_tokens_per_s": sum(r[1] for r in self._rate_log) / span,
                            "generation_tokens_per_s": sum(r[2] for r in self._rate_log) / span},

@@ -46,12 +46,12 @@ def teacher_forced_logits(engine: Engine, ids: list[int], chunk: int = 64) -> to
     if mgr.allocate_slots(rid, len(ids)) is None:
         raise RuntimeError(f"KV pool too small for {len(ids)} tokens")
     try:
-        table = mgr.get_block_table(rid)
+        tables = mgr.get_block_tables(rid)
         out = []
         for start in range(0, len(ids), chunk):
             piece = ids[start : start + chunk]
             sched = SchedulerOutput()
-            sched.scheduled.append(ScheduledRequest(rid, piece, start, table, True, True))
+            sched.scheduled.append(ScheduledRequest(rid, piece, start, tables, True, True))
             input_ids, positions, meta, _ = runner.prepare_inputs(sched)
             hidden = runner.model(input_ids, positions, runner.layer_caches, meta)
             out.append(runner.model.compute_logits(hidden).float().cpu())

@@ -13,13 +13,15 @@
     schema_version  int (1)
     model           served model id;  kv_cache_dtype  str;  uptime_s  float (seconds)
     kv_cache        {block_size, num_blocks (incl. null block 0), total (usable), used,
-                     cached_free (0 until prefix caching), free, usage (0..1 fraction),
+                     cached_free (unused blocks still holding cached KV, evictable), free
+                     (unused, no cached KV; used + cached_free + free == total), usage (0..1,
+                     used / total),
                      groups: [{name, sliding_window (tokens or null), layers, total (shared
                                pool), used (blocks this group's tables hold), free, usage}]}
     block_map       {encoding: "rle", runs: [[state, count], ...]} over block ids 0..N-1,
-                    states "null" / "free" / "used"; with ``?cells=K`` instead
+                    states "null" / "free" / "cached" (free, evictable) / "used"; with ``?cells=K`` instead
                     {encoding: "cells", cells: [used fraction of each of K equal ranges]}
-    prefix_cache    {queries, hits}  (tokens; 0 until prefix caching lands)
+    prefix_cache    {queries, hits (tokens), enabled (bool), evictions (blocks)}
     scheduler       {running, waiting, preempted}
     throughput      {prompt_tokens_per_s, generation_tokens_per_s}  (over the last ~5 s)
     counters        {prompt_tokens, generation_tokens, requests_finished: {stop, length, abort},

@@ -124,6 +124,11 @@ class Request:
         status: :class:`RequestStatus`.
         arrival_time: ``time.monotonic()`` at creation (seconds).
         first_token_time: monotonic time of the first generated token, for TTFT.
+        cache_salt: optional prefix-cache salt (requests with different salts never share KV).
+        num_cached_tokens: prompt tokens served from the prefix cache at admission.
+        sibling_index: index among the ``n`` sequences of a parallel-sampling request (its
+            draws use generators derived from (seed, sibling_index, output position)).
+        followers: siblings waiting to fork from this request once its prompt is computed.
     """
 
     request_id: str
@@ -136,6 +141,10 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     stop_reason: int | str | None = None
+    cache_salt: str | None = None
+    num_cached_tokens: int = 0
+    sibling_index: int = 0
+    followers: list["Request"] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -51,6 +51,7 @@ class ResponseBuilder:
         self.token_text = token_text
         self.choices = [_Choice() for _ in range(n)]
         self.num_prompt_tokens = 0
+        self.num_cached_tokens = 0
 
     # ---- pieces ---------------------------------------------------------------------
     def usage(self) -> dict:
@@ -58,7 +59,7 @@ class ResponseBuilder:
         completion = sum(c.num_tokens for c in self.choices)
         return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.num_prompt_tokens + completion,
-                "prompt_tokens_details": {"cached_tokens": 0}}
+                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
 
     def _logprobs(self, choice: _Choice, out: RequestOutput) -> dict | None:
         """Logprobs of ``out``'s tokens (and record them in ``choice``); None if not asked."""
@@ -94,6 +95,7 @@ class ResponseBuilder:
         choice.text += out.new_text
         choice.num_tokens = max(choice.num_tokens, out.num_output_tokens)
         self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         if out.finished:
             choice.finish_reason = out.finish_reason
         return choice, lp

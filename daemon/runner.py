@@ -120,22 +120,41 @@ class ModelRunner:
         return input_ids, pos_t, meta, logits_indices
 
     @torch.inference_mode()
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy-on-write: block ``src``'s K/V (and scales) into block ``dst`` in every cache tensor."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        for c in self.caches:
+            c.data[:, dst] = c.data[:, src]
+            if c.scales is not None:
+                c.scales[:, dst] = c.scales[:, src]
+
+    @torch.inference_mode()
     def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run the model; return ``[num_sampling_seqs, vocab]`` float32 logits of the last
-        position of every sequence with ``sample=True`` (batch order)."""
+        """Run the model (after the step's copy-on-write block copies); return
+        ``[num_sampling_seqs, vocab]`` float32 logits of the last position of every sequence
+        with ``sample=True`` (batch order)."""
+        self.copy_blocks(out.blocks_to_copy)
         input_ids, positions, meta, logits_indices = self.prepare_inputs(out)
         hidden = self.model(input_ids, positions, self.layer_caches, meta)
         if not logits_indices:
             return torch.empty(0, self.config.vocab_size)
         return self.model.compute_logits(hidden[torch.tensor(logits_indices, device=hidden.device)]).float().cpu()
 
-    def execute(self, out: SchedulerOutput, requests: Sequence[Request]) -> SamplerOutput | None:
-        """Run one step and sample. ``requests`` are the sampling requests in batch order.
+    def execute(self, out: SchedulerOutput, requests: Sequence[Request],
+                rows: Sequence[int] | None = None) -> SamplerOutput | None:
+        """Run one step and sample. ``requests`` are the sampling requests in batch order;
+        ``rows`` (default ``0..len-1``) picks each one's logits row, so parallel-sampling
+        siblings forking this step can draw from their leader's row.
 
         Returns:
-            The sampler's output (one token per sampling request) or None if none samples.
+            The sampler's output (one token per request) or None if none samples.
         """
         logits = self.compute_logits(out)
         if not requests:
             return None
+        if rows is not None:
+            logits = logits[torch.tensor(list(rows), dtype=torch.long)]
         return self.sampler(logits, requests)

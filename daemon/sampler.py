@@ -65,13 +65,16 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
-def row_seed(seed: int, position: int) -> int:
-    """Mix a request seed and an output position into a 63-bit generator seed.
+def row_seed(seed: int, position: int, sibling: int = 0) -> int:
+    """Mix a request seed, a parallel-sampling sibling index and an output position into a
+    63-bit generator seed.
 
-    ``blake2b(f"{seed}:{position}")`` truncated to 8 bytes, top bit cleared, so neighbouring
-    positions (and seeds) give unrelated streams. Deterministic across processes and runs.
+    ``blake2b(f"{seed}:{position}")`` (``f"{seed}:{sibling}:{position}"`` for siblings > 0)
+    truncated to 8 bytes, top bit cleared, so neighbouring positions, siblings and seeds give
+    unrelated streams. Deterministic across processes and runs.
     """
-    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    key = f"{seed}:{position}" if sibling == 0 else f"{seed}:{sibling}:{position}"
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
@@ -209,7 +212,7 @@ class Sampler:
             probs = (logits if idx is None else logits[idx]).softmax(dim=-1)
             seed = params.seed if params.seed is not None else 0
             gen = torch.Generator(device="cpu")
-            gen.manual_seed(row_seed(seed, len(req.output_token_ids)))
+            gen.manual_seed(row_seed(seed, len(req.output_token_ids), req.sibling_index))
             # Noise only over the survivors: cheaper, and still a function of (seed, i, row).
             q = torch.empty_like(probs).exponential_(generator=gen)
             q.clamp_min_(torch.finfo(torch.float32).tiny)  # no 0/0 on a zero-probability token

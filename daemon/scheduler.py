@@ -62,6 +62,8 @@ class SchedulerOutput:
     """What runs in one step: requests in batch order and the total token count."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
+    #: copy-on-write (src, dst) block pairs to copy before the forward (parallel sampling)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -110,21 +112,32 @@ class Scheduler:
         n = self.reserved_tokens(req)
         return sum(g.max_blocks(n, self.kv.block_size, self.max_num_batched_tokens) for g in self.kv.groups)
 
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Request, followers: list[Request] | tuple = ()) -> None:
         """Queue a request. Its ``sampling_params.max_tokens`` must already be resolved.
 
+        ``followers`` are parallel-sampling siblings with the same prompt: they wait until
+        ``req`` has computed the prompt, then fork its blocks (the prompt is prefilled once)
+        and sample their first token from the same logits.
+
         Raises:
-            ValueError: the id is already live, or the request can never fit in the KV pool, even alone.
+            ValueError: an id is already live, or the request can never fit in the KV pool
+                (or in ``max_num_seqs``), even alone.
         """
-        if req.request_id in self.requests:
-            raise ValueError(f"request id {req.request_id!r} is already in use")
-        needed = self.peak_blocks(req)
+        group = [req, *followers]
+        for r in group:
+            if r.request_id in self.requests or sum(x.request_id == r.request_id for x in group) > 1:
+                raise ValueError(f"request id {r.request_id!r} is already in use")
+        needed = self.peak_blocks(req) * len(group)
         if needed > self.kv.num_usable_blocks:
             raise ValueError(
-                f"request needs {needed} KV blocks ({self.reserved_tokens(req)} tokens of prompt + max_tokens) "
-                f"but the pool has only {self.kv.num_usable_blocks}; lower max_tokens or raise --kv-cache-memory"
+                f"request needs {needed} KV blocks ({len(group)} x {self.reserved_tokens(req)} tokens of prompt + "
+                f"max_tokens) but the pool has only {self.kv.num_usable_blocks}; lower max_tokens or n, or raise --kv-cache-memory"
             )
-        self.requests[req.request_id] = req
+        if len(group) > self.max_num_seqs:
+            raise ValueError(f"n = {len(group)} sequences exceed --max-num-seqs {self.max_num_seqs}")
+        req.followers = list(followers)
+        for r in group:
+            self.requests[r.request_id] = r
         self.waiting.append(req)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> None:
@@ -135,10 +148,19 @@ class Scheduler:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         else:
-            try:
-                self.waiting.remove(req)
-            except ValueError:
-                pass
+            for leader in [*self.waiting, *self.running]:
+                if req in leader.followers:  # a follower that never forked
+                    leader.followers.remove(req)
+            if req in self.waiting:
+                i = self.waiting.index(req)
+                del self.waiting[i]
+                if req.followers:  # promote the next sibling; it prefills the prompt instead
+                    heir, heir.followers = req.followers[0], req.followers[1:]
+                    self.waiting.insert(i, heir)
+        if req.followers and req.status == RequestStatus.RUNNING:
+            heir, heir.followers = req.followers[0], req.followers[1:]
+            self.waiting.appendleft(heir)
+        req.followers = []
         req.status = status
         self.reserved_blocks.pop(request_id, None)
         self.kv.free(request_id)
@@ -147,10 +169,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- one step -----------------------------------------------------------------
-    def _schedule_one(self, req: Request, budget: int) -> ScheduledRequest:
+    def _schedule_one(self, req: Request, budget: int, computed_blocks=None) -> ScheduledRequest:
         num_new = min(req.num_tokens - req.num_computed_tokens, budget)
         start = req.num_computed_tokens
-        if self.kv.allocate_slots(req.request_id, start + num_new, start) is None:
+        if self.kv.allocate_slots(req.request_id, start + num_new, start, computed_blocks) is None:
             raise RuntimeError(f"KV pool exhausted for {req.request_id!r} despite its reservation (bug)")
         return ScheduledRequest(
             request_id=req.request_id,
@@ -174,17 +196,39 @@ class Scheduler:
             out.scheduled.append(s)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            peak = self.peak_blocks(req)
+            n = 1 + len(req.followers)
+            peak = self.peak_blocks(req) * n
             if sum(self.reserved_blocks.values()) + peak > self.kv.num_usable_blocks:
                 break  # head-of-line: FCFS order is kept
+            if len(self.running) + n > self.max_num_seqs:
+                break
+            # look the prefix up now, when it is admitted (never a stale count)
+            num_cached, blocks = self.kv.get_computed_blocks(
+                req.request_id, req.all_token_ids, req.num_prompt_tokens, req.cache_salt)
+            self.kv.record_prefix_lookup(req.num_prompt_tokens, num_cached)
+            req.num_computed_tokens = req.num_cached_tokens = num_cached
             self.reserved_blocks[req.request_id] = peak
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            s = self._schedule_one(req, budget)
+            s = self._schedule_one(req, budget, blocks)
             budget -= s.num_new_tokens
             out.scheduled.append(s)
+        out.blocks_to_copy = self.kv.take_pending_copies()
         return out
+
+    def _fork_followers(self, leader: Request) -> list[Request]:
+        """The leader computed the prompt: its waiting siblings share its blocks and run."""
+        followers, leader.followers = leader.followers, []
+        per_seq = self.reserved_blocks[leader.request_id] // (1 + len(followers))
+        self.reserved_blocks[leader.request_id] = per_seq
+        for f in followers:
+            self.kv.fork(leader.request_id, f.request_id)
+            f.num_computed_tokens, f.num_cached_tokens = leader.num_computed_tokens, leader.num_cached_tokens
+            f.status = RequestStatus.RUNNING
+            self.reserved_blocks[f.request_id] = per_seq
+            self.running.append(f)
+        return followers
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance ``num_computed_tokens``, append sampled tokens, finish requests that hit
@@ -192,7 +236,8 @@ class Scheduler:
 
         Args:
             out: the step's schedule.
-            sampled: request_id → sampled token id, for requests with ``sample=True``.
+            sampled: request_id → sampled token id, for requests with ``sample=True`` and
+                for the followers of a leader whose prompt completes in this step (they fork).
         Returns:
             Requests that finished in this step.
         """
@@ -202,14 +247,16 @@ class Scheduler:
             if req is None:  # aborted while the step ran
                 continue
             req.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
             if not s.sample:
                 continue
-            token = sampled[s.request_id]
-            req.append_output_token(token)
-            status = self._check_stop(req, token)
-            if status is not None:
-                self.finish_request(req.request_id, status)
-                finished.append(req)
+            for r in [req, *(self._fork_followers(req) if req.followers else ())]:
+                token = sampled[r.request_id]
+                r.append_output_token(token)
+                status = self._check_stop(r, token)
+                if status is not None:
+                    self.finish_request(r.request_id, status)
+                    finished.append(r)
         return finished
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:

@@ -114,7 +114,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     def sink(out):  # engine thread → event loop
         loop.call_soon_threadsafe(queue.put_nowait, out)
 
-    fut = st.engine_loop.submit(rid, parsed.prompt, parsed.child_params(), sink, chat=chat)
+    fut = st.engine_loop.submit(rid, parsed.prompt, parsed.child_params(), sink, chat=chat, cache_salt=parsed.cache_salt)
     done = False
     try:
         try:
@@ -215,6 +215,12 @@ async def abort_request(request: web.Request) -> web.Response:
     return web.json_response({"id": rid, "aborted": True})
 
 
+async def reset_cache(request: web.Request) -> web.Response:
+    """Drop every cached block that no request is using; ``{"reset": blocks dropped}``."""
+    n = await asyncio.wrap_future(request.app[STATE].engine_loop.reset_prefix_cache())
+    return web.json_response({"reset": n})
+
+
 async def tokenize(request: web.Request) -> web.Response:
     st = request.app[STATE]
     body = await read_json(request)
@@ -247,6 +253,7 @@ def make_app(state: ServerState) -> web.Application:
     app.router.add_get("/v1/stats", stats)
     app.router.add_get("/metrics", metrics)
     app.router.add_delete("/v1/requests/{request_id}", abort_request)
+    app.router.add_post("/v1/cache/reset", reset_cache)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/v1/shutdown", shutdown)
     return app

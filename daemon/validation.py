@@ -41,7 +41,8 @@ class ParsedRequest:
     Attributes:
         chat: True for /v1/chat/completions (``prompt`` is then the message list).
         prompt: text, token ids, or chat messages.
-        params: sampling parameters shared by the ``n`` sequences (seed i → seed + i).
+        params: sampling parameters shared by the ``n`` sequences.
+        cache_salt: optional prefix-cache salt (requests with different salts share no KV).
         n: independent sequences.
         stream, include_usage: SSE streaming and a final usage chunk.
         logprobs: top logprobs per token (0 = only the chosen token), None = no logprobs.
@@ -55,14 +56,12 @@ class ParsedRequest:
     include_usage: bool = False
     logprobs: int | None = None
     tokens_as_ids: bool = False
+    cache_salt: str | None = None
 
     def child_params(self) -> list[SamplingParams]:
-        """Per-sequence params: vLLM's parallel sampling gives child i the seed ``seed + i``."""
-        out = []
-        for i in range(self.n):
-            p = SamplingParams(**{**vars(self.params), "seed": self.params.seed + i})
-            out.append(p)
-        return out
+        """Per-sequence params, all with the request's seed: sibling ``i`` draws from
+        generators derived from (seed, i, output position) (see ``sampler.row_seed``)."""
+        return [SamplingParams(**vars(self.params)) for _ in range(self.n)]
 
 
 def _int(body: dict, name: str, default=None, lo: int | None = None, hi: int | None = None):
@@ -229,4 +228,13 @@ def parse_request(body, chat: bool, model_ids: tuple[str, ...], vocab_size: int)
     )
     return ParsedRequest(chat=chat, prompt=prompt, params=params, n=n, stream=stream,
                          include_usage=include_usage, logprobs=logprobs,
-                         tokens_as_ids=_bool(body, "return_tokens_as_token_ids"))
+                         tokens_as_ids=_bool(body, "return_tokens_as_token_ids"), cache_salt=_cache_salt(body))
+
+
+def _cache_salt(body: dict) -> str | None:
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt or len(salt) > 1024:
+        raise ApiError("cache_salt must be a non-empty string of at most 1024 characters", "cache_salt")
+    return salt

@@ -86,10 +86,12 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
+        """``meta``: one AttentionMetadata shared by all layers, or a list with one per layer."""
         x = self.embed(input_ids)
-        for layer, cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, cache, meta)
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            x = layer(x, positions, cache, meta[i] if isinstance(meta, list) else meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

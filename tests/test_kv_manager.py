@@ -77,7 +77,7 @@ def test_pool_touch_and_free():
     assert a.ref_cnt == 2
     pool.free_blocks([a, b])
     assert (a.ref_cnt, b.ref_cnt) == (1, 0)
-    assert pool.free_block_queue.get_all_free_blocks()[-1] is b
+    assert pool.free_block_queue.get_all_free_blocks()[0] is b  # unhashed: reused first
     pool.touch([b])  # touching a free block takes it out of the queue
     assert b.ref_cnt == 1 and pool.get_num_free_blocks() == 2
     pool.free_blocks([a, b])
@@ -132,19 +132,24 @@ def test_manager_all_or_nothing():
 
 
 def test_manager_free_reverse_order_and_idempotent():
-    m = KVCacheManager(num_blocks=8, block_size=1)
+    m = KVCacheManager(num_blocks=8, block_size=1, enable_caching=True, prefix_cache_seed=0)
     m.allocate_slots("a", 3)  # [1, 2, 3]
-    m.allocate_slots("b", 2)  # [4, 5]
+    m.cache_blocks("a", [10, 11, 12], 3)  # a's blocks are full and cached
+    m.allocate_slots("b", 2)  # [4, 5], never cached
     m.free("a")
     free_ids = [b.block_id for b in m.block_pool.free_block_queue.get_all_free_blocks()]
-    # untouched 6, 7 first; then a's table reversed: its tail block is evicted first.
+    # untouched 6, 7 first; then a's cached table reversed: its tail block is evicted first.
     assert free_ids == [6, 7, 3, 2, 1]
+    m.free("b")  # unhashed blocks go to the head: reused before any cached block
+    assert [b.block_id for b in m.block_pool.free_block_queue.get_all_free_blocks()] == [4, 5, 6, 7, 3, 2, 1]
     m.free("a")  # double free / abort after finish: no-op
     m.free("never-seen")
     m.check_integrity()
-    assert m.allocate_slots("c", 3) == [6, 7, 3]
-    m.free("b")
+    assert m.allocate_slots("c", 4) == [4, 5, 6, 7]
+    assert m.block_pool.block_states() == ["null", "cached", "cached", "cached", "used", "used", "used", "used"]
+    assert m.allocate_slots("d", 1) == [3] and m.block_pool.num_evictions == 1  # LRU: the chain's tail
     m.free("c")
+    m.free("d")
     assert m.num_free_blocks == m.num_usable_blocks == 7
     assert m.usage == 0.0 and m.request_ids() == []
     m.check_integrity()

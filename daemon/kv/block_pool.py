@@ -7,6 +7,12 @@ it is never handed out, and sliding-window layers later place it in block tables
 positions whose K/V have been dropped. Free blocks live in a doubly linked list in LRU
 order (the head is evicted first), so taking, returning and touching a block are O(1).
 
+Prefix caching (vLLM v1 automatic prefix caching): a full block may carry the hash of its
+block chain; the pool maps ``(group, block hash)`` to that block. A freed hashed block keeps
+its hash and stays findable until it is evicted, which happens only when
+:meth:`BlockPool.get_new_blocks` takes it from the queue's head; unhashed blocks are put at
+the head when freed, so they go before any cached block.
+
 Pure bookkeeping: nothing here touches tensors.
 """
 
@@ -24,7 +30,10 @@ class KVCacheBlock:
     Attributes:
         block_id: index into the physical KV cache tensors, 0..num_blocks-1.
         ref_cnt: number of block tables (requests) holding this block; 0 means free.
-        block_hash: hash of the full block's tokens for prefix caching (unused for now).
+        block_hash: hash of the full block's chain (prefix caching), None when not cached.
+        token_ids: the block's tokens while it is cached (compared on every hit, so a hash
+            collision can never serve wrong KV).
+        group: KV cache group whose layers' K/V the cached block holds.
         prev_free_block / next_free_block: links of the free block queue (the queue uses
             sentinel nodes, so both are set while queued and both ``None`` otherwise).
         is_null: True only for the reserved null block 0.
@@ -33,6 +42,8 @@ class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None
+    token_ids: tuple[int, ...] | None = None
+    group: int = 0
     prev_free_block: KVCacheBlock | None = None
     next_free_block: KVCacheBlock | None = None
     is_null: bool = False
@@ -97,6 +108,18 @@ class FreeKVCacheBlockQueue:
         self._tail.prev_free_block = block
         self.num_free_blocks += 1
 
+    def appendleft(self, block: KVCacheBlock) -> None:
+        """Put ``block`` at the head (evicted first); ``ValueError`` if already in."""
+        if block.prev_free_block is not None or block.next_free_block is not None:
+            raise ValueError(f"block {block.block_id} is already in the free block queue")
+        first = self._head.next_free_block
+        assert first is not None
+        self._head.next_free_block = block
+        block.prev_free_block = self._head
+        block.next_free_block = first
+        first.prev_free_block = block
+        self.num_free_blocks += 1
+
     def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Append ``blocks`` to the tail in the order given."""
         for block in blocks:
@@ -153,6 +176,9 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.null_block.is_null = True
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
+        # (group, block hash) -> the cached block (in use or free); vLLM's cached_block_hash_to_block
+        self.cached_block_hash_to_block: dict[tuple[int, bytes], KVCacheBlock] = {}
+        self.num_evictions = 0
 
     @property
     def num_usable_blocks(self) -> int:
@@ -172,8 +198,47 @@ class BlockPool:
         blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
             assert block.ref_cnt == 0 and not block.is_null, block
+            if block.block_hash is not None:
+                self._evict(block)
             block.ref_cnt = 1
         return blocks
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        del self.cached_block_hash_to_block[(block.group, block.block_hash)]
+        block.block_hash = block.token_ids = None
+        self.num_evictions += 1
+
+    def get_cached_block(self, group: int, block_hash: bytes, token_ids: tuple[int, ...]) -> KVCacheBlock | None:
+        """The cached block of ``group`` with this hash and exactly these tokens, or None."""
+        block = self.cached_block_hash_to_block.get((group, block_hash))
+        if block is None or block.token_ids != token_ids:
+            return None
+        return block
+
+    def cache_full_block(self, block: KVCacheBlock, group: int, block_hash: bytes, token_ids: tuple[int, ...]) -> bool:
+        """Register a full, in-use block under ``(group, block_hash)``. Returns False (and
+        changes nothing) when the block is already cached or another block holds the hash."""
+        key = (group, block_hash)
+        if block.block_hash is not None or block.is_null or key in self.cached_block_hash_to_block:
+            return False
+        block.block_hash, block.token_ids, block.group = block_hash, tuple(token_ids), group
+        self.cached_block_hash_to_block[key] = block
+        return True
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block that is free (blocks in use stay cached); returns how many."""
+        dropped = [b for b in self.cached_block_hash_to_block.values() if b.ref_cnt == 0]
+        for b in dropped:
+            del self.cached_block_hash_to_block[(b.group, b.block_hash)]
+            b.block_hash = b.token_ids = None
+            self.free_block_queue.remove(b)  # unhashed now: evict these first
+            self.free_block_queue.appendleft(b)
+        return len(dropped)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold cached KV (evictable)."""
+        return sum(1 for b in self.cached_block_hash_to_block.values() if b.ref_cnt == 0)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Add one reference to each block, taking a free one out of the queue."""
@@ -186,7 +251,8 @@ class BlockPool:
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; those reaching 0 join the queue's tail
-        in the order given (callers pass a table reversed so its tail is evicted first).
+        in the order given (callers pass a table reversed so its tail is evicted first);
+        unhashed blocks go to the head instead (reused before any cached block).
 
         Raises ``ValueError`` (changing nothing) when a block would drop below 0 (double free).
         """
@@ -198,12 +264,17 @@ class BlockPool:
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_block_queue.append(block)
+                if block.block_hash is None:
+                    self.free_block_queue.appendleft(block)
+                else:
+                    self.free_block_queue.append(block)
 
     def get_usage(self) -> float:
         """Fraction of usable blocks in use, in [0, 1]."""
         return 1.0 - self.get_num_free_blocks() / self.num_usable_blocks
 
     def block_states(self) -> list[str]:
-        """Per block id: ``"null"``, ``"free"`` or ``"used"`` (for dashboards)."""
-        return ["null" if b.is_null else ("used" if b.ref_cnt > 0 else "free") for b in self.blocks]
+        """Per block id: ``"null"``, ``"free"``, ``"cached"`` (free, holding cached KV,
+        evictable) or ``"used"`` (for dashboards)."""
+        return ["null" if b.is_null else "used" if b.ref_cnt > 0 else "cached" if b.block_hash is not None else "free"
+                for b in self.blocks]

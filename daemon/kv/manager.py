@@ -8,6 +8,13 @@ attention groups keep every block; sliding-window groups replace blocks that fel
 window with the null block (:meth:`KVCacheManager.remove_skipped_blocks`). Allocation is
 all-or-nothing across groups so a failed request can be preempted cleanly.
 
+With prefix caching on, full blocks are registered under their chain hash once computed
+(:meth:`cache_blocks`) and a new request starts from the longest cached prefix
+(:meth:`get_computed_blocks`, :mod:`llmd.daemon.kv.prefix_cache`). Shared blocks are
+reference counted; a shared, partly filled block is copied on write before a request
+appends to it (parallel sampling), the copies being queued in :attr:`pending_copies` for
+the runner.
+
 Pure bookkeeping: nothing here touches tensors.
 """
 
@@ -17,6 +24,7 @@ from collections import Counter
 
 from .block_pool import BlockPool, KVCacheBlock
 from .groups import KVCacheGroupSpec
+from .prefix_cache import extend_block_hashes, extra_keys, find_longest_cache_hit, make_root_hash
 
 
 class KVCacheManager:
@@ -26,11 +34,16 @@ class KVCacheManager:
         num_blocks: total KV cache blocks including the null block 0 (>= 2).
         block_size: tokens per block (>= 1).
         groups: the KV cache groups; default one full-attention group.
+        enable_caching: prefix caching on.
+        prefix_cache_seed: seed of the chain root hash (None: random per manager).
+        model_id, kv_cache_dtype: extra keys of every block hash.
 
     Raises ``ValueError`` for out-of-range arguments.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, groups: list[KVCacheGroupSpec] | None = None) -> None:
+    def __init__(self, num_blocks: int, block_size: int, groups: list[KVCacheGroupSpec] | None = None,
+                 enable_caching: bool = False, prefix_cache_seed: int | None = None, model_id: str = "",
+                 kv_cache_dtype: str = "auto") -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
         self.block_size = block_size
@@ -39,6 +52,15 @@ class KVCacheManager:
         self.groups = list(groups) if groups else [KVCacheGroupSpec("full_attention", ())]
         # request_id -> one block table (ordered blocks) per group; vLLM's ``req_to_blocks``.
         self.req_to_blocks: dict[str, list[list[KVCacheBlock]]] = {}
+        self.enable_caching = enable_caching
+        self.root_hash = make_root_hash(prefix_cache_seed)
+        self.model_id, self.kv_cache_dtype = model_id, kv_cache_dtype
+        self.req_extra: dict[str, bytes] = {}  # request_id -> extra keys of its block hashes
+        self.req_block_hashes: dict[str, list[bytes]] = {}
+        self.num_cached_block: dict[str, list[int]] = {}  # per group: blocks already registered
+        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the runner
+        self.prefix_cache_queries = 0  # prompt tokens looked up (tokens)
+        self.prefix_cache_hits = 0  # of which served from the cache (tokens)
 
     # ---- queries -------------------------------------------------------------------
     @property
@@ -132,34 +154,139 @@ class KVCacheManager:
             self.block_pool.free_blocks(freed)
         return len(freed)
 
-    def allocate_slots(self, request_id: str, num_tokens: int, num_computed_tokens: int | None = None) -> list[int] | None:
+    def allocate_slots(self, request_id: str, num_tokens: int, num_computed_tokens: int | None = None,
+                       new_computed_blocks: list[list[KVCacheBlock | None]] | None = None) -> list[int] | None:
         """Grow every table to cover ``num_tokens`` total tokens (not new tokens).
 
-        When ``num_computed_tokens`` is given, sliding-window blocks out of reach of its
-        queries are freed first. Returns the newly allocated block ids (all groups, group
-        order; ``[]`` if already covered), or ``None`` with nothing allocated when the pool
-        has too few free blocks. A request with no tables yet gets them (possibly empty).
+        ``new_computed_blocks`` (from :meth:`get_computed_blocks`, for a request without
+        tables yet) start the tables with cache hits, sharing them by reference count. When
+        ``num_computed_tokens`` is given, sliding-window blocks out of reach of its queries
+        are freed first, and a shared partly filled block at that position is copied on write
+        (queued in :attr:`pending_copies`). Returns the newly allocated block ids (all groups,
+        group order; ``[]`` if already covered), or ``None`` with nothing allocated when the
+        pool has too few free blocks.
         """
         if num_computed_tokens is not None:
             self.remove_skipped_blocks(request_id, num_computed_tokens)
+        bs = self.block_size
         num_new = self.get_num_blocks_needed(request_id, num_tokens)
-        if num_new > self.num_free_blocks:
+        touched_free = 0
+        if new_computed_blocks is not None:
+            assert request_id not in self.req_to_blocks, "cache hits are only for a new request"
+            hit = max(len(t) for t in new_computed_blocks)
+            num_new -= sum(min(hit, -(-num_tokens // bs)) for _ in self.groups)
+            touched_free = len({b.block_id for t in new_computed_blocks for b in t if b is not None and b.ref_cnt == 0})
+        cow = self._cow_positions(request_id, num_computed_tokens)
+        if num_new + touched_free + len(cow) > self.num_free_blocks:
             return None
+        if new_computed_blocks is not None:
+            tables = [[b if b is not None else self.block_pool.null_block for b in t] for t in new_computed_blocks]
+            for t in tables:
+                self.block_pool.touch(t)
+            self.req_to_blocks[request_id] = tables
         tables = self.req_to_blocks.setdefault(request_id, [[] for _ in self.groups])
-        needed = -(-num_tokens // self.block_size)
         new_ids: list[int] = []
+        for g, i in cow:
+            old = tables[g][i]
+            [new] = self.block_pool.get_new_blocks(1)
+            tables[g][i] = new
+            self.block_pool.free_blocks([old])
+            self.pending_copies.append((old.block_id, new.block_id))
+            new_ids.append(new.block_id)
+        needed = -(-num_tokens // bs)
         for table in tables:
-            n = max(0, needed - len(table))
-            blocks = self.block_pool.get_new_blocks(n)
+            blocks = self.block_pool.get_new_blocks(max(0, needed - len(table)))
             table.extend(blocks)
             new_ids.extend(b.block_id for b in blocks)
         return new_ids
+
+    def _cow_positions(self, request_id: str, num_computed_tokens: int | None) -> list[tuple[int, int]]:
+        """(group, table index) of shared partly filled blocks the next token would write into."""
+        tables = self.req_to_blocks.get(request_id)
+        if not tables or not num_computed_tokens or num_computed_tokens % self.block_size == 0:
+            return []
+        i = num_computed_tokens // self.block_size
+        return [(g, i) for g, t in enumerate(tables) if i < len(t) and t[i].ref_cnt > 1]
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Give ``child_id`` the parent's block tables, sharing every block (ref count +1);
+        the first append into a shared partial block copies it (parallel sampling)."""
+        if child_id in self.req_to_blocks:
+            raise ValueError(f"request {child_id!r} already has block tables")
+        tables = [list(t) for t in self.req_to_blocks[parent_id]]
+        for t in tables:
+            self.block_pool.touch(t)
+        self.req_to_blocks[child_id] = tables
+        for d in (self.req_extra, self.req_block_hashes, self.num_cached_block):
+            if parent_id in d:
+                d[child_id] = list(d[parent_id]) if isinstance(d[parent_id], list) else d[parent_id]
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write (src, dst) block pairs queued since the last call (the runner copies
+        each block's K/V and scales in every cache tensor before the step's forward)."""
+        out, self.pending_copies = self.pending_copies, []
+        return out
+
+    # ---- prefix caching ------------------------------------------------------------
+    def _hashes(self, request_id: str, token_ids: list[int], num_tokens: int) -> list[bytes]:
+        extra = self.req_extra.setdefault(request_id, extra_keys(self.model_id, self.kv_cache_dtype, None))
+        hashes = self.req_block_hashes.setdefault(request_id, [])
+        return extend_block_hashes(hashes, token_ids, self.block_size, self.root_hash, extra, num_tokens)
+
+    def get_computed_blocks(self, request_id: str, token_ids: list[int], num_prompt_tokens: int,
+                            cache_salt: str | None = None) -> tuple[int, list[list[KVCacheBlock | None]]]:
+        """Longest cached prefix of a new request's prompt (tokens, per-group blocks).
+
+        Only full blocks, and never the block of the last prompt token (it must be computed
+        to sample): 31 prompt tokens -> 16 cached, 32 -> 16, 33 -> 32 for block size 16.
+        Counts ``num_prompt_tokens`` queries and the hit tokens. ``(0, [])``-like when caching
+        is off. Call it when the request is admitted (never a stale count).
+        """
+        self.req_extra[request_id] = extra_keys(self.model_id, self.kv_cache_dtype, cache_salt)
+        self.req_block_hashes.pop(request_id, None)
+        if not self.enable_caching:
+            return 0, [[] for _ in self.groups]
+        hashes = self._hashes(request_id, token_ids, num_prompt_tokens)
+        eligible = (num_prompt_tokens - 1) // self.block_size
+        bs = self.block_size
+
+        def lookup(g: int, i: int) -> KVCacheBlock | None:
+            return self.block_pool.get_cached_block(g, hashes[i], tuple(token_ids[i * bs : (i + 1) * bs]))
+
+        num_hit, blocks = find_longest_cache_hit(self.groups, eligible, bs, lookup)
+        return num_hit, blocks
+
+    def record_prefix_lookup(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        """Count one admitted request's lookup in the query/hit counters (tokens)."""
+        if self.enable_caching:
+            self.prefix_cache_queries += num_prompt_tokens
+            self.prefix_cache_hits += num_cached_tokens
+
+    def cache_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
+        """Register the request's full, computed blocks under their chain hashes."""
+        if not self.enable_caching or request_id not in self.req_to_blocks:
+            return
+        n_full = num_computed_tokens // self.block_size
+        hashes = self._hashes(request_id, token_ids, n_full * self.block_size)
+        done = self.num_cached_block.setdefault(request_id, [0] * self.num_groups)
+        bs = self.block_size
+        for g, table in enumerate(self.req_to_blocks[request_id]):
+            for i in range(done[g], min(n_full, len(table))):
+                if not table[i].is_null:
+                    self.block_pool.cache_full_block(table[i], g, hashes[i], tuple(token_ids[i * bs : (i + 1) * bs]))
+            done[g] = max(done[g], min(n_full, len(table)))
+
+    def reset_prefix_cache(self) -> int:
+        """Drop cached blocks that are free (in-use blocks stay); returns how many."""
+        return self.block_pool.reset_prefix_cache()
 
     def free(self, request_id: str) -> None:
         """Release all of the request's blocks, each table tail first (vLLM frees in reverse
         so a table's last blocks are evicted first later). Unknown ids are a no-op, so
         aborting an already finished request is safe."""
         tables = self.req_to_blocks.pop(request_id, None)
+        for d in (self.req_extra, self.req_block_hashes, self.num_cached_block):
+            d.pop(request_id, None)
         for table in tables or ():
             self.block_pool.free_blocks(reversed(table))
 
@@ -201,6 +328,10 @@ class KVCacheManager:
                 assert b.ref_cnt == holders[b.block_id], (
                     f"block {b.block_id} has ref_cnt {b.ref_cnt} but is in {holders[b.block_id]} tables"
                 )
+        for (g, h), b in pool.cached_block_hash_to_block.items():
+            assert b.block_hash == h and b.group == g and b.token_ids is not None, f"cache map entry of block {b.block_id} is stale"
+        hashed = sum(1 for b in pool.blocks if b.block_hash is not None)
+        assert hashed == len(pool.cached_block_hash_to_block), "a hashed block is missing from the cache map"
         used = sum(1 for b in pool.blocks[1:] if b.ref_cnt > 0)
         assert len(free) + used == pool.num_usable_blocks, (
             f"free ({len(free)}) + used ({used}) != usable ({pool.num_usable_blocks})"
