@@ -234,10 +234,14 @@ def bench_kernels(block_n):
     run_kernel_bench(click.echo, block_n=block_n)
 
 
-# serve, chat, ps, status, stop (daemon/cli_daemon.py)
+# serve, chat, ps, status, stop (daemon/cli_daemon.py); bench prefix (daemon/cli_bench.py)
+from llmd.daemon.cli_bench import register as _register_bench_commands  # noqa: E402
 from llmd.daemon.cli_daemon import register as _register_daemon_commands  # noqa: E402
+from llmd.daemon.cli_top import register as _register_top_command  # noqa: E402
 
 _register_daemon_commands(main, engine_options, one_line_errors, build_engine)
+_register_bench_commands(bench, engine_options, one_line_errors, build_engine)
+_register_top_command(main, one_line_errors)  # llmd top (daemon/cli_top.py, tui/)
 
 if __name__ == "__main__":
     main()

@@ -145,7 +145,12 @@ class Client:
         return self.request("POST", "/v1/chat/completions", body)
 
     def abort(self, request_id: str) -> dict:
+        """Abort a live request by id (``DELETE /v1/requests/{id}``; 404 when it is not live)."""
         return self.request("DELETE", f"/v1/requests/{request_id}")
+
+    def reset_prefix_cache(self) -> dict:
+        """Evict every cached-but-free block from the prefix cache (``POST /v1/cache/reset``)."""
+        return self.request("POST", "/v1/cache/reset")
 
     def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
         body = {"prompt": prompt} if messages is None else {"messages": messages}

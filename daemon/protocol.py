@@ -15,7 +15,8 @@
     kv_cache        {block_size, num_blocks (incl. null block 0), total (usable), used,
                      cached_free (unused blocks still holding cached KV, evictable), free
                      (unused, no cached KV; used + cached_free + free == total), usage (0..1,
-                     used / total),
+                     used / total), bytes_per_token (all layers, scales included),
+                     memory_bytes (the pool: num_blocks x bytes per block),
                      groups: [{name, sliding_window (tokens or null), layers, total (shared
                                pool), used (blocks this group's tables hold), free, usage}]}
     block_map       {encoding: "rle", runs: [[state, count], ...]} over block ids 0..N-1,
