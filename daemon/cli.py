@@ -74,6 +74,8 @@ def engine_options(fn):
         click.option("--disable-hybrid-kv-cache-manager", is_flag=True, default=False, help="Keep every block of sliding-window layers (one full-attention KV cache group), as vLLM's flag."),
         click.option("--enable-prefix-caching/--no-prefix-caching", default=True, show_default=True, help="Reuse the KV of cached full blocks across requests (block-chain hashes)."),
         click.option("--prefix-cache-seed", default=None, type=int, help="Seed of the block-hash chain root (default: random per daemon; for tests)."),
+        click.option("--max-prefill-chunk", default=None, type=int, help="Prefill tokens of one request per step (default: the token budget)."),
+        click.option("--max-num-waiting", default=1024, show_default=True, type=int, help="Waiting requests at most; beyond it HTTP 429 with Retry-After."),
     ]
     for o in reversed(opts):
         fn = o(fn)

@@ -38,6 +38,9 @@ class EngineConfig:
         enable_prefix_caching: reuse the KV of cached full blocks across requests (default on;
             ``--no-prefix-caching``).
         prefix_cache_seed: seed of the block-hash chain root; ``None`` = random per daemon.
+        max_prefill_chunk: prefill tokens of one request per step (tokens); ``None`` = the
+            token budget (256 on CPU; on CUDA the 4,096 budget, vLLM's range being 2,048-8,192).
+        max_num_waiting: waiting requests at most before new ones get HTTP 429 (default 1,024).
     """
 
     model: str = "smollm2-135m"
@@ -54,6 +57,8 @@ class EngineConfig:
     disable_hybrid_kv_cache_manager: bool = False
     enable_prefix_caching: bool = True
     prefix_cache_seed: int | None = None
+    max_prefill_chunk: int | None = None
+    max_num_waiting: int = 1024
 
     def resolve(self) -> "EngineConfig":
         """Fill device-dependent defaults and validate. Raises LlmdError naming the bad setting."""
@@ -70,7 +75,9 @@ class EngineConfig:
             raise LlmdError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 4096 if on_cuda else 256
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        if self.max_prefill_chunk is None:
+            self.max_prefill_chunk = self.max_num_batched_tokens
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "max_num_waiting"):
             if getattr(self, name) < 1:
                 raise LlmdError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

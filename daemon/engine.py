@@ -22,9 +22,9 @@ from llmd.daemon.kv_size import group_summary, kv_block_bytes, kv_cache_bytes_pe
 from llmd.daemon.request import Request, RequestStatus, SamplingParams
 from llmd.daemon.runner import ModelRunner
 from llmd.daemon.sampler import TokenLogprobs
-from llmd.daemon.scheduler import Scheduler, SchedulerOutput
+from llmd.daemon.scheduler import QueueFullError, Scheduler, SchedulerOutput
 from llmd.models.config import ModelConfig
-from llmd.models.errors import LlmdError
+from llmd.models.errors import LlmdError, ServerBusyError
 from llmd.models.tokenizer import Tokenizer
 
 log = logging.getLogger("llmd.engine")
@@ -104,7 +104,8 @@ class Engine:
             prefix_cache_seed=self.config.prefix_cache_seed, model_id=f"{cfg.name}|{cfg.architecture}|{self.config.dtype}",
             kv_cache_dtype=f"{self.config.kv_cache_dtype}|{self.config.kv_scales}",
         )
-        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                                   self.config.max_prefill_chunk, self.config.max_num_waiting)
         self.runner = ModelRunner(
             model, self.num_blocks, config.block_size, kv_dtype, self.config.device,
             self.config.kv_cache_dtype, self.config.kv_scales, self.config.attention_backend, self.kv_cache_groups,
@@ -152,18 +153,18 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
-                    cache_salt: str | None = None) -> str:
+                    cache_salt: str | None = None, priority: int = 0) -> str:
         """Tokenize (if text), validate and queue a request; returns its id.
 
         Raises:
             LlmdError: empty prompt, prompt longer than ``max_model_len``, prompt + max_tokens
                 beyond ``max_model_len``, a request that can never fit in the KV pool, or a
-                bad sampling parameter.
+                bad sampling parameter; :class:`ServerBusyError` when the waiting queue is full.
         """
-        return self.add_parallel_request(prompt, params, [request_id or f"req-{next(self._ids)}"], cache_salt)[0]
+        return self.add_parallel_request(prompt, params, [request_id or f"req-{next(self._ids)}"], cache_salt, priority)[0]
 
     def add_parallel_request(self, prompt: str | list[int], params: SamplingParams | None, request_ids: list[str],
-                             cache_salt: str | None = None) -> list[str]:
+                             cache_salt: str | None = None, priority: int = 0) -> list[str]:
         """Queue ``len(request_ids)`` sequences of one prompt (parallel sampling, OpenAI ``n``).
 
         The prompt is prefilled once; the siblings then share its blocks by reference count
@@ -191,9 +192,11 @@ class Engine:
             )
         eos = frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
         reqs = [Request(rid, list(ids), dataclasses.replace(params), eos_token_ids=eos, cache_salt=cache_salt,
-                        sibling_index=i) for i, rid in enumerate(request_ids)]
+                        sibling_index=i, priority=priority) for i, rid in enumerate(request_ids)]
         try:
             self.scheduler.add_request(reqs[0], reqs[1:])
+        except QueueFullError as e:
+            raise ServerBusyError(str(e)) from None
         except ValueError as e:
             raise LlmdError(str(e)) from None
         for rid in request_ids:

@@ -93,7 +93,7 @@ class EngineLoop:
         self._thread.join(timeout)
 
     def submit(self, parent_id: str, prompt: str | list[int] | list[dict], params: list[SamplingParams], sink: Sink,
-               chat: bool = False, cache_salt: str | None = None) -> cf.Future:
+               chat: bool = False, cache_salt: str | None = None, priority: int = 0) -> cf.Future:
         """Queue one request of ``len(params)`` independent sequences (ids ``{parent_id}-{i}``).
 
         ``prompt`` is text, token ids, or (``chat=True``) a list of chat messages rendered
@@ -101,7 +101,7 @@ class EngineLoop:
         or raises :class:`LlmdError` (nothing was queued then).
         """
         fut: cf.Future = cf.Future()
-        self._cmds.put(("submit", parent_id, prompt, params, sink, chat, cache_salt, fut))
+        self._cmds.put(("submit", parent_id, prompt, params, sink, chat, cache_salt, priority, fut))
         return fut
 
     def abort(self, request_id: str) -> cf.Future:
@@ -179,7 +179,7 @@ class EngineLoop:
             _resolve(fut, exc=e)
         self._publish_snapshot()
 
-    def _submit(self, parent_id, prompt, params, sink, chat, cache_salt=None):
+    def _submit(self, parent_id, prompt, params, sink, chat, cache_salt=None, priority=0):
         tok = self.engine.tokenizer
         if chat:
             ids = tok.apply_chat(prompt)
@@ -189,7 +189,7 @@ class EngineLoop:
             raise LlmdError(f"request id {parent_id!r} is already in use")
         # one prompt, n sequences: prefilled once, then forked (parallel sampling)
         children = self.engine.add_parallel_request(
-            ids, dataclasses.replace(params[0]), [f"{parent_id}-{i}" for i in range(len(params))], cache_salt)
+            ids, dataclasses.replace(params[0]), [f"{parent_id}-{i}" for i in range(len(params))], cache_salt, priority)
         for rid in children:
             self._sinks[rid] = sink
             if self.metrics is not None:
@@ -265,7 +265,7 @@ class EngineLoop:
                 "blocks": kv.num_blocks_held(req.request_id), "block_table": kv.get_block_table(req.request_id),
                 "block_tables": kv.get_block_tables(req.request_id),
                 "ttft_s": None if req.first_token_time is None else req.first_token_time - req.arrival_time,
-                "age_s": now - req.arrival_time, "preemptions": 0,
+                "age_s": now - req.arrival_time, "preemptions": req.num_preemptions, "priority": req.priority,
             })
         c = self.counters
         kv_dtype = getattr(eng.config, "kv_cache_dtype", None)
@@ -280,10 +280,11 @@ class EngineLoop:
             "block_map": {"encoding": "rle", "runs": rle(kv.block_pool.block_states())},
             "prefix_cache": {"queries": kv.prefix_cache_queries, "hits": kv.prefix_cache_hits,
                              "enabled": kv.enable_caching, "evictions": kv.block_pool.num_evictions},
-            "scheduler": {"running": len(sched.running), "waiting": len(sched.waiting), "preempted": 0},
+            "scheduler": {"running": len(sched.running), "waiting": len(sched.waiting),
+                          "preempted": sum(1 for r in sched.waiting if r.num_preemptions)},
             "throughput": {"prompt_tokens_per_s": sum(r[1] for r in self._rate_log) / span,
                            "generation_tokens_per_s": sum(r[2] for r in self._rate_log) / span},
-            "counters": {**c, "requests_finished": dict(c["requests_finished"])},
+            "counters": {**c, "requests_finished": dict(c["requests_finished"]), "num_preemptions": sched.num_preemptions},
             "requests": reqs,
         }
         self._snapshot_time = now

@@ -5,7 +5,16 @@ paged cache: each chunk stores its K/V (quantized) first and attends to what it 
 (store-then-read), so the quantized cache is what is measured. For every KV dtype we report
 mean NLL of the next token, ΔNLL relative to the model-dtype cache, and top-1 agreement with
 the model-dtype run. :func:`hf_fake_quant_nll` is the independent reference: HF transformers
-with K/V passed through :func:`llmd.quant.kv.quantize_dequantize` inside attention.
+with K/V fake-quantized inside attention by :func:`fake_quant_reference`, written from the spec
+with torch's own casts (not llmd's quantizer).
+
+A single run is one *realization* of the rounding noise, and for fp8 it is a chaotic one: a
+rounding flip of one element in an early layer (a float32 ulp of difference upstream, or one
+exact tie) moves later layers' inputs across other rounding boundaries. On SmolLM2 / this text,
+relative K/V jitter of 1e-6 (≈ 8 float32 ulps) before quantizing moves fp8_e4m3 ΔNLL over
+0.48–0.97 % (std ≈ 0.18 pp) and top-1 over 92.8–94.4 % (std ≈ 0.5 pp); int8 ΔNLL over
+−0.19–+0.12 % (std ≈ 0.1 pp). Two correct implementations agree to ~1e-6 in the model-dtype run
+but not to 0.05 pp in fp8 ΔNLL.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ import torch
 from llmd.daemon.config import EngineConfig
 from llmd.daemon.engine import Engine
 from llmd.daemon.scheduler import ScheduledRequest, SchedulerOutput
-from llmd.quant.kv import get_format, quantize_dequantize
+from llmd.quant.kv import SCALE_FLOOR, KVCacheFormat, get_format
 
 KV_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
 
@@ -85,20 +94,38 @@ def kv_quality(model, tokenizer, ids: list[int], kv_dtypes=KV_DTYPES, chunk: int
     return [base] + [quality_row(model, tokenizer, ids, n, base, chunk, **engine_kw) for n in kv_dtypes if n != "auto"]
 
 
+def fake_quant_reference(x: torch.Tensor, fmt: KVCacheFormat) -> torch.Tensor:
+    """Independent fake quantization from the spec, for the HF reference: per (token, KV head)
+    ``scale = max(amax / qmax, SCALE_FLOOR)`` in float32, ``clamp(x / scale, ±qmax)``, torch's
+    own cast to the fp8 dtype (round to nearest, ties to even) or ``torch.round`` for int8, times
+    the scale in float32; returned in x's dtype.
+
+    Args:
+        x: ``[..., head_dim]`` float, quantized over the last dim.
+    """
+    if not fmt.quantized:
+        return x
+    xf = x.float()
+    scale = torch.clamp(xf.abs().amax(-1, keepdim=True) / fmt.qmax, min=SCALE_FLOOR)
+    y = torch.clamp(xf / scale, -fmt.qmax, fmt.qmax)
+    codes = y.to(fmt.dtype).float() if fmt.is_fp8 else torch.round(y)
+    return (codes * scale).to(x.dtype)
+
+
 @torch.inference_mode()
 def hf_fake_quant_nll(hf_model, ids: list[int], kv_cache_dtype: str) -> float:
-    """Mean NLL from HF transformers with K/V (after RoPE) fake-quantized per (token, KV head),
-    through a registered attention function wrapping SDPA. ``hf_model``: a Llama-family
-    ``*ForCausalLM``; its attention implementation is restored afterwards."""
+    """Mean NLL from HF transformers with K (after RoPE) and V fake-quantized per (token, KV
+    head) by :func:`fake_quant_reference`, through a registered attention function wrapping
+    SDPA. ``hf_model``: a Llama-family ``*ForCausalLM``; its attention implementation is
+    restored afterwards."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     fmt = get_format(kv_cache_dtype)
 
     def fake_quant_attention(module, query, key, value, attention_mask, **kw):
-        # key/value: [B, kv_heads, L, head_dim] -> quantize over head_dim per (token, head)
-        key = quantize_dequantize(key.transpose(1, 2), fmt).transpose(1, 2)
-        value = quantize_dequantize(value.transpose(1, 2), fmt).transpose(1, 2)
+        # key/value: [B, kv_heads, L, head_dim] -> quantized over head_dim per (token, head)
+        key, value = fake_quant_reference(key, fmt), fake_quant_reference(value, fmt)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
 
     AttentionInterface.register("llmd_fake_quant", fake_quant_attention)

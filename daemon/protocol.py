@@ -29,7 +29,7 @@
                      requests_rejected, num_preemptions}
     requests        [{id, state ("waiting"/"running"), prompt_tokens, cached_tokens,
                       generated_tokens, blocks (all groups), block_table (group 0),
-                      block_tables (per group; 0 = null block), ttft_s (null before the first
+                      block_tables (per group; 0 = null block), priority, ttft_s (null before the first
                       token), age_s, preemptions}]
 """
 

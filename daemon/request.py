@@ -129,6 +129,9 @@ class Request:
         sibling_index: index among the ``n`` sequences of a parallel-sampling request (its
             draws use generators derived from (seed, sibling_index, output position)).
         followers: siblings waiting to fork from this request once its prompt is computed.
+        priority: scheduling priority, lower runs first (FCFS among equals); also the
+            preemption order (largest value, then latest arrival, is preempted first).
+        num_preemptions: times this request was preempted (its blocks freed).
     """
 
     request_id: str
@@ -145,6 +148,8 @@ class Request:
     num_cached_tokens: int = 0
     sibling_index: int = 0
     followers: list["Request"] = field(default_factory=list)
+    priority: int = 0
+    num_preemptions: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

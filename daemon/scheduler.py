@@ -1,18 +1,23 @@
-"""Iteration-level (continuous) batching scheduler.
+"""Iteration-level (continuous) batching scheduler with chunked prefill and preemption.
 
-Every step, finished requests have already left, running requests get their next tokens
-first (one per decode, a chunk for an unfinished prefill), and waiting requests join FCFS
-while the token budget, ``max_num_seqs`` and the KV pool allow (Orca, Yu et al. OSDI'22;
-vLLM v1 ``vllm/v1/core/sched/scheduler.py``). A prompt longer than the remaining budget is
-prefilled in chunks over several steps while the others keep decoding.
+Every step (Orca, Yu et al. OSDI'22; vLLM v1 ``vllm/v1/core/sched/scheduler.py``):
 
-Blocks are allocated step by step as tokens are computed (sliding-window groups free the
-blocks that fell out of their window at the same time). Until preemption exists, admission
-counts each running request's peak: the most blocks it can ever hold over all KV cache
-groups (``ceil((prompt + max_tokens) / block_size)`` for full attention, the window bound
-for sliding windows, :meth:`KVCacheGroupSpec.max_blocks`), and admits a request only while
-the peaks fit in the pool, so a running request never runs out of KV space. The scheduler
-returns plain data and never touches tensors.
+1. running requests are scheduled first, decodes (one token each) before prefill chunks, so
+   a long prompt arriving never stalls the others' tokens; a prefill chunk is at most
+   ``max_prefill_chunk`` tokens and the whole step at most ``max_num_batched_tokens``;
+2. blocks are allocated as tokens arrive (sliding-window groups free what fell out of their
+   window). When the pool runs dry, the scheduler preempts by recompute: the victim is the
+   running request with the largest ``priority`` value, then the latest arrival; its blocks
+   are freed (full ones stay in the prefix cache), it goes to the front of its priority class
+   in the waiting queue, and when resumed it recomputes prompt + generated tokens (mostly
+   prefix-cache hits) and continues exactly where it stopped;
+3. if nothing was preempted, waiting requests join in priority order (FCFS among equals)
+   while the budget, ``max_num_seqs`` and the pool allow; each is looked up in the prefix
+   cache when admitted.
+
+A request that could never fit alone (its peak blocks over all KV cache groups above the
+pool) is rejected up front, and the waiting queue is bounded (``max_num_waiting``). The
+scheduler returns plain data and never touches tensors.
 """
 
 from __future__ import annotations
@@ -81,6 +86,10 @@ class SchedulerOutput:
         return bool(self.scheduled)
 
 
+class QueueFullError(ValueError):
+    """The waiting queue is at ``max_num_waiting``; the caller should retry later (HTTP 429)."""
+
+
 class Scheduler:
     """Decides which requests run each step and how many tokens each computes.
 
@@ -89,28 +98,40 @@ class Scheduler:
         max_num_seqs: running requests at most.
         max_num_batched_tokens: tokens per step at most (the token budget).
         max_model_len: context cap in tokens; generation stops at it (finish_reason "length").
+        max_prefill_chunk: prefill tokens of one request per step at most (None: the budget).
+        max_num_waiting: waiting requests at most (None: unbounded); preempted ones always re-enter.
     """
 
-    def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+    def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 max_prefill_chunk: int | None = None, max_num_waiting: int | None = None):
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.max_prefill_chunk = max_prefill_chunk or max_num_batched_tokens
+        self.max_num_waiting = max_num_waiting
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        # request_id -> peak blocks reserved for a running request (see module docstring)
-        self.reserved_blocks: dict[str, int] = {}
+        self.num_preemptions = 0  # total preemptions that freed blocks
 
     # ---- admission ----------------------------------------------------------------
-    def reserved_tokens(self, req: Request) -> int:
-        """Tokens reserved at admission: prompt + max_tokens (max_tokens resolved by the engine)."""
+    def max_tokens_of(self, req: Request) -> int:
+        """Most tokens ``req`` can reach: prompt + max_tokens (max_tokens resolved by the engine)."""
         return req.num_prompt_tokens + req.sampling_params.max_tokens
 
     def peak_blocks(self, req: Request) -> int:
-        """Most blocks ``req`` can hold at once, summed over KV cache groups."""
-        n = self.reserved_tokens(req)
-        return sum(g.max_blocks(n, self.kv.block_size, self.max_num_batched_tokens) for g in self.kv.groups)
+        """Most blocks one sequence of ``req`` can hold at once, summed over KV cache groups
+        (full attention: every block; sliding windows: the window bound for a chunk)."""
+        n = self.max_tokens_of(req)
+        return sum(g.max_blocks(n, self.kv.block_size, self.max_prefill_chunk) for g in self.kv.groups)
+
+    def _enqueue(self, req: Request, front: bool = False) -> None:
+        """Insert into the waiting queue by priority (lower first): behind its equals, or in
+        front of them (``front``, for preempted requests)."""
+        p = req.priority
+        i = next((k for k, w in enumerate(self.waiting) if (w.priority >= p if front else w.priority > p)), len(self.waiting))
+        self.waiting.insert(i, req)
 
     def add_request(self, req: Request, followers: list[Request] | tuple = ()) -> None:
         """Queue a request. Its ``sampling_params.max_tokens`` must already be resolved.
@@ -120,25 +141,28 @@ class Scheduler:
         and sample their first token from the same logits.
 
         Raises:
-            ValueError: an id is already live, or the request can never fit in the KV pool
-                (or in ``max_num_seqs``), even alone.
+            QueueFullError: the waiting queue is full.
+            ValueError: an id is already live, or one sequence can never fit in the KV pool
+                (or ``n`` in ``max_num_seqs``), even alone.
         """
         group = [req, *followers]
         for r in group:
             if r.request_id in self.requests or sum(x.request_id == r.request_id for x in group) > 1:
                 raise ValueError(f"request id {r.request_id!r} is already in use")
-        needed = self.peak_blocks(req) * len(group)
+        needed = self.peak_blocks(req)
         if needed > self.kv.num_usable_blocks:
             raise ValueError(
-                f"request needs {needed} KV blocks ({len(group)} x {self.reserved_tokens(req)} tokens of prompt + "
-                f"max_tokens) but the pool has only {self.kv.num_usable_blocks}; lower max_tokens or n, or raise --kv-cache-memory"
+                f"request needs {needed} KV blocks ({self.max_tokens_of(req)} tokens of prompt + max_tokens) "
+                f"but the pool has only {self.kv.num_usable_blocks}; lower max_tokens or raise --kv-cache-memory"
             )
         if len(group) > self.max_num_seqs:
             raise ValueError(f"n = {len(group)} sequences exceed --max-num-seqs {self.max_num_seqs}")
+        if self.max_num_waiting is not None and len(self.waiting) >= self.max_num_waiting:
+            raise QueueFullError(f"the waiting queue is full ({self.max_num_waiting} requests); retry later")
         req.followers = list(followers)
         for r in group:
             self.requests[r.request_id] = r
-        self.waiting.append(req)
+        self._enqueue(req)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> None:
         """End a request (abort, stop string, ...) and free its blocks. Unknown ids are ignored."""
@@ -162,18 +186,13 @@ class Scheduler:
             self.waiting.appendleft(heir)
         req.followers = []
         req.status = status
-        self.reserved_blocks.pop(request_id, None)
         self.kv.free(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
     # ---- one step -----------------------------------------------------------------
-    def _schedule_one(self, req: Request, budget: int, computed_blocks=None) -> ScheduledRequest:
-        num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-        start = req.num_computed_tokens
-        if self.kv.allocate_slots(req.request_id, start + num_new, start, computed_blocks) is None:
-            raise RuntimeError(f"KV pool exhausted for {req.request_id!r} despite its reservation (bug)")
+    def _scheduled(self, req: Request, start: int, num_new: int) -> ScheduledRequest:
         return ScheduledRequest(
             request_id=req.request_id,
             token_ids=req.all_token_ids[start : start + num_new],
@@ -183,50 +202,82 @@ class Scheduler:
             is_prefill=start < req.num_prompt_tokens,
         )
 
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        remaining = req.num_tokens - req.num_computed_tokens
+        return min(remaining, budget) if remaining == 1 else min(remaining, budget, self.max_prefill_chunk)
+
+    def _preempt(self, victim: Request) -> None:
+        """Free the victim's blocks (full ones stay cached) and queue it in front of its
+        priority class; it recomputes from the prefix cache when resumed."""
+        held = self.kv.num_blocks_held(victim.request_id)
+        self.kv.free(victim.request_id)
+        self.running.remove(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.WAITING
+        if held:  # the counter moves only when blocks were actually freed
+            victim.num_preemptions += 1
+            self.num_preemptions += 1
+        self._enqueue(victim, front=True)
+
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's requests: running ones first (decodes and prefill chunks), then
-        waiting ones FCFS while budget, ``max_num_seqs`` and KV blocks last."""
+        """Pick this step's requests (see the module docstring for the order and preemption)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        for req in self.running:
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and r.num_computed_tokens >= r.num_prompt_tokens]
+        decode_ids = {id(r) for r in decodes}
+        chunks = [r for r in self.running if id(r) not in decode_ids]
+        preempted = False
+        for req in decodes + chunks:
             if budget <= 0:
                 break
-            s = self._schedule_one(req, budget)
-            budget -= s.num_new_tokens
-            out.scheduled.append(s)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new = self._num_new_tokens(req, budget)
+            start = req.num_computed_tokens
+            while self.kv.allocate_slots(req.request_id, start + num_new, start) is None:
+                victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+                done = next((s for s in out.scheduled if s.request_id == victim.request_id), None)
+                if done is not None:  # un-schedule it: nothing has run yet
+                    out.scheduled.remove(done)
+                    budget += done.num_new_tokens
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(self._scheduled(req, start, num_new))
+                budget -= num_new
+        while self.waiting and budget > 0 and not preempted:
             req = self.waiting[0]
-            n = 1 + len(req.followers)
-            peak = self.peak_blocks(req) * n
-            if sum(self.reserved_blocks.values()) + peak > self.kv.num_usable_blocks:
-                break  # head-of-line: FCFS order is kept
-            if len(self.running) + n > self.max_num_seqs:
+            if len(self.running) + 1 + len(req.followers) > self.max_num_seqs:
                 break
-            # look the prefix up now, when it is admitted (never a stale count)
+            # look the prefix up now, when it is admitted (never a stale count); a resumed
+            # request looks up everything it knows (prompt + generated tokens)
             num_cached, blocks = self.kv.get_computed_blocks(
-                req.request_id, req.all_token_ids, req.num_prompt_tokens, req.cache_salt)
-            self.kv.record_prefix_lookup(req.num_prompt_tokens, num_cached)
-            req.num_computed_tokens = req.num_cached_tokens = num_cached
-            self.reserved_blocks[req.request_id] = peak
+                req.request_id, req.all_token_ids, req.num_tokens, req.cache_salt)
+            req.num_computed_tokens = num_cached
+            num_new = self._num_new_tokens(req, budget)
+            if self.kv.allocate_slots(req.request_id, num_cached + num_new, num_cached, blocks) is None:
+                req.num_computed_tokens = 0
+                break  # head-of-line: priority/FCFS order is kept
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = num_cached
+                self.kv.record_prefix_lookup(req.num_prompt_tokens, num_cached)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            s = self._schedule_one(req, budget, blocks)
-            budget -= s.num_new_tokens
-            out.scheduled.append(s)
+            out.scheduled.append(self._scheduled(req, num_cached, num_new))
+            budget -= num_new
         out.blocks_to_copy = self.kv.take_pending_copies()
         return out
 
     def _fork_followers(self, leader: Request) -> list[Request]:
         """The leader computed the prompt: its waiting siblings share its blocks and run."""
         followers, leader.followers = leader.followers, []
-        per_seq = self.reserved_blocks[leader.request_id] // (1 + len(followers))
-        self.reserved_blocks[leader.request_id] = per_seq
         for f in followers:
             self.kv.fork(leader.request_id, f.request_id)
             f.num_computed_tokens, f.num_cached_tokens = leader.num_computed_tokens, leader.num_cached_tokens
             f.status = RequestStatus.RUNNING
-            self.reserved_blocks[f.request_id] = per_seq
             self.running.append(f)
         return followers
 

