@@ -1,75 +1,73 @@
-"""``llmd bench hybrid``: concurrent long sequences in one KV budget, with the hybrid KV cache
-groups (sliding-window layers free out-of-window blocks) vs every layer kept global.
+"""``llmd bench hybrid``: long sequences decoding at once in one KV budget, with the hybrid KV
+cache groups (sliding-window layers free out-of-window blocks) vs every layer kept global.
 
 Two engines share one loaded model and one ``--kv-cache-memory``; only
-``disable_hybrid_kv_cache_manager`` differs. Each is given more ``seq_tokens``-token requests
-(a short prompt + ``max_tokens`` up to ``seq_tokens``) than can fit, runs ``steps`` steps, and
-the number of sequences running at once is counted — the scheduler admits a request only
-when its peak KV blocks (the window bound for sliding groups) fit, so every admitted
-sequence can run to its end without preemption. Then everything is aborted.
+``disable_hybrid_kv_cache_manager`` differs. Both run the same requests to completion:
+``num_requests`` distinct random prompts of ``seq_tokens - new_tokens`` tokens, each then
+generating ``new_tokens`` greedy tokens (no shared prefixes). The figure is the most
+sequences that were decoding at once, i.e. held the KV of ~``seq_tokens`` tokens at the same
+time; when the pool runs dry the scheduler preempts (counted), so the all-global layout ends
+up running fewer sequences side by side.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import random
+import time
 from collections.abc import Callable
 
 from llmd.daemon.kv_size import blocks_per_sequence
 from llmd.daemon.request import SamplingParams
 
 
-def measure_concurrency(engine, seq_tokens: int, num_requests: int, steps: int, seed: int = 0) -> tuple[int, int]:
-    """Queue ``num_requests`` sequences of ``seq_tokens`` tokens and run ``steps`` steps.
-
-    Returns:
-        (most sequences running at once, KV blocks in use at that point).
-    """
+def measure_concurrency(engine, seq_tokens: int, num_requests: int, new_tokens: int, seed: int = 0) -> dict:
+    """Run the requests to completion; returns ``{"decoding": most sequences decoding at once,
+    "preemptions": count, "seconds": wall time, "steps": steps}``."""
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
-    prompt_len = min(32, seq_tokens - 1)
-    rids = []
     for _ in range(num_requests):
-        prompt = [rng.randrange(100, vocab) for _ in range(prompt_len)]
-        sp = SamplingParams(max_tokens=seq_tokens - prompt_len, temperature=0.0, ignore_eos=True)
-        rids.append(engine.add_request(prompt, sp))
-    best = used = 0
-    for _ in range(steps):
+        prompt = [rng.randrange(100, vocab) for _ in range(seq_tokens - new_tokens)]
+        engine.add_request(prompt, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+    best = steps = 0
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
         engine.step()
         engine.kv_manager.check_integrity()
-        if len(engine.scheduler.running) >= best:
-            best, used = len(engine.scheduler.running), engine.kv_manager.num_used_blocks
-    for rid in rids:
-        engine.abort(rid)
-    return best, used
+        steps += 1
+        best = max(best, sum(1 for r in engine.scheduler.running if r.num_computed_tokens >= r.num_prompt_tokens))
+    return {"decoding": best, "preemptions": engine.scheduler.num_preemptions, "seconds": time.perf_counter() - t0,
+            "steps": steps}
 
 
-def run_hybrid_bench(engine, seq_tokens: int = 2048, echo: Callable[[str], None] = print) -> dict[bool, int]:
-    """Measure concurrency with and without hybrid KV cache groups; print both and the ratio.
+def run_hybrid_bench(engine, seq_tokens: int = 2048, new_tokens: int = 16, num_requests: int | None = None,
+                     echo: Callable[[str], None] = print) -> dict[bool, dict]:
+    """Measure with and without hybrid KV cache groups; print both and the ratio.
 
-    Returns:
-        ``{hybrid: sequences running at once}``.
+    ``num_requests`` defaults to one more than the hybrid layout's decode bound fits.
+    Returns ``{hybrid: measure_concurrency(...) result}``.
     """
     from llmd.daemon.engine import Engine
 
-    out: dict[bool, int] = {}
     cfg = engine.config
-    for hybrid in (True, False):
-        eng = Engine(engine.runner.model, engine.tokenizer, dataclasses.replace(
-            cfg, disable_hybrid_kv_cache_manager=not hybrid, max_num_seqs=4096, kv_cache_memory=engine.kv_cache_memory))
-        groups = eng.kv_cache_groups
-        per_seq = sum(g.max_blocks(seq_tokens, cfg.block_size, cfg.max_num_batched_tokens) for g in groups)
-        fits = (eng.num_blocks - 1) // per_seq
-        n = min(512, fits + 2)
-        steps = -(-n * min(32, seq_tokens - 1) // cfg.max_num_batched_tokens) + 2  # enough to admit them all
-        running, used = measure_concurrency(eng, seq_tokens, n, steps)
-        out[hybrid] = running
-        label = "hybrid groups" if hybrid else "all global   "
-        echo(f"{label}: {len(groups)} KV cache group(s), {eng.num_blocks - 1} blocks of {eng.block_bytes} B, "
-             f"peak {per_seq} blocks per {seq_tokens}-token sequence (decode alone: "
-             f"{blocks_per_sequence(groups, seq_tokens, cfg.block_size, 1)}); {running} sequences running at once "
-             f"({used} blocks in use after {steps} steps)")
+    engines = {h: Engine(engine.runner.model, engine.tokenizer, dataclasses.replace(
+        cfg, disable_hybrid_kv_cache_manager=not h, kv_cache_memory=engine.kv_cache_memory, max_num_seqs=256))
+        for h in (True, False)}
+    fits = {h: (e.num_blocks - 1) // blocks_per_sequence(e.kv_cache_groups, seq_tokens, cfg.block_size, 1)
+            for h, e in engines.items()}
+    n = num_requests or fits[True] + 1
     echo(f"model {engine.model_config.name}, KV budget {engine.kv_cache_memory / 2**20:.0f} MiB, {cfg.dtype}, "
-         f"token budget {cfg.max_num_batched_tokens}: hybrid / all-global concurrent sequences = "
-         f"{out[True] / max(1, out[False]):.2f}x ({out[True]} vs {out[False]})")
+         f"block size {cfg.block_size}, token budget {cfg.max_num_batched_tokens}; {n} requests of "
+         f"{seq_tokens - new_tokens} prompt + {new_tokens} new tokens")
+    out = {}
+    for hybrid, eng in engines.items():
+        res = measure_concurrency(eng, seq_tokens, n, new_tokens)
+        out[hybrid] = res
+        per_seq = blocks_per_sequence(eng.kv_cache_groups, seq_tokens, cfg.block_size, 1)
+        echo(f"{'hybrid groups' if hybrid else 'all global   '}: {len(eng.kv_cache_groups)} KV cache group(s), "
+             f"{eng.num_blocks - 1} blocks of {eng.block_bytes} B, {per_seq} blocks per {seq_tokens}-token sequence "
+             f"in decode ({fits[hybrid]} fit); {res['decoding']} sequences decoding at once, "
+             f"{res['preemptions']} preemptions, {res['steps']} steps, {res['seconds']:.0f} s")
+    echo(f"hybrid / all-global sequences decoding at once: {out[True]['decoding'] / max(1, out[False]['decoding']):.2f}x "
+         f"({out[True]['decoding']} vs {out[False]['decoding']})")
     return out

@@ -24,13 +24,29 @@ def register(bench, engine_options, one_line_errors, build_engine) -> None:
         run_prefix_bench(engine, system_tokens, users, turns, max_tokens, echo=click.echo)
 
     @bench.command("hybrid")
-    @click.option("--seq-tokens", default=2048, show_default=True, type=int, help="Tokens per sequence (prompt + output).")
+    @click.option("--seq-tokens", default=2048, show_default=True, type=int, help="Tokens per sequence (prompt + new).")
+    @click.option("--new-tokens", default=16, show_default=True, type=int, help="Greedy tokens generated per sequence.")
+    @click.option("--num-requests", default=None, type=int, help="Sequences (default: one more than the hybrid layout fits).")
     @engine_options
     @one_line_errors
-    def bench_hybrid(seq_tokens, **engine_kw):
-        """Concurrent long sequences in one KV budget: hybrid KV cache groups vs every layer global
-        (use a model with sliding-window layers: --model gemma3-270m)."""
+    def bench_hybrid(seq_tokens, new_tokens, num_requests, **engine_kw):
+        """Long sequences decoding at once in one KV budget: hybrid KV cache groups vs every layer
+        global (use a model with sliding-window layers: --model gemma3-270m)."""
         from llmd.daemon.bench_hybrid import run_hybrid_bench
 
         engine = build_engine(**engine_kw)
-        run_hybrid_bench(engine, seq_tokens, echo=click.echo)
+        run_hybrid_bench(engine, seq_tokens, new_tokens, num_requests, echo=click.echo)
+
+    @bench.command("chunked-prefill")
+    @click.option("--num-decoders", default=4, show_default=True, type=int, help="Requests decoding throughout.")
+    @click.option("--decode-tokens", default=64, show_default=True, type=int, help="Greedy tokens each decoder generates.")
+    @click.option("--long-prompt", default=1024, show_default=True, type=int, help="Tokens of each periodic long prompt.")
+    @click.option("--period", default=4.0, show_default=True, type=float, help="Seconds between long prompts.")
+    @engine_options
+    @one_line_errors
+    def bench_chunked_prefill(num_decoders, decode_tokens, long_prompt, period, **engine_kw):
+        """ITL of decoding requests while long prompts arrive: chunked prefill on vs off (one run)."""
+        from llmd.daemon.bench_chunked import run_chunked_prefill_bench
+
+        engine = build_engine(**engine_kw)
+        run_chunked_prefill_bench(engine, num_decoders, decode_tokens, long_prompt, period, echo=click.echo)
