@@ -117,6 +117,13 @@ def generate(prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, **
 
     if max_tokens is not None and max_tokens < 1:
         raise LlmdError(f"--max-tokens must be >= 1, got {max_tokens}")
+    if chat:  # fail before loading the weights (the GGUF header read is cached for the load)
+        from llmd.models.gguf_loader import load_config
+        from llmd.models.registry import resolve_model
+
+        cfg = load_config(resolve_model(engine_kw["model"]))
+        if not cfg.chat_template:
+            raise LlmdError(f"model {cfg.name} has no chat template (a base model); drop --chat")
     engine = build_engine(**engine_kw)
     ids = engine.tokenizer.apply_chat([{"role": "user", "content": prompt}]) if chat else engine.tokenizer.encode(prompt)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=list(stop))

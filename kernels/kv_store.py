@@ -3,8 +3,9 @@
 Same layout and numerics as :mod:`llmd.quant.kv` (the torch reference): dynamic scale
 ``max(amax/qmax, SCALE_FLOOR)`` per (token, KV head) or a static per-tensor scale; ``x / scale``
 in float32, clamped to ``±qmax`` before any cast (``.to(tl.int8)`` wraps and out-of-range fp8
-casts give NaN), rounded half away from zero on the format's grid (explicitly, because
-``libdevice.rint`` is missing in the interpreter and its fp8 cast mis-rounds at binade edges).
+casts give NaN), rounded to nearest with ties to even on the format's grid (explicitly, because
+``libdevice.rint`` is missing in the interpreter and its fp8 cast mis-rounds at binade edges);
+the codes equal torch's ``clamp(x / scale).to(float8)`` / ``torch.round`` bit for bit.
 """
 
 from __future__ import annotations
@@ -17,25 +18,28 @@ from llmd.quant.kv import SCALE_FLOOR, PagedKVCache
 
 
 @triton.jit
-def _round_half_away(y):
-    """Nearest integer, ties away from zero; the same formula as ``llmd.quant.kv.round_half_away``."""
+def _round_half_even(y):
+    """Nearest integer, ties to even (``torch.round``, ``llmd.quant.kv.round_half_even``):
+    ``f = floor(|y|)``, the fraction ``|y| - f`` is exact, ``f - 2·floor(f/2)`` is f's parity."""
     a = tl.abs(y)
     f = tl.floor(a)
-    r = f + tl.where(a - f >= 0.5, 1.0, 0.0)
+    d = a - f
+    odd = f - 2.0 * tl.floor(f * 0.5)
+    r = f + tl.where((d > 0.5) | ((d == 0.5) & (odd == 1.0)), 1.0, 0.0)
     return tl.where(y < 0, -r, r)
 
 
 @triton.jit
 def _quantize_row(x, s, QMAX: tl.constexpr, FP8: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
     """Codes (float32, on the grid) of ``x / s`` (``[BLOCK_T, HEAD_DIM]`` / ``[BLOCK_T, 1]``)
-    clamped to ±QMAX, ties away from zero."""
+    clamped to ±QMAX, ties to even."""
     y = tl.minimum(tl.maximum(x / s, -QMAX), QMAX)
     if FP8:
         e = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
         e = tl.maximum(e, EMIN) - MANT
         quantum = ((e + 127) << 23).to(tl.float32, bitcast=True)
-        return _round_half_away(y / quantum) * quantum
-    return _round_half_away(y)
+        return _round_half_even(y / quantum) * quantum
+    return _round_half_even(y)
 
 
 @triton.jit

