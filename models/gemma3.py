@@ -13,12 +13,11 @@ rows are *not* permuted (llama.cpp runs Gemma with NEOX RoPE, like HF).
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import nn
 
-from llmd.kernels import AttentionMetadata
 from llmd.models.config import ModelConfig
+from llmd.models.decoder import DecoderForCausalLM
 from llmd.models.layers import GatedMLP, GemmaRMSNorm, PagedAttention
 
 # GGUF per-layer tensor stem → parameter path inside a Gemma3DecoderLayer.
@@ -64,52 +63,15 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class Gemma3ForCausalLM(nn.Module):
-    """Gemma 3 over a flattened batch of tokens (same interface as ``LlamaForCausalLM``).
+class Gemma3ForCausalLM(DecoderForCausalLM):
+    """Gemma 3 decoder (see :class:`DecoderForCausalLM` for the interface): scaled embeddings,
+    Gemma RMSNorms, no tensor fix-ups (Q/K stored unpermuted, norms already include the +1)."""
 
-    ``forward(input_ids [T] int64, positions [T] int64, kv_caches: one cache per layer, meta)
-    -> hidden [T, hidden_size]`` where ``meta`` is one :class:`AttentionMetadata` for all layers
-    or a list with one per layer (sliding-window layers may have their own block tables);
-    ``compute_logits(hidden [N, hidden]) -> [N, vocab] float32``.
-    """
-
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
-        super().__init__()
-        self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device="meta")
-        self.embed_tokens.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = None
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
-
-    def gguf_tensor_map(self) -> dict[str, str]:
-        """GGUF tensor name → parameter name, for every tensor this architecture reads."""
-        m = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight"}
-        if self.lm_head is not None:
-            m["output.weight"] = "lm_head"
-        for i in range(self.config.num_layers):
-            for g, p in LAYER_TENSORS.items():
-                m[f"blk.{i}.{g}.weight"] = f"layers.{i}.{p}"
-        return m
-
-    def transform_gguf_tensor(self, name: str, w: np.ndarray) -> np.ndarray:
-        """No fix-ups: Gemma's Q/K are stored unpermuted and its norms already include the +1."""
-        return w
+    layer_cls = Gemma3DecoderLayer
+    norm_cls = GemmaRMSNorm
+    layer_tensors = LAYER_TENSORS
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings ``[T, hidden]`` × ``embedding_scale`` (scale rounded to float32, then to x's dtype, as HF does)."""
         x = self.embed_tokens(input_ids)
         return x * torch.tensor(self.config.embedding_scale, dtype=torch.float32, device=x.device).to(x.dtype)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
-        x = self.embed(input_ids)
-        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
-            x = layer(x, positions, cache, meta[i] if isinstance(meta, list) else meta)
-        return self.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head
-        return (hidden @ w.t()).float()
