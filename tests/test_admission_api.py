@@ -1,0 +1,49 @@
+"""Admission limits at the API edge: a full waiting queue is HTTP 429 with Retry-After (and the
+engine keeps serving), priorities and cache salts are validated, and the server's stats carry
+the preemption counters."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmd.daemon.request import SamplingParams
+from llmd.daemon.server import engine_error
+from llmd.daemon.validation import ApiError, parse_request
+from llmd.models.errors import LlmdError, ServerBusyError
+
+
+def test_full_waiting_queue_is_429_and_the_engine_keeps_serving(make_engine):
+    engine = make_engine(max_num_waiting=2, max_num_seqs=1)
+    sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    engine.add_request([100, 101, 102], sp)
+    engine.add_request([103, 104, 105], sp)
+    with pytest.raises(ServerBusyError, match="waiting queue is full") as ei:
+        engine.add_request([106, 107], sp)
+    err = engine_error(ei.value)
+    assert err.status == 429 and err.headers == {"Retry-After": "1"}
+    assert engine_error(LlmdError("prompt too long")).status == 400
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o.request_id for o in engine.step() if o.finished]
+    assert len(done) == 2 and engine.kv_manager.num_used_blocks == 0
+    engine.add_request([106, 107], sp)  # room again
+
+
+def test_priority_and_cache_salt_fields():
+    p = parse_request({"prompt": "hi", "priority": -3, "cache_salt": "tenant-a"}, False, ["m"], 1000)
+    assert p.priority == -3 and p.cache_salt == "tenant-a"
+    assert parse_request({"prompt": "hi"}, False, ["m"], 1000).priority == 0
+    for bad in ({"priority": "high"}, {"priority": 1.5}, {"cache_salt": ""}, {"cache_salt": 7}):
+        with pytest.raises(ApiError) as ei:
+            parse_request({"prompt": "hi", **bad}, False, ["m"], 1000)
+        assert ei.value.status == 400 and ei.value.param in ("priority", "cache_salt")
+
+
+def test_stats_carry_groups_prefix_and_preemption_fields(llmd_daemon):
+    st = llmd_daemon.client().stats()
+    kv = st["kv_cache"]
+    assert kv["groups"][0]["name"] == "full_attention" and kv["groups"][0]["sliding_window"] is None
+    assert kv["bytes_per_token"] == 46080 and kv["memory_bytes"] == kv["num_blocks"] * 16 * 46080
+    assert kv["used"] + kv["free"] + kv["cached_free"] == kv["total"]
+    assert set(st["prefix_cache"]) >= {"queries", "hits", "enabled", "evictions"} and st["prefix_cache"]["enabled"]
+    assert "num_preemptions" in st["counters"] and "preempted" in st["scheduler"]
