@@ -5,9 +5,10 @@ Two engines share one loaded model. "On": the token budget (``max_num_batched_to
 ``max_prefill_chunk`` as configured, so a long prompt is prefilled a chunk per step while the
 decodes keep flowing. "Off": budget and chunk large enough for a whole prompt, so the step
 that prefills a long prompt carries it entirely and every decode waits for it. Both serve
-``num_decoders`` greedy requests generating ``decode_tokens`` each, and every ``period``
-seconds of wall time one more long prompt (``long_prompt`` tokens, 4 new tokens). ITL is
-measured per decoding request between consecutive tokens (seconds, ``time.perf_counter``).
+``num_decoders`` greedy requests generating ``decode_tokens`` each, and one more long prompt
+(``long_prompt`` tokens, 4 new tokens) each time the first decoder has produced another
+``period`` tokens, so both modes get the same prompts at the same points of the decode. ITL
+is measured per decoding request between consecutive tokens (seconds, ``time.perf_counter``).
 """
 
 from __future__ import annotations
@@ -21,29 +22,29 @@ from llmd.daemon.bench_serve import percentile
 from llmd.daemon.request import SamplingParams
 
 
-def run_scenario(engine, num_decoders: int, decode_tokens: int, long_prompt: int, period: float, seed: int = 0) -> dict:
+def run_scenario(engine, num_decoders: int, decode_tokens: int, long_prompt: int, period: int, seed: int = 0) -> dict:
     """One engine through the scenario; returns ITL p50/p99/max (ms), steps, long prompts served."""
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     greedy = SamplingParams(max_tokens=decode_tokens, temperature=0.0, ignore_eos=True)
-    decoders = {engine.add_request([rng.randrange(100, vocab) for _ in range(32)], dataclasses.replace(greedy))
-                for _ in range(num_decoders)}
+    decoders = [engine.add_request([rng.randrange(100, vocab) for _ in range(32)], dataclasses.replace(greedy))
+                for _ in range(num_decoders)]
     last: dict[str, float] = {}
+    produced = {r: 0 for r in decoders}
     itl: list[float] = []
-    t0 = next_long = time.perf_counter()
+    t0 = time.perf_counter()
     longs = steps = 0
     while engine.has_unfinished_requests():
-        now = time.perf_counter()
-        if now >= next_long and any(r in engine.scheduler.requests for r in decoders):
+        if produced[decoders[0]] >= (longs + 1) * period and produced[decoders[0]] < decode_tokens:
             engine.add_request([rng.randrange(100, vocab) for _ in range(long_prompt)],
                                SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
             longs += 1
-            next_long = now + period
         outs = engine.step()
         steps += 1
         now = time.perf_counter()
         for o in outs:
-            if o.request_id in decoders and o.new_token_ids:
+            if o.request_id in produced and o.new_token_ids:
+                produced[o.request_id] += len(o.new_token_ids)
                 if o.request_id in last:
                     itl.append(now - last[o.request_id])
                 last[o.request_id] = now
@@ -52,8 +53,8 @@ def run_scenario(engine, num_decoders: int, decode_tokens: int, long_prompt: int
             "seconds": time.perf_counter() - t0}
 
 
-def run_chunked_prefill_bench(engine, num_decoders: int = 4, decode_tokens: int = 64, long_prompt: int = 1024,
-                              period: float = 4.0, echo: Callable[[str], None] = print) -> dict[bool, dict]:
+def run_chunked_prefill_bench(engine, num_decoders: int = 4, decode_tokens: int = 32, long_prompt: int = 1024,
+                              period: int = 8, echo: Callable[[str], None] = print) -> dict[bool, dict]:
     """Run the scenario with chunked prefill on and off; print ITL percentiles and the p99 ratio."""
     from llmd.daemon.engine import Engine
 
@@ -61,7 +62,7 @@ def run_chunked_prefill_bench(engine, num_decoders: int = 4, decode_tokens: int 
     big = max(cfg.max_num_batched_tokens, long_prompt + num_decoders + 1)
     configs = {True: cfg, False: dataclasses.replace(cfg, max_num_batched_tokens=big, max_prefill_chunk=big)}
     echo(f"{num_decoders} requests decoding {decode_tokens} greedy tokens; a {long_prompt}-token prompt arrives every "
-         f"{period:g} s; chunked: budget {cfg.max_num_batched_tokens}, chunk {cfg.max_prefill_chunk}; unchunked: {big}; "
+         f"{period} decoded tokens; chunked: budget {cfg.max_num_batched_tokens}, chunk {cfg.max_prefill_chunk}; unchunked: {big}; "
          f"{cfg.device} {cfg.dtype}")
     out = {}
     for on, c in configs.items():

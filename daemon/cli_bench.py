@@ -39,9 +39,9 @@ def register(bench, engine_options, one_line_errors, build_engine) -> None:
 
     @bench.command("chunked-prefill")
     @click.option("--num-decoders", default=4, show_default=True, type=int, help="Requests decoding throughout.")
-    @click.option("--decode-tokens", default=64, show_default=True, type=int, help="Greedy tokens each decoder generates.")
+    @click.option("--decode-tokens", default=32, show_default=True, type=int, help="Greedy tokens each decoder generates.")
     @click.option("--long-prompt", default=1024, show_default=True, type=int, help="Tokens of each periodic long prompt.")
-    @click.option("--period", default=4.0, show_default=True, type=float, help="Seconds between long prompts.")
+    @click.option("--period", default=8, show_default=True, type=int, help="A long prompt every this many decoded tokens.")
     @engine_options
     @one_line_errors
     def bench_chunked_prefill(num_decoders, decode_tokens, long_prompt, period, **engine_kw):
