@@ -6,7 +6,8 @@ prefixes, the other does not. Both serve the same greedy workload:
 * sequential: ``users`` multi-turn chats, each turn = a ~1,000-token system prompt + the
   chat's history (earlier questions and the model's own answers) + a new question, sent one
   after another (the next turn waits for the answer);
-* concurrent: ``users`` different questions after the same system prompt, all sent at once.
+* concurrent: ``users × turns`` different questions after the same system prompt, all sent at
+  once, on a cold cache (the prefix cache is reset first).
 
 Per scenario it prints the median TTFT (seconds from ``add_request`` to the first token) and
 the prompt tokens the model actually computed, with and without caching, and their ratios.
@@ -113,6 +114,7 @@ def run_prefix_bench(engine, system_tokens: int = 1000, users: int = 4, turns: i
     results: dict[str, dict[bool, ScenarioResult]] = {"sequential": {}, "concurrent": {}}
     for on, eng in engines.items():
         results["sequential"][on] = run_sequential(eng, system, users, turns, max_tokens)
+        eng.reset_prefix_cache()  # cold start: the sharing must happen among the concurrent requests
         results["concurrent"][on] = run_concurrent(eng, system, users * turns, max_tokens)
     echo(f"workload: {system_tokens}-token system prompt; sequential = {users} chats x {turns} turns (history resent), "
          f"concurrent = {users * turns} requests at once; {max_tokens} new tokens each, greedy; "

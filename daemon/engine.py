@@ -183,7 +183,8 @@ class Engine:
             raise LlmdError(f"prompt token ids must be integers in [0, {self.model_config.vocab_size})")
         if len(ids) >= self.max_model_len:
             raise LlmdError(f"prompt has {len(ids)} tokens but the context is {self.max_model_len} tokens (max-model-len), leaving no room to generate")
-        if params.max_tokens is None:
+        defaulted = params.max_tokens is None
+        if defaulted:
             params.max_tokens = self.max_model_len - len(ids)
         elif len(ids) + params.max_tokens > self.max_model_len:
             raise LlmdError(
@@ -198,7 +199,8 @@ class Engine:
         except QueueFullError as e:
             raise ServerBusyError(str(e)) from None
         except ValueError as e:
-            raise LlmdError(str(e)) from None
+            hint = f" (max_tokens was not given, so it defaulted to the remaining context, {params.max_tokens})" if defaulted else ""
+            raise LlmdError(str(e) + hint) from None
         for rid in request_ids:
             self.detokenizers[rid] = IncrementalDetokenizer(self.tokenizer.hf, ids, params.stop)
         return list(request_ids)

@@ -15,7 +15,10 @@ jitter of 1e-6 (≈ 8 float32 ulps) before quantizing gives, over 8 llmd runs, f
 0.76 ± 0.15 % (0.58–1.09) and top-1 93.5 ± 0.3 %, int8 ΔNLL 0.005 ± 0.05 %; over 10 HF
 fake-quant runs, fp8_e4m3 0.74 ± 0.18 %, fp8_e5m2 0.85 ± 0.25 % with top-1 86.1 ± 0.7 %. Two
 correct implementations whose model-dtype runs agree to ~1e-6 therefore need not agree to
-0.05 pp in quantized ΔNLL.
+0.05 pp in quantized ΔNLL. On Gemma 3 270M (952 tokens of the same text; sliding-window layers
+read through their own KV cache groups' block tables) the spread is wider: over 6 HF fake-quant
+runs with the same jitter, ΔNLL int8 0.95 ± 0.18 %, fp8_e4m3 0.71 ± 0.27 %, fp8_e5m2
+5.1 ± 0.8 %, nearly all of it from K (amax/rms 6-11 per 256-dim token vector).
 """
 
 from __future__ import annotations
@@ -113,30 +116,50 @@ def fake_quant_reference(x: torch.Tensor, fmt: KVCacheFormat) -> torch.Tensor:
     return (codes * scale).to(x.dtype)
 
 
+HF_ATTN_NAME = "llmd_fake_quant"
+
+
 @torch.inference_mode()
-def hf_fake_quant_nll(hf_model, ids: list[int], kv_cache_dtype: str) -> float:
-    """Mean NLL from HF transformers with K (after RoPE) and V fake-quantized per (token, KV
-    head) by :func:`fake_quant_reference`, through a registered attention function wrapping
-    SDPA. ``hf_model``: a Llama-family ``*ForCausalLM``; its attention implementation is
-    restored afterwards."""
+def hf_fake_quant(hf_model, ids: list[int], kv_cache_dtype: str) -> tuple[float, torch.Tensor]:
+    """Mean NLL and argmax ``[N - 1]`` (as :func:`nll_and_argmax`) from HF transformers with K
+    (after RoPE) and V fake-quantized per (token, KV head) by :func:`fake_quant_reference`.
+
+    The fake quantization is a registered attention function that wraps HF's own SDPA
+    function (which takes the layer's ``scaling``: Gemma 3's ``query_pre_attn_scalar**-0.5``).
+    Its mask function is registered as HF's ``sdpa_mask`` under the same name, so HF builds
+    every layer's mask as it does for ``sdpa`` (causal, and Gemma 3's sliding window of its
+    local layers); an attention name without a mask function would make HF skip the masks
+    (transformers treats it as a paged backend), which SDPA's ``is_causal`` covers for
+    full-attention models but silently drops sliding windows. ``kv_cache_dtype="auto"`` is
+    the same path without quantization (the identity check). ``hf_model``: a decoder-only
+    ``*ForCausalLM`` (Llama, Gemma 3); its attention implementation is restored afterwards.
+    """
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     fmt = get_format(kv_cache_dtype)
 
     def fake_quant_attention(module, query, key, value, attention_mask, **kw):
-        # key/value: [B, kv_heads, L, head_dim] -> quantized over head_dim per (token, head)
+        # key/value: [B, kv_heads, L, head_dim] -> quantized over head_dim per (token, head);
+        # kw carries the layer's scaling (and sliding_window, which the mask already encodes)
         key, value = fake_quant_reference(key, fmt), fake_quant_reference(value, fmt)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
 
-    AttentionInterface.register("llmd_fake_quant", fake_quant_attention)
+    AttentionInterface.register(HF_ATTN_NAME, fake_quant_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(HF_ATTN_NAME, sdpa_mask)
     old = hf_model.config._attn_implementation
-    hf_model.config._attn_implementation = "llmd_fake_quant"
+    hf_model.config._attn_implementation = HF_ATTN_NAME
     try:
         logits = hf_model(torch.tensor([ids])).logits[0]
     finally:
         hf_model.config._attn_implementation = old
-    return nll_and_argmax(logits, ids)[0]
+    return nll_and_argmax(logits, ids)
+
+
+def hf_fake_quant_nll(hf_model, ids: list[int], kv_cache_dtype: str) -> float:
+    """Mean NLL of :func:`hf_fake_quant` (the independent reference of case Q4)."""
+    return hf_fake_quant(hf_model, ids, kv_cache_dtype)[0]
 
 
 def format_table(rows: list[QualityRow]) -> list[str]:

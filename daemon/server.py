@@ -33,7 +33,7 @@ from aiohttp import web
 from llmd.daemon.engine_loop import EngineLoop
 from llmd.daemon.protocol import SSE_DONE, error_body, sse, stats_with_cells
 from llmd.daemon.responses import ResponseBuilder
-from llmd.daemon.validation import ApiError, parse_request
+from llmd.daemon.validation import ApiError, check_utf8, parse_request
 from llmd.models.errors import LlmdError, ServerBusyError
 
 log = logging.getLogger("llmd.server")
@@ -89,6 +89,23 @@ async def read_json(request: web.Request):
         raise ApiError(f"the request body is not valid JSON: {e}") from None
 
 
+#: characters per token no real prompt exceeds; text longer than this × the context cannot fit
+MAX_CHARS_PER_TOKEN = 64
+
+
+def _check_prompt_size(prompt, max_model_len: int) -> None:
+    """Reject text that cannot fit the context before tokenizing it (tokenizing runs on the
+    engine thread, and megabytes of text would stall every stream for seconds)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        n = sum(len(m["content"]) for m in prompt)
+    else:
+        n = len(prompt) if isinstance(prompt, str) else 0
+    limit = MAX_CHARS_PER_TOKEN * max_model_len
+    if n > limit:
+        raise ApiError(f"prompt has {n} characters, more than any prompt that fits the context of {max_model_len} "
+                       f"tokens (limit {limit} characters)", "messages" if isinstance(prompt, list) else "prompt", 400)
+
+
 def engine_error(e: LlmdError) -> ApiError:
     """Map an engine rejection to a 400 naming the field (max_tokens or prompt), or a full
     waiting queue to a 429 with ``Retry-After``."""
@@ -112,6 +129,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     if st.draining:
         raise ApiError("the daemon is shutting down", None, 503)
     parsed = parse_request(await read_json(request), chat, st.model_ids, st.vocab_size)
+    _check_prompt_size(parsed.prompt, st.max_model_len)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
@@ -239,7 +257,8 @@ async def tokenize(request: web.Request) -> web.Response:
     else:
         if not isinstance(body["prompt"], str):
             raise ApiError("prompt must be a string", "prompt")
-        ids = tok.encode(body["prompt"])
+        _check_prompt_size(body["prompt"], st.max_model_len)
+        ids = tok.encode(check_utf8(body["prompt"], "prompt"))
     return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": st.max_model_len})
 
 

@@ -112,6 +112,15 @@ def _token_ids(v, name: str, vocab_size: int) -> list[int]:
     return list(v)
 
 
+def check_utf8(text: str, field: str) -> str:
+    """``text`` if it is encodable as UTF-8 (JSON allows lone surrogates like ``"\\ud800"``)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(f"{field} is not valid Unicode text ({e.reason} at position {e.start})", field) from None
+    return text
+
+
 def _prompt(body: dict, vocab_size: int) -> str | list[int]:
     p = body.get("prompt")
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
@@ -119,7 +128,7 @@ def _prompt(body: dict, vocab_size: int) -> str | list[int]:
     if isinstance(p, str):
         if not p:
             raise ApiError("prompt is empty; send at least one token of text", "prompt")
-        return p
+        return check_utf8(p, "prompt")
     if isinstance(p, list):
         if not p:
             raise ApiError("prompt is an empty token list; send at least one token id", "prompt")
@@ -151,7 +160,7 @@ def _messages(body: dict) -> list[dict]:
             raise ApiError(f"{where}.content must be a string, got {type(content).__name__}", f"{where}.content")
         if not content:
             raise ApiError(f"{where}.content is empty", f"{where}.content")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        out.append({"role": "system" if role == "developer" else role, "content": check_utf8(content, f"{where}.content")})
     return out
 
 
@@ -240,4 +249,4 @@ def _cache_salt(body: dict) -> str | None:
         return None
     if not isinstance(salt, str) or not salt or len(salt) > 1024:
         raise ApiError("cache_salt must be a non-empty string of at most 1024 characters", "cache_salt")
-    return salt
+    return check_utf8(salt, "cache_salt")

@@ -47,3 +47,26 @@ def test_stats_carry_groups_prefix_and_preemption_fields(llmd_daemon):
     assert kv["used"] + kv["free"] + kv["cached_free"] == kv["total"]
     assert set(st["prefix_cache"]) >= {"queries", "hits", "enabled", "evictions"} and st["prefix_cache"]["enabled"]
     assert "num_preemptions" in st["counters"] and "preempted" in st["scheduler"]
+
+
+def test_lone_surrogates_are_400_not_500():
+    """JSON allows "\\ud800"; it is not encodable text: a 400 naming the field, before the engine."""
+    for body, field in (({"prompt": "a\ud800b"}, "prompt"), ({"prompt": "hi", "cache_salt": "\ud800"}, "cache_salt")):
+        with pytest.raises(ApiError) as ei:
+            parse_request(body, False, ["m"], 1000)
+        assert ei.value.status == 400 and ei.value.param == field
+    with pytest.raises(ApiError) as ei:
+        parse_request({"messages": [{"role": "user", "content": "\udfff"}]}, True, ["m"], 1000)
+    assert ei.value.param == "messages[0].content"
+
+
+def test_oversized_text_is_rejected_before_tokenizing():
+    from llmd.daemon.server import MAX_CHARS_PER_TOKEN, _check_prompt_size
+
+    _check_prompt_size("x" * (MAX_CHARS_PER_TOKEN * 100), 100)  # at the limit: left to the tokenizer
+    with pytest.raises(ApiError, match="characters") as ei:
+        _check_prompt_size("x" * (MAX_CHARS_PER_TOKEN * 100 + 1), 100)
+    assert ei.value.status == 400
+    with pytest.raises(ApiError) as ei:
+        _check_prompt_size([{"role": "user", "content": "y" * 7000}], 100)
+    assert ei.value.param == "messages"

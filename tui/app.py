@@ -32,6 +32,7 @@ class TopApp(App):
     ENABLE_COMMAND_PALETTE = False
     BINDINGS = [
         Binding("q", "quit", "Quit"),
+        Binding("ctrl+c", "quit", "Quit", show=False, priority=True),
         Binding("a", "abort", "Abort request"),
         Binding("c", "clear_cache", "Clear cache"),
         Binding("p", "toggle_pause", "Pause"),
