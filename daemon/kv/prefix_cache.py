@@ -33,7 +33,7 @@ def extra_keys(model_id: str, kv_cache_dtype: str, cache_salt: str | None) -> by
     """Encode the extra keys of a request's blocks (length-prefixed UTF-8 fields)."""
     out = b""
     for f in (model_id, kv_cache_dtype, cache_salt or ""):
-        data = f.encode()
+        data = f.encode("utf-8", "surrogatepass")
         out += struct.pack("<I", len(data)) + data
     return out + (b"\x01" if cache_salt is not None else b"\x00")
 
