@@ -1,0 +1,125 @@
+"""Cases Q1 (teacher-forced top-1 agreement) and Q4 (ΔNLL budgets, > 0, vs an HF fake-quant
+reference) on Gemma 3 270M: the Gemma half of tests/test_kv_quality.py (same fixed text,
+chunks of 64, store-then-read through the engine's runner and per-group block tables: layers
+5/11/17 global, the others a sliding window of 512 < the text's 952 tokens).
+
+Each dtype's llmd run and HF fake-quant run are computed once per module, on first use, so
+each test pays for its own dtype. Cost on 1 thread: ~30 s per llmd run and ~30 s per HF
+forward (both mostly the 262k-entry LM head over 952 positions), on top of the session's
+model loads (see tests/gemma_fixtures.py).
+"""
+
+import pytest
+import torch
+
+from llmd.daemon.kv_quality import KV_DTYPES, hf_fake_quant, quality_row
+from llmd.daemon.kv_quality_text import QUALITY_TEXT
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # first tests here may load llmd's and HF's Gemma
+
+TOP1_MIN = {"int8": 0.97, "fp8_e4m3": 0.94, "fp8_e5m2": 0.90}  # Q1
+DNLL_MAX_PCT = {"int8": 0.2, "fp8_e4m3": 0.75, "fp8_e5m2": 3.0}  # Q4
+# Measured on this text (952 Gemma tokens), float32 on CPU, torch backend:
+#   int8      ΔNLL 1.040 %  top-1 94.43 %   HF fake-quant ΔNLL 1.194 %  (|diff| 0.154 pp)
+#   fp8_e4m3  ΔNLL 0.881 %  top-1 93.59 %   HF fake-quant ΔNLL 1.324 %  (|diff| 0.442 pp)
+#   fp8_e5m2  ΔNLL 4.984 %  top-1 89.38 %   HF fake-quant ΔNLL 4.311 %  (|diff| 0.673 pp)
+# HF transformers' own Gemma3 with K/V fake-quantized from the spec lands in the same place, so
+# these are the formats under per-(token, KV head) amax scaling on this model, not llmd. The
+# loss is K's (HF, K alone: int8 ΔNLL 1.12 % top-1 94.1 %, e5m2 4.92 % 89.2 %; V alone: int8
+# 0.007 % 98.5 %, e5m2 0.51 % 95.9 %). Gemma's K (after k_norm and RoPE, one KV head of 256
+# dims) has amax/rms 6-11 per token (median by layer; ≈ 3 for Gaussian data), so int8's
+# uniform step amax/127 is as coarse as e4m3's 3-bit mantissa. Over 6 HF fake-quant runs with
+# 1e-6 relative K/V jitter before quantizing: int8 ΔNLL 0.95 ± 0.18 % (0.74-1.13) top-1
+# 94.2 ± 0.3 %; e4m3 0.71 ± 0.27 % (0.42-1.08) top-1 93.9 ± 0.3 %; e5m2 5.1 ± 0.8 % (3.8-6.1)
+# top-1 88.9 ± 0.6 %. So int8 and e5m2 miss their bounds in expectation, e4m3's ΔNLL bound
+# sits at the mean and its top-1 bound just above it (a coin flip per realization), and the
+# 0.05 pp agreement with an independent implementation is far below the measure's noise. Strict
+# xfails, so any change in the numbers forces these marks to be revisited.
+SPREAD = "std over 1e-6 jitter 0.18 pp int8, 0.27 e4m3, 0.80 e5m2"
+TOP1_MISS = ("K rounding on Gemma 3 (per-(token, head) amax over 256 dims, K amax/rms 6-11): top-1 int8 94.43 %, "
+             "e4m3 93.59 %, e5m2 89.38 % (HF fake-quant: 93.80, 94.11, 88.43 %)")
+DNLL_MISS = ("K rounding on Gemma 3: ΔNLL int8 1.040 % vs 0.2 %, e4m3 0.881 % vs 0.75 %, e5m2 4.984 % vs 3 % "
+             "(HF fake-quant: 1.194, 1.324, 4.311 %)")
+HF_MISS = f"single-realization ΔNLL is chaotic: |llmd − HF| int8 0.154, e4m3 0.442, e5m2 0.673 pp; {SPREAD}"
+
+
+def xfail_for(reason, *names):
+    return [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=reason)) if n in names else n for n in KV_DTYPES[1:]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Matmul-bound, like the SmolLM2 half: one intra-op thread on shared CPUs."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def quality(gemma3, gemma3_tokenizer):
+    """``(ids, get)``: ``get(name)`` runs llmd's teacher-forced pass for one KV dtype on first use."""
+    ids = gemma3_tokenizer.encode(QUALITY_TEXT)
+    assert 900 <= len(ids) <= 1100 and len(ids) > 512  # past the sliding window
+    rows = {}
+
+    def get(name):
+        if name not in rows:
+            base = None if name == "auto" else get("auto")
+            rows[name] = quality_row(gemma3[0], gemma3_tokenizer, ids, name, base, device="cpu", dtype="float32",
+                                     kv_cache_memory=64 * 2**20)
+        return rows[name]
+
+    return ids, get
+
+
+@pytest.fixture(scope="module")
+def hf_quality(quality, hf_gemma3):
+    """``get(name)``: HF transformers' ``(nll, argmax)`` with K/V fake-quantized, once per dtype
+    (``auto``: the same attention path without quantization, the reference's base)."""
+    ids = quality[0]
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            runs[name] = hf_fake_quant(hf_gemma3, ids, name)
+        return runs[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", xfail_for(TOP1_MISS, "int8", "fp8_e4m3", "fp8_e5m2"))
+def test_q1_teacher_forced_top1_agreement(quality, name):
+    row = quality[1](name)
+    assert row.top1 >= TOP1_MIN[name], row
+
+
+@pytest.mark.parametrize("name", xfail_for(DNLL_MISS, "int8", "fp8_e4m3", "fp8_e5m2"))
+def test_q4_delta_nll_budget(quality, name):
+    row = quality[1](name)
+    assert row.delta_nll_pct <= DNLL_MAX_PCT[name], row
+
+
+@pytest.mark.parametrize("name", KV_DTYPES[1:])
+def test_q4_quantized_cache_was_read(quality, name):
+    assert quality[1](name).delta_nll_pct > 0
+
+
+def test_hf_reference_path_keeps_sliding_window(quality, hf_quality):
+    """The HF fake-quant path without quantization equals llmd's model-dtype run (which equals
+    HF's own Gemma 3, case L2): HF builds the sliding-window masks for the registered attention
+    function and passes the layer's scaling. Without the mask function registered, HF skips the
+    masks and every layer attends globally (NLL 3.37 instead of 1.82 on this text)."""
+    nll, top = hf_quality("auto")
+    auto = quality[1]("auto")
+    assert abs(nll - auto.nll) < 1e-4, (nll, auto.nll)
+    assert (top == auto.argmax).float().mean().item() >= 0.999
+
+
+@pytest.mark.parametrize("name", xfail_for(HF_MISS, "int8", "fp8_e4m3", "fp8_e5m2"))
+def test_q4_matches_hf_fake_quant_reference(quality, hf_quality, name):
+    """ΔNLL% within 0.05 percentage points of HF transformers with K/V fake-quantized the same way."""
+    base = hf_quality("auto")[0]
+    ref_pct = 100 * (hf_quality(name)[0] - base) / base
+    ours = quality[1](name).delta_nll_pct
+    assert abs(ours - ref_pct) <= 0.05, (name, ours, ref_pct)
