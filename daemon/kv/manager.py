@@ -20,10 +20,9 @@ Pure bookkeeping: nothing here touches tensors.
 
 from __future__ import annotations
 
-from collections import Counter
-
 from .block_pool import BlockPool, KVCacheBlock
 from .groups import KVCacheGroupSpec
+from .integrity import check_integrity
 from .prefix_cache import extend_block_hashes, extra_keys, find_longest_cache_hit, make_root_hash
 
 
@@ -292,48 +291,6 @@ class KVCacheManager:
 
     # ---- invariants ----------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Assert the bookkeeping is consistent; raises ``AssertionError`` naming the fault.
-
-        Checks: free-queue links agree both ways and no block is queued twice; the null
-        block is not queued and appears only in sliding-window tables, before every real
-        block; every block is either queued with ``ref_cnt`` 0 or has ``ref_cnt`` equal to
-        the number of tables holding it; free + used == usable.
-        """
-        pool = self.block_pool
-        queue = pool.free_block_queue
-        queue.check_links()
-        free = queue.get_all_free_blocks()
-        free_ids = {b.block_id for b in free}
-        assert len(free_ids) == len(free), "a block appears twice in the free queue"
-        assert pool.null_block.block_id not in free_ids, "null block is in the free queue"
-        holders: Counter[int] = Counter()
-        for rid, tables in self.req_to_blocks.items():
-            assert len(tables) == self.num_groups, f"{rid!r} has {len(tables)} tables for {self.num_groups} groups"
-            for spec, table in zip(self.groups, tables):
-                seen_real = False
-                for b in table:
-                    if b.is_null:
-                        assert spec.sliding_window is not None, f"null block in full-attention table of {rid!r}"
-                        assert not seen_real, f"null block after a real block in {spec.name} table of {rid!r}"
-                        continue
-                    seen_real = True
-                    assert pool.blocks[b.block_id] is b, f"foreign block {b.block_id} in table of {rid!r}"
-                    holders[b.block_id] += 1
-        for b in pool.blocks[1:]:
-            if b.block_id in free_ids:
-                assert b.ref_cnt == 0, f"free block {b.block_id} has ref_cnt {b.ref_cnt}"
-                assert holders[b.block_id] == 0, f"free block {b.block_id} is in a block table"
-            else:
-                assert b.ref_cnt > 0, f"block {b.block_id} is neither free nor referenced"
-                assert b.ref_cnt == holders[b.block_id], (
-                    f"block {b.block_id} has ref_cnt {b.ref_cnt} but is in {holders[b.block_id]} tables"
-                )
-        for (g, h), b in pool.cached_block_hash_to_block.items():
-            assert b.block_hash == h and b.group == g and b.token_ids is not None, f"cache map entry of block {b.block_id} is stale"
-        hashed = sum(1 for b in pool.blocks if b.block_hash is not None)
-        assert hashed == len(pool.cached_block_hash_to_block), "a hashed block is missing from the cache map"
-        used = sum(1 for b in pool.blocks[1:] if b.ref_cnt > 0)
-        assert len(free) + used == pool.num_usable_blocks, (
-            f"free ({len(free)}) + used ({used}) != usable ({pool.num_usable_blocks})"
-        )
-        assert self.num_used_blocks == used, f"num_used_blocks {self.num_used_blocks} != {used}"
+        """Assert the bookkeeping is consistent (:func:`llmd.daemon.kv.integrity.check_integrity`);
+        raises ``AssertionError`` naming the fault."""
+        check_integrity(self)
