@@ -4,8 +4,9 @@ reference) on SmolLM2, fixed ~1,000-token text in chunks of 64, store-then-read.
 import pytest
 import torch
 
-from llmd.daemon.kv_quality import KV_DTYPES, hf_fake_quant_nll, nll_and_argmax, quality_row
+from llmd.daemon.kv_quality import KV_DTYPES, hf_fake_quant_nll, nll_and_argmax
 from llmd.daemon.kv_quality_text import QUALITY_TEXT
+from kv_quality_support import one_torch_thread, quality_getter, xfail_for  # noqa: F401 (fixture)
 from llmd.daemon.request import SamplingParams
 
 TOP1_MIN = {"int8": 0.97, "fp8_e4m3": 0.94, "fp8_e5m2": 0.90}  # Q1
@@ -30,18 +31,11 @@ HF_MISS = ("single-realization ΔNLL is chaotic (std 0.05 pp int8, 0.15 pp e4m3 
            "|llmd − HF| int8 0.057, e4m3 0.156, e5m2 0.241 pp")
 
 
-def xfail_for(reason, *names):
-    return [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=reason)) if n in names else n for n in KV_DTYPES[1:]]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """These tests are matmul-bound; one intra-op thread keeps them fast on shared/oversubscribed
-    CPUs (4× faster than 2 threads under contention here, ≤ 2× slower on an idle 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_torch_thread):
+    """Every test of this module runs with one torch thread (kv_quality_support)."""
 
 
 @pytest.fixture(scope="module")
@@ -50,16 +44,7 @@ def quality(smollm2, smollm2_tokenizer):
     dtype, so no single test carries all four teacher-forced runs)."""
     ids = smollm2_tokenizer.encode(QUALITY_TEXT)
     assert 900 <= len(ids) <= 1100
-    rows = {}
-
-    def get(name):
-        if name not in rows:
-            base = None if name == "auto" else get("auto")
-            rows[name] = quality_row(smollm2[0], smollm2_tokenizer, ids, name, base, device="cpu", dtype="float32",
-                                     kv_cache_memory=64 * 2**20)
-        return rows[name]
-
-    return ids, get
+    return ids, quality_getter(smollm2[0], smollm2_tokenizer, ids)
 
 
 @pytest.mark.parametrize("name", xfail_for(TOP1_MISS, "fp8_e4m3", "fp8_e5m2"))

@@ -10,10 +10,10 @@ model loads (see tests/gemma_fixtures.py).
 """
 
 import pytest
-import torch
 
-from llmd.daemon.kv_quality import KV_DTYPES, hf_fake_quant, quality_row
+from llmd.daemon.kv_quality import KV_DTYPES, hf_fake_quant
 from llmd.daemon.kv_quality_text import QUALITY_TEXT
+from kv_quality_support import one_torch_thread, quality_getter, xfail_for  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # first tests here may load llmd's and HF's Gemma
 
@@ -43,17 +43,11 @@ DNLL_MISS = ("K rounding on Gemma 3: ΔNLL int8 1.040 % vs 0.2 %, e4m3 0.881 % v
 HF_MISS = f"single-realization ΔNLL is chaotic: |llmd − HF| int8 0.154, e4m3 0.442, e5m2 0.673 pp; {SPREAD}"
 
 
-def xfail_for(reason, *names):
-    return [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=reason)) if n in names else n for n in KV_DTYPES[1:]]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Matmul-bound, like the SmolLM2 half: one intra-op thread on shared CPUs."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_torch_thread):
+    """Every test of this module runs with one torch thread (kv_quality_support)."""
 
 
 @pytest.fixture(scope="module")
@@ -61,16 +55,7 @@ def quality(gemma3, gemma3_tokenizer):
     """``(ids, get)``: ``get(name)`` runs llmd's teacher-forced pass for one KV dtype on first use."""
     ids = gemma3_tokenizer.encode(QUALITY_TEXT)
     assert 900 <= len(ids) <= 1100 and len(ids) > 512  # past the sliding window
-    rows = {}
-
-    def get(name):
-        if name not in rows:
-            base = None if name == "auto" else get("auto")
-            rows[name] = quality_row(gemma3[0], gemma3_tokenizer, ids, name, base, device="cpu", dtype="float32",
-                                     kv_cache_memory=64 * 2**20)
-        return rows[name]
-
-    return ids, get
+    return ids, quality_getter(gemma3[0], gemma3_tokenizer, ids)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,38 @@
+"""Shared pieces of the SmolLM2 and Gemma 3 halves of cases Q1/Q4 (test_kv_quality*.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmd.daemon.kv_quality import KV_DTYPES, quality_row
+
+
+def xfail_for(reason: str, *names: str) -> list:
+    """The quantized KV dtypes as parameters, the ``names`` among them strict xfails for ``reason``."""
+    return [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=reason)) if n in names else n for n in KV_DTYPES[1:]]
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """These tests are matmul-bound; one intra-op thread keeps them fast on shared/oversubscribed
+    CPUs (4× faster than 2 threads under contention here, ≤ 2× slower on an idle 2-core box)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def quality_getter(model, tokenizer, ids: list[int]):
+    """``get(name)``: llmd's teacher-forced :class:`QualityRow` for one KV dtype, run on first use
+    (each test pays for its own dtype; ``auto`` is the base of the others)."""
+    rows = {}
+
+    def get(name):
+        if name not in rows:
+            base = None if name == "auto" else get("auto")
+            rows[name] = quality_row(model, tokenizer, ids, name, base, device="cpu", dtype="float32",
+                                     kv_cache_memory=64 * 2**20)
+        return rows[name]
+
+    return get
