@@ -164,7 +164,7 @@ def test_s1_chunked_prefill_is_exact_smollm2(make_engine, s1_prompt, s1_referenc
 
 
 # ---- S2: preemption is invisible ---------------------------------------------------------
-S2_PROMPT, S2_NEW, S2_N = 200, 100, 6  # the case says 150 new tokens: see the test
+S2_PROMPT, S2_NEW, S2_N, S2_BLOCKS = 100, 60, 6, 12  # issue 7's CI size of case S2 (full: 200, 150, 6, 24)
 
 
 def s2_requests() -> dict[str, tuple[list[int], SamplingParams]]:
@@ -180,19 +180,19 @@ def s2_requests() -> dict[str, tuple[list[int], SamplingParams]]:
 
 
 def test_s2_preemption_is_invisible(make_engine):
-    """Case S2: a pool of 24 blocks, 6 concurrent greedy requests (200 prompt tokens, ignore_eos),
+    """Case S2 at issue 7's CI size: a pool of 12 blocks, 6 concurrent greedy requests (100 prompt
+    tokens, 60 new, ignore_eos),
     one with repetition_penalty 1.3, one with frequency_penalty 0.5: at least one preemption
     (counted per request and in total), every output equals its large-pool output (181
     blocks: no preemption), no token streamed twice (one token per output; the streamed
     deltas, concatenated, are exactly the request's output tokens), completion tokens ==
     max_tokens; integrity every step.
 
-    CI size: 100 new tokens instead of the case's 150. The 24-block pool holds one request
-    near its end (19 blocks at 300 tokens, 22 at 350), so the six run almost one after the
-    other: ~6 x new tokens decode steps; 150 took ~290 s on a loaded 1-thread machine, 100
-    takes about two thirds of that. Set S2_NEW = 150 for the full case."""
-    small = make_engine(kv_cache_memory=smol_pool(24))
-    assert small.kv_manager.num_usable_blocks == 24
+    The pool holds one request near its end (10 blocks at 160 tokens); 64-token steps let a
+    second one in on its first chunk, and growing then preempts. Set the constants to 200, 150,
+    6, 24 for the full case."""
+    small = make_engine(kv_cache_memory=smol_pool(S2_BLOCKS), max_num_batched_tokens=64)
+    assert small.kv_manager.num_usable_blocks == S2_BLOCKS
     got = drive(small, s2_requests(), integrity=True)
     assert small.scheduler.num_preemptions >= 1
     assert small.scheduler.num_preemptions == sum(r["req"].num_preemptions for r in got.values())
