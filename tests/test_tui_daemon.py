@@ -43,8 +43,8 @@ def assert_keys_subset(recorded, live, path="stats") -> None:
         assert_keys_subset(recorded[0], live[0], f"{path}[0]")
 
 
-def test_top_shows_and_aborts_requests_of_a_real_daemon(llmd_small_daemon, request):
-    d = llmd_small_daemon
+def test_top_shows_and_aborts_requests_of_a_real_daemon(llmd_daemon, request):
+    d = llmd_daemon  # the small daemon is stopped by test_server_load's SIGTERM test
     d.wait_idle(60)
     results: dict = {}  # request id → (finish_reason, completion_tokens)
     threads = [threading.Thread(target=_stream, args=(d, p, results)) for p in PROMPTS]
