@@ -238,11 +238,14 @@ class KVCacheManager:
 
         Only full blocks, and never the block of the last prompt token (it must be computed
         to sample): 31 prompt tokens -> 16 cached, 32 -> 16, 33 -> 32 for block size 16.
-        Counts ``num_prompt_tokens`` queries and the hit tokens. ``(0, [])``-like when caching
-        is off. Call it when the request is admitted (never a stale count).
+        Empty block lists when caching is off. Called when the request is admitted (never a
+        stale count; :meth:`record_prefix_lookup` counts it); a request waiting at the head of
+        the queue keeps its block hashes between attempts.
         """
-        self.req_extra[request_id] = extra_keys(self.model_id, self.kv_cache_dtype, cache_salt)
-        self.req_block_hashes.pop(request_id, None)
+        extra = extra_keys(self.model_id, self.kv_cache_dtype, cache_salt)
+        if self.req_extra.get(request_id) != extra:
+            self.req_extra[request_id] = extra
+            self.req_block_hashes.pop(request_id, None)
         if not self.enable_caching:
             return 0, [[] for _ in self.groups]
         hashes = self._hashes(request_id, token_ids, num_prompt_tokens)
