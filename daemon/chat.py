@@ -110,6 +110,26 @@ def ensure_daemon(socket_path: str, serve_args: list[str], log_path: str | None 
         os.close(lock_fd)
 
 
+def check_running_daemon(client: Client, model: str | None, ignored: list[str],
+                         echo=lambda m: click.echo(m, err=True)) -> None:
+    """Before chatting with a daemon that was already running: its engine options are fixed.
+
+    Args:
+        model: the ``--model`` given on this command line (None = not given).
+        ignored: other engine options given on this command line (``--kv-cache-dtype`` ...).
+    Raises:
+        LlmdError: ``model`` is not one of the names the daemon serves (``/health`` ``model_ids``).
+    """
+    health = client.health() or {}
+    served = health.get("model_ids") or [health.get("model")]
+    if model is not None and model not in served:
+        raise LlmdError(f"the daemon on {client.socket_path} serves {served[0]!r}, not {model!r}: stop it with "
+                        f"`llmd stop`, or start another with --socket PATH")
+    if ignored:
+        echo(f"llmd: a daemon already runs on {client.socket_path}; {', '.join(ignored)} apply only when "
+             f"`llmd chat` starts one (`llmd stop` it first)")
+
+
 class DaemonBackend:
     """Streams chat replies from the daemon."""
 

@@ -61,7 +61,7 @@ def engine_options(fn):
     """Options shared by every command that builds an engine."""
     opts = [
         model_option,
-        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None, help="Weights/activations dtype (default: float32 on CPU, bfloat16 on CUDA)."),
+        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16", "float64"]), default=None, help="Weights/activations dtype (default: float32 on CPU, bfloat16 on CUDA; float64: CPU reference runs)."),
         click.option("--device", default=None, help="cpu or cuda (default: cuda if available)."),
         click.option("--block-size", default=16, show_default=True, type=int, help="Tokens per KV block."),
         click.option("--kv-cache-memory", default=None, callback=parse_bytes_option, help="KV cache size, e.g. 512MiB (default: 512MiB on CPU, 80% of free memory on CUDA)."),
@@ -190,10 +190,12 @@ def bench_throughput(num_requests, min_prompt, max_prompt, min_output, max_outpu
 
 @bench.command("kv-quality")
 @click.option("--chunk", default=64, show_default=True, type=int, help="Teacher-forcing chunk (tokens); store-then-read.")
-@click.option("--hf-reference", is_flag=True, help="Also run HF transformers with fake-quantized K/V (loads the HF model).")
+@click.option("--hf-reference", is_flag=True, help="Also run HF transformers with fake-quantized K/V (loads the HF model, in --dtype).")
+@click.option("--cached-prefix", default=0, show_default=True, type=int,
+              help="Serve this many leading tokens from the prefix cache (a first request computes them); 0 = off.")
 @engine_options
 @one_line_errors
-def bench_kv_quality(chunk, hf_reference, kv_cache_dtype, **engine_kw):
+def bench_kv_quality(chunk, hf_reference, cached_prefix, kv_cache_dtype, **engine_kw):
     """Teacher-forced ΔNLL and top-1 agreement per KV dtype on a fixed ~1,000-token text (cases Q1/Q4)."""
     from llmd.daemon.kv_quality import KV_DTYPES, format_table, kv_quality
     from llmd.daemon.kv_quality_text import QUALITY_TEXT
@@ -203,8 +205,13 @@ def bench_kv_quality(chunk, hf_reference, kv_cache_dtype, **engine_kw):
     ids = engine.tokenizer.encode(QUALITY_TEXT)
     kw = {k: getattr(engine.config, k) for k in ("device", "dtype", "block_size", "kv_cache_memory", "attention_backend")}
     t0 = time.monotonic()
-    rows = kv_quality(engine.runner.model, engine.tokenizer, ids, KV_DTYPES, chunk, **kw)
-    click.echo(f"{engine.model_config.name}: {len(ids)} tokens, chunks of {chunk}, {engine.config.dtype} weights, "
+    if not 0 <= cached_prefix < len(ids):
+        raise LlmdError(f"--cached-prefix must be in [0, {len(ids)}) tokens, got {cached_prefix}")
+    if cached_prefix and not engine.config.enable_prefix_caching:
+        raise LlmdError("--cached-prefix needs prefix caching (drop --no-prefix-caching)")
+    rows = kv_quality(engine.runner.model, engine.tokenizer, ids, KV_DTYPES, chunk, cached_prefix, **kw)
+    served = f", first {cached_prefix // engine.config.block_size * engine.config.block_size} from the prefix cache" if cached_prefix else ""
+    click.echo(f"{engine.model_config.name}: {len(ids)} tokens{served}, chunks of {chunk}, {engine.config.dtype} weights, "
                f"attention {engine.config.attention_backend} ({time.monotonic() - t0:.0f} s)")
     for line in format_table(rows):
         click.echo(line)
@@ -221,9 +228,10 @@ def _hf_fake_quant_table(engine, ids, rows):
 
     path = resolve_model(engine.config.model)
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+    hf = hf.to(engine.config.torch_dtype)  # float32 dequantized GGUF weights, cast as llmd's are
     with torch.inference_mode():
         base = nll_and_argmax(hf(torch.tensor([ids])).logits[0], ids)[0]
-    click.echo(f"HF transformers fake-quant reference: NLL {base:.4f} (model dtype)")
+    click.echo(f"HF transformers fake-quant reference: NLL {base:.4f} ({engine.config.dtype})")
     for r in rows[1:]:
         ref = 100 * (hf_fake_quant_nll(hf, ids, r.kv_cache_dtype) - base) / base
         click.echo(f"{r.kv_cache_dtype:<10} ΔNLL llmd {r.delta_nll_pct:.3f}%  HF fake-quant {ref:.3f}%  |diff| {abs(r.delta_nll_pct - ref):.3f} pp")

@@ -13,6 +13,7 @@ import os
 import time
 
 import click
+from click.core import ParameterSource
 
 from llmd.models.errors import LlmdError
 
@@ -84,7 +85,14 @@ def register(main, engine_options, one_line_errors, build_engine) -> None:
         if no_daemon:
             backend = chat_mod.LocalBackend(build_engine(**engine_kw))
         else:
+            already = _client(socket_path).health() is not None
             client = chat_mod.ensure_daemon(_path(socket_path), chat_mod.engine_args(engine_kw), daemon_log)
+            if already:
+                ctx = click.get_current_context()
+                given = [k for k in engine_kw if ctx.get_parameter_source(k) in (ParameterSource.COMMANDLINE,
+                                                                                   ParameterSource.ENVIRONMENT)]
+                chat_mod.check_running_daemon(client, engine_kw["model"] if "model" in given else None,
+                                              ["--" + k.replace("_", "-") for k in given if k != "model"])
             backend = chat_mod.DaemonBackend(client)
         chat_mod.run_chat(backend, params, system=system, prompt=prompt)
 

@@ -8,7 +8,7 @@ import torch
 
 from llmd.models.errors import LlmdError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 DEFAULT_KV_CACHE_MEMORY_CPU = 512 * 1024**2  # bytes
 CUDA_KV_CACHE_FRACTION = 0.8  # of free device memory after the weights are loaded
 
@@ -20,6 +20,8 @@ class EngineConfig:
     Attributes:
         model: GGUF path or known model name (see ``llmd.models.registry``).
         dtype: "float32" / "bfloat16" / "float16"; ``None`` = float32 on CPU, bfloat16 on CUDA.
+            "float64" (CPU, torch backend only) is for reference runs such as the
+            ``llmd bench kv-quality --dtype float64`` comparison with HF transformers.
         device: "cpu" / "cuda"; ``None`` picks CUDA when available.
         block_size: tokens per KV block.
         kv_cache_memory: bytes for the KV cache; ``None`` = 512 MiB on CPU, 80 % of free
@@ -85,6 +87,8 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise LlmdError(f"--max-model-len must be >= 1, got {self.max_model_len}")
         self._resolve_kv_and_backend(on_cuda)
+        if self.dtype == "float64" and (on_cuda or self.attention_backend != "torch"):
+            raise LlmdError("--dtype float64 is for CPU reference runs: it needs --device cpu and --attention-backend torch")
         return self
 
     def _resolve_kv_and_backend(self, on_cuda: bool) -> None:

@@ -49,25 +49,55 @@ class QualityRow:
 
 
 @torch.inference_mode()
-def teacher_forced_logits(engine: Engine, ids: list[int], chunk: int = 64) -> torch.Tensor:
+def teacher_forced_logits(engine: Engine, ids: list[int], chunk: int = 64, cached_prefix: int = 0) -> torch.Tensor:
     """Logits of every position of ``ids``, prefilled ``chunk`` tokens per step through the paged cache.
 
+    ``cached_prefix`` > 0 repeats case Q1 with the prefix served from the prefix cache: a first
+    request computes ``ids[:cached_prefix]`` and leaves its full blocks cached; the request for
+    all of ``ids`` then looks its prefix up as the scheduler does at admission, shares those
+    blocks (prefix cache hit) and computes only the rest, in the same chunk boundaries when
+    ``cached_prefix`` is a multiple of ``chunk``. The logits are the first request's followed by
+    the second's.
+
     Returns:
-        ``[len(ids), vocab]`` float32 (CPU). Raises RuntimeError if the pool cannot hold ``ids``.
+        ``[len(ids), vocab]`` float32 (CPU).
+    Raises:
+        RuntimeError: the pool cannot hold ``ids``, or (``cached_prefix``) prefix caching is off
+            or the lookup hit fewer than the prefix's full blocks.
     """
-    runner, mgr, rid = engine.runner, engine.kv_manager, "kv-quality"
-    if mgr.allocate_slots(rid, len(ids)) is None:
+    mgr = engine.kv_manager
+    if not cached_prefix:
+        return _run_chunks(engine, "kv-quality", ids, 0, [], chunk)
+    if not mgr.enable_caching:
+        raise RuntimeError("cached_prefix needs prefix caching (enable_prefix_caching)")
+    head = _run_chunks(engine, "kv-quality-prefix", ids[:cached_prefix], 0, [], chunk, cache=True)
+    hit, blocks = mgr.get_computed_blocks("kv-quality", ids, len(ids))
+    want = cached_prefix // mgr.block_size * mgr.block_size
+    if hit != want:
+        raise RuntimeError(f"prefix cache hit {hit} tokens, expected {want}")
+    return torch.cat([head[:hit], _run_chunks(engine, "kv-quality", ids, hit, blocks, chunk)])
+
+
+def _run_chunks(engine: Engine, rid: str, ids: list[int], start: int, hit_blocks: list, chunk: int,
+                cache: bool = False) -> torch.Tensor:
+    """Logits ``[len(ids) - start, vocab]`` of positions ``start..``: ``start`` tokens are prefix
+    cache hits (``hit_blocks`` from ``get_computed_blocks``), the rest computed in ``chunk``s.
+    ``cache``: register the full blocks in the prefix cache before freeing them."""
+    runner, mgr = engine.runner, engine.kv_manager
+    if mgr.allocate_slots(rid, len(ids), start or None, hit_blocks if start else None) is None:
         raise RuntimeError(f"KV pool too small for {len(ids)} tokens")
     try:
         tables = mgr.get_block_tables(rid)
         out = []
-        for start in range(0, len(ids), chunk):
-            piece = ids[start : start + chunk]
+        for pos in range(start, len(ids), chunk):
+            piece = ids[pos : pos + chunk]
             sched = SchedulerOutput()
-            sched.scheduled.append(ScheduledRequest(rid, piece, start, tables, True, True))
+            sched.scheduled.append(ScheduledRequest(rid, piece, pos, tables, True, True))
             input_ids, positions, meta, _ = runner.prepare_inputs(sched)
             hidden = runner.model(input_ids, positions, runner.layer_caches, meta)
             out.append(runner.model.compute_logits(hidden).float().cpu())
+        if cache:
+            mgr.cache_blocks(rid, ids, len(ids))
         return torch.cat(out)
     finally:
         mgr.free(rid)
@@ -81,28 +111,32 @@ def nll_and_argmax(logits: torch.Tensor, ids: list[int]) -> tuple[float, torch.T
 
 
 def quality_row(model, tokenizer, ids: list[int], kv_cache_dtype: str, base: QualityRow | None = None,
-                chunk: int = 64, **engine_kw) -> QualityRow:
+                chunk: int = 64, cached_prefix: int = 0, **engine_kw) -> QualityRow:
     """Teacher-forced quality of one KV dtype on a loaded model, relative to ``base`` (the
-    ``auto`` row; None = this run is the base). ``engine_kw``: EngineConfig fields (device,
+    ``auto`` row; None = this run is the base). ``cached_prefix``: tokens served from the
+    prefix cache (:func:`teacher_forced_logits`). ``engine_kw``: EngineConfig fields (device,
     dtype, attention_backend, kv_cache_memory, ...)."""
     engine = Engine(model, tokenizer, EngineConfig(kv_cache_dtype=kv_cache_dtype, **engine_kw))
-    nll, top = nll_and_argmax(teacher_forced_logits(engine, ids, chunk), ids)
+    nll, top = nll_and_argmax(teacher_forced_logits(engine, ids, chunk, cached_prefix), ids)
     base_nll, base_top = (nll, top) if base is None else (base.nll, base.argmax)
     return QualityRow(kv_cache_dtype, engine.bytes_per_token, nll, 100 * (nll - base_nll) / base_nll,
                       (top == base_top).float().mean().item(), top)
 
 
-def kv_quality(model, tokenizer, ids: list[int], kv_dtypes=KV_DTYPES, chunk: int = 64, **engine_kw) -> list[QualityRow]:
+def kv_quality(model, tokenizer, ids: list[int], kv_dtypes=KV_DTYPES, chunk: int = 64, cached_prefix: int = 0,
+               **engine_kw) -> list[QualityRow]:
     """:func:`quality_row` for ``auto`` and then each other dtype in ``kv_dtypes``."""
-    base = quality_row(model, tokenizer, ids, "auto", None, chunk, **engine_kw)
-    return [base] + [quality_row(model, tokenizer, ids, n, base, chunk, **engine_kw) for n in kv_dtypes if n != "auto"]
+    base = quality_row(model, tokenizer, ids, "auto", None, chunk, cached_prefix, **engine_kw)
+    return [base] + [quality_row(model, tokenizer, ids, n, base, chunk, cached_prefix, **engine_kw)
+                     for n in kv_dtypes if n != "auto"]
 
 
 def fake_quant_reference(x: torch.Tensor, fmt: KVCacheFormat) -> torch.Tensor:
     """Independent fake quantization from the spec, for the HF reference: per (token, KV head)
     ``scale = max(amax / qmax, SCALE_FLOOR)`` in float32, ``clamp(x / scale, ±qmax)``, torch's
     own cast to the fp8 dtype (round to nearest, ties to even) or ``torch.round`` for int8, times
-    the scale in float32; returned in x's dtype.
+    the scale (the product taken exactly in float64, then rounded once to x's dtype: float32's own
+    correctly rounded product for float32 models, the exact value for float64 ones).
 
     Args:
         x: ``[..., head_dim]`` float, quantized over the last dim.
@@ -112,8 +146,8 @@ def fake_quant_reference(x: torch.Tensor, fmt: KVCacheFormat) -> torch.Tensor:
     xf = x.float()
     scale = torch.clamp(xf.abs().amax(-1, keepdim=True) / fmt.qmax, min=SCALE_FLOOR)
     y = torch.clamp(xf / scale, -fmt.qmax, fmt.qmax)
-    codes = y.to(fmt.dtype).float() if fmt.is_fp8 else torch.round(y)
-    return (codes * scale).to(x.dtype)
+    codes = y.to(fmt.dtype).double() if fmt.is_fp8 else torch.round(y).double()
+    return (codes * scale.double()).to(x.dtype)
 
 
 HF_ATTN_NAME = "llmd_fake_quant"

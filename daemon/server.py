@@ -4,7 +4,8 @@ Endpoints (JSON unless noted):
 
 * ``POST /v1/completions``, ``POST /v1/chat/completions``: OpenAI shapes; ``stream: true``
   answers with Server-Sent Events ending in ``data: [DONE]``.
-* ``GET /v1/models``, ``GET /health`` (``{"status": "ok", "pid", "model", "uptime_s"}``).
+* ``GET /v1/models``, ``GET /health`` (``{"status": "ok", "pid", "model", "model_ids", "uptime_s"}``;
+  ``model_ids``: every name the ``model`` field accepts).
 * ``GET /v1/stats[?cells=K]``: the versioned snapshot of ``protocol.py``.
 * ``GET /metrics``: Prometheus text (``metrics.py``: ``llmd:`` names, plus ``vllm:`` ones
   with ``--metrics-compat vllm``); 404 when the daemon runs without metrics.
@@ -204,7 +205,7 @@ async def health(request: web.Request) -> web.Response:
     st = request.app[STATE]
     snap = st.engine_loop.snapshot()
     return web.json_response({"status": "draining" if st.draining else "ok", "pid": os.getpid(),
-                              "model": st.model_id, "uptime_s": snap.get("uptime_s", 0.0)})
+                              "model": st.model_id, "model_ids": list(st.model_ids), "uptime_s": snap.get("uptime_s", 0.0)})
 
 
 async def models(request: web.Request) -> web.Response:

@@ -33,9 +33,12 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor | Pa
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, meta: AttentionMetadata,
                     scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """Attention of ``query [T, num_heads, head_dim]`` over the paged cache, using
-    ``meta.attn_backend``. Returns ``[T, num_heads, head_dim]`` in ``query.dtype``."""
+    ``meta.attn_backend``. Returns ``[T, num_heads, head_dim]`` in ``query.dtype``. The torch
+    backend computes in float32, or float64 for a float64 model (``--dtype float64`` reference
+    runs, where every product must stay float64)."""
     if meta.attn_backend != "triton":
-        return reference.paged_attention(query, kv_cache, meta, scale, sliding_window)
+        compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+        return reference.paged_attention(query, kv_cache, meta, scale, sliding_window, compute)
     cache = PagedKVCache.wrap(kv_cache)
     if max(meta.query_lens_cpu) == 1:
         from llmd.kernels.decode_attention import paged_decode_attention

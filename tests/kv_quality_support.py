@@ -23,16 +23,17 @@ def one_torch_thread():
     torch.set_num_threads(n)
 
 
-def quality_getter(model, tokenizer, ids: list[int]):
+def quality_getter(model, tokenizer, ids: list[int], dtype: str = "float32"):
     """``get(name)``: llmd's teacher-forced :class:`QualityRow` for one KV dtype, run on first use
-    (each test pays for its own dtype; ``auto`` is the base of the others)."""
+    (each test pays for its own dtype; ``auto`` is the base of the others). ``dtype``: the
+    model's (``--dtype``; float64's 92,160 B/token needs more than float32's 64 MiB pool)."""
     rows = {}
 
     def get(name):
         if name not in rows:
             base = None if name == "auto" else get("auto")
-            rows[name] = quality_row(model, tokenizer, ids, name, base, device="cpu", dtype="float32",
-                                     kv_cache_memory=64 * 2**20)
+            rows[name] = quality_row(model, tokenizer, ids, name, base, device="cpu", dtype=dtype,
+                                     kv_cache_memory=(128 if dtype == "float64" else 64) * 2**20)
         return rows[name]
 
     return get

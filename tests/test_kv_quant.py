@@ -106,6 +106,31 @@ def test_config_validation():
         parse_kv_scales("0.5")
 
 
+def test_float64_is_a_cpu_torch_backend_dtype(monkeypatch):
+    """``--dtype float64`` (reference runs) needs the torch backend, whose attention then
+    computes in float64: equal to the float64 oracle, not to float32 compute."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(LlmdError, match="float64"):
+        EngineConfig(device="cpu", dtype="float64", attention_backend="triton").resolve()
+    assert EngineConfig(device="cpu", dtype="float64").resolve().torch_dtype == torch.float64
+    from llmd.kernels import AttentionMetadata, ops
+
+    g = torch.Generator().manual_seed(0)
+    n, bs = 37, 16
+    k, v = (torch.randn(n, 2, 64, generator=g, dtype=torch.float64) for _ in range(2))
+    q = torch.randn(5, 6, 64, generator=g, dtype=torch.float64)
+    cache = torch.zeros(2, 4, bs, 2, 64, dtype=torch.float64)
+    table = torch.tensor([[3, 1, 2]], dtype=torch.int32)
+    slots = (table[0, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs)
+    reference.store_kv(k, v, cache, slots)
+    meta = AttentionMetadata(slots[-5:], table, torch.tensor([0, 5], dtype=torch.int32), torch.tensor([n], dtype=torch.int32),
+                             [5], [n], bs, "torch")
+    out = ops.paged_attention(q, cache, meta, 0.125)
+    assert out.dtype == torch.float64
+    assert torch.equal(out, reference.attention_one_seq(q, k, v, 0.125, compute_dtype=torch.float64))
+    assert not torch.equal(out, reference.attention_one_seq(q, k, v, 0.125, compute_dtype=torch.float32))
+
+
 @pytest.mark.parametrize("name", FORMATS)
 def test_reference_store_then_read(name):
     """The torch path writes codes + scales at the slot and reads back code × scale."""

@@ -251,3 +251,20 @@ def test_after_sweep_daemon_serves_and_holds_no_blocks(llmd_daemon):
     st_ = llmd_daemon.wait_idle()
     assert st_["kv_cache"]["used"] == 0
     assert "Traceback" not in llmd_daemon.log_text()
+
+
+def test_chat_with_a_running_daemon_of_another_model_is_a_clear_error(llmd_daemon):
+    """`llmd chat -m X` talking to a daemon that serves Y: a one-line error naming both (not a
+    silent chat with Y); other engine options given to a running daemon get a one-line note."""
+    from click.testing import CliRunner
+
+    from llmd.daemon.cli import main
+
+    assert "smollm2-135m" in llmd_daemon.client().health()["model_ids"]
+    r = CliRunner().invoke(main, ["chat", "--socket", llmd_daemon.path, "-m", "gemma3-270m", "-p", "Hi"])
+    assert r.exit_code == 1, r.output
+    assert "serves 'smollm2-135m', not 'gemma3-270m'" in r.output and "Traceback" not in r.output, r.output
+    r = CliRunner().invoke(main, ["chat", "--socket", llmd_daemon.path, "-m", "smollm2-135m", "--kv-cache-dtype", "int8",
+                                  "-p", "What is the capital of France?", "--max-tokens", "8"])
+    assert r.exit_code == 0, r.output
+    assert "--kv-cache-dtype apply only when `llmd chat` starts one" in r.output and "Paris" in r.output, r.output
