@@ -107,13 +107,14 @@ def _check_prompt_size(prompt, max_model_len: int) -> None:
                        f"tokens (limit {limit} characters)", "messages" if isinstance(prompt, list) else "prompt", 400)
 
 
-def engine_error(e: LlmdError) -> ApiError:
-    """Map an engine rejection to a 400 naming the field (max_tokens or prompt), or a full
-    waiting queue to a 429 with ``Retry-After``."""
+def engine_error(e: LlmdError, chat: bool = False) -> ApiError:
+    """Map an engine rejection to a 400 naming the field (max_tokens, else the prompt's:
+    ``messages`` for chat, ``prompt`` for completions), or a full waiting queue to a 429 with
+    ``Retry-After``."""
     msg = str(e)
     if isinstance(e, ServerBusyError):
         return ApiError(msg, None, 429, {"Retry-After": str(e.retry_after)})
-    return ApiError(msg, "max_tokens" if "max_tokens" in msg else "prompt")
+    return ApiError(msg, "max_tokens" if "max_tokens" in msg else ("messages" if chat else "prompt"))
 
 
 # ---- generation ---------------------------------------------------------------------
@@ -146,7 +147,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             children, n_prompt = await asyncio.wrap_future(fut)
         except LlmdError as e:
             done = True
-            raise engine_error(e) from None
+            raise engine_error(e, chat) from None
         tok = st.engine_loop.engine.tokenizer.hf
         text_of = (lambda i: f"token_id:{i}") if parsed.tokens_as_ids else _token_text(tok)
         builder = ResponseBuilder(rid, st.model_id, chat, parsed.n, parsed.logprobs, text_of)

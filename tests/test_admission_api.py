@@ -70,3 +70,15 @@ def test_oversized_text_is_rejected_before_tokenizing():
     with pytest.raises(ApiError) as ei:
         _check_prompt_size([{"role": "user", "content": "y" * 7000}], 100)
     assert ei.value.param == "messages"
+
+
+def test_engine_rejections_name_the_endpoints_prompt_field():
+    """A chat request the engine rejects (no chat template, prompt too long) names ``messages``;
+    a completion names ``prompt``; a max_tokens problem names ``max_tokens``."""
+    from llmd.daemon.server import engine_error
+    from llmd.models.errors import LlmdError
+
+    e = LlmdError("model gemma3-270m has no chat template; drop --chat / use /v1/completions")
+    assert engine_error(e, chat=True).param == "messages"
+    assert engine_error(e, chat=False).param == "prompt"
+    assert engine_error(LlmdError("max_tokens 9000 exceeds the context"), chat=True).param == "max_tokens"
