@@ -45,7 +45,9 @@ def engine_args(engine_kw: dict) -> list[str]:
     return args
 
 
-def _lock_held(path: str) -> bool:
+def lock_held(path: str) -> bool:
+    """Whether another process holds the ``flock`` on ``path`` (a daemon's ``<socket>.lock``
+    is held from before it loads the model until the process exits)."""
     try:
         fd = os.open(path, os.O_RDWR)
     except FileNotFoundError:
@@ -57,6 +59,18 @@ def _lock_held(path: str) -> bool:
         return True
     finally:
         os.close(fd)
+
+
+def wait_for_daemon_exit(socket_path: str, timeout: float) -> bool:
+    """Wait until the daemon on ``socket_path`` has exited: its socket file is gone (removed
+    first, on shutdown) and its ``<socket>.lock`` is released (at process exit), so a new
+    ``llmd serve`` on the path can start at once. Returns False after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while os.path.exists(socket_path) or lock_held(socket_path + ".lock"):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _tail(path: str, n: int = 5) -> str:
@@ -97,7 +111,7 @@ def ensure_daemon(socket_path: str, serve_args: list[str], log_path: str | None 
         t0 = time.monotonic()
         while not client.health():
             elapsed = time.monotonic() - t0
-            if proc.poll() is not None and not _lock_held(socket_path + ".lock"):
+            if proc.poll() is not None and not lock_held(socket_path + ".lock"):
                 raise LlmdError(f"the daemon exited with code {proc.returncode}; see {log_path}: {_tail(log_path, 3)}")
             if elapsed > timeout:
                 raise LlmdError(f"the daemon did not answer within {timeout:.0f} s; see {log_path}")

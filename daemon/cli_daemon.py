@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 
 import click
 from click.core import ParameterSource
@@ -156,15 +155,15 @@ def register(main, engine_options, one_line_errors, build_engine) -> None:
     @click.option("--timeout", default=60.0, show_default=True, type=float, help="Seconds to wait for the daemon to exit.")
     @one_line_errors
     def stop(socket_path, timeout):
-        """Stop the daemon gracefully (in-flight requests finish or are aborted after its drain timeout)."""
+        """Stop the daemon gracefully (in-flight requests finish or are aborted after its drain timeout);
+        returns once the process has exited, so `llmd serve` can start again at once."""
         c = _client(socket_path)
         if c.health() is None:
             click.echo(f"llmd: no daemon running on {c.socket_path}")
             return
+        from llmd.daemon.chat import wait_for_daemon_exit
+
         c.shutdown()
-        deadline = time.monotonic() + timeout
-        while os.path.exists(c.socket_path) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if os.path.exists(c.socket_path):
+        if not wait_for_daemon_exit(c.socket_path, timeout):
             raise LlmdError(f"the daemon on {c.socket_path} did not exit within {timeout:.0f} s")
         click.echo("llmd: daemon stopped")

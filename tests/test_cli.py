@@ -75,3 +75,32 @@ def test_kv_size_smollm2():
     assert rows["float32"][1] == "46,080"
     assert rows["int8"][1] == "12,240"  # 1 byte per element + a float32 scale per (token, KV head)
     assert rows["bf16/fp16"][3] == str(512 * 2**20 // (16 * 23040))
+
+
+def test_stop_waits_for_the_daemon_process_to_exit(tmp_path):
+    """`llmd stop` returns only once the daemon's lock is released (process exit), not when its
+    socket file disappears (the daemon removes it first): `llmd serve` can reclaim the path at
+    once. A stand-in process holds ``<socket>.lock`` for 1.5 s after the socket file is gone."""
+    import time
+
+    from llmd.daemon.chat import lock_held, wait_for_daemon_exit
+
+    sock = str(tmp_path / "s.sock")
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import fcntl, os, sys, time
+fd = os.open({sock + '.lock'!r}, os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+time.sleep(1.5)
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert lock_held(sock + ".lock")
+        assert not wait_for_daemon_exit(sock, 0.3)  # still running
+        t0 = time.monotonic()
+        assert wait_for_daemon_exit(sock, 10)
+        assert holder.poll() is not None or time.monotonic() - t0 > 0.5
+        assert not lock_held(sock + ".lock")
+    finally:
+        holder.kill()
+        holder.wait()
