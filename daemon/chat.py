@@ -83,10 +83,12 @@ def _tail(path: str, n: int = 5) -> str:
 
 def ensure_daemon(socket_path: str, serve_args: list[str], log_path: str | None = None,
                   timeout: float = STARTUP_TIMEOUT_S, echo=lambda m, nl=True: click.echo(m, err=True, nl=nl),
-                  env: dict | None = None) -> Client:
+                  env: dict | None = None, live_progress: bool | None = None) -> Client:
     """Return a client of a healthy daemon on ``socket_path``, starting one if needed.
 
-    ``env`` is the spawned daemon's environment (default: this process's).
+    ``env`` is the spawned daemon's environment (default: this process's). ``live_progress``:
+    redraw one progress line with ``\r`` (default: when stderr is a terminal; otherwise a plain
+    line every 10 s, readable in logs and pipes).
 
     Raises:
         LlmdError: the daemon could not start (its log's last lines are in the message) or
@@ -108,17 +110,23 @@ def ensure_daemon(socket_path: str, serve_args: list[str], log_path: str | None 
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
                                     cwd="/", env=env)
         echo(f"llmd: starting a daemon (pid {proc.pid}, log {log_path}); it keeps running after this chat, `llmd stop` ends it")
-        t0 = time.monotonic()
+        t0, next_line = time.monotonic(), 0.0
+        live = sys.stderr.isatty() if live_progress is None else live_progress
         while not client.health():
             elapsed = time.monotonic() - t0
             if proc.poll() is not None and not lock_held(socket_path + ".lock"):
                 raise LlmdError(f"the daemon exited with code {proc.returncode}; see {log_path}: {_tail(log_path, 3)}")
             if elapsed > timeout:
                 raise LlmdError(f"the daemon did not answer within {timeout:.0f} s; see {log_path}")
-            last = _tail(log_path, 1).splitlines()[-1:] or [""]
-            echo(f"\rllmd: waiting for the daemon ({elapsed:4.0f} s) {last[0][:70]:<70}", nl=False)
+            last = (_tail(log_path, 1).splitlines()[-1:] or [""])[0][:70]
+            if live:  # one line redrawn in place
+                echo(f"\rllmd: waiting for the daemon ({elapsed:4.0f} s) {last:<70}", nl=False)
+            elif elapsed >= next_line:  # a log or pipe: a plain line every 10 s
+                echo(f"llmd: waiting for the daemon ({elapsed:.0f} s) {last}")
+                next_line += 10
             time.sleep(0.25)
-        echo(f"\rllmd: daemon ready after {time.monotonic() - t0:.1f} s{' ' * 70}")
+        echo(f"\rllmd: daemon ready after {time.monotonic() - t0:.1f} s{' ' * 70}" if live
+             else f"llmd: daemon ready after {time.monotonic() - t0:.1f} s")
         return client
     finally:
         os.close(lock_fd)

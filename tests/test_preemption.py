@@ -6,7 +6,7 @@ wrong recompute, changes every later token)."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from test_scheduler import BIG, Harness, alone, blocks_for, make_req, prompt_of, sched_ids
 
@@ -87,9 +87,15 @@ spec = st.fixed_dictionaries({"prompt_len": st.integers(1, 20), "max_tokens": st
                               "arrival": st.integers(0, 8), "priority": st.integers(0, 2), "salt": st.integers(0, 999)})
 
 
+def _spec(prompt_len, max_tokens):
+    return {"prompt_len": prompt_len, "max_tokens": max_tokens, "arrival": 0, "priority": 0, "salt": 0}
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(specs=st.lists(spec, min_size=2, max_size=7), block_size=st.sampled_from([1, 2, 4]),
        extra=st.integers(0, 3), budget=st.integers(2, 24), chunk=st.integers(1, 24))
+# a resumed request recomputing its output in 1-token chunks next to a decode (found by hypothesis)
+@example(specs=[_spec(1, 1)] * 4 + [_spec(1, 7), _spec(2, 4), _spec(1, 3)], block_size=1, extra=0, budget=3, chunk=1)
 def test_hypothesis_tiny_pool_outputs_equal_large_pool(specs, block_size, extra, budget, chunk):
     """Random arrivals and priorities under a pool barely larger than the largest request:
     every request finishes with its large-pool output; check_integrity every step."""

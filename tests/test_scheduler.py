@@ -141,8 +141,9 @@ class Harness:
         still = [rid for rid in running_before if self.sched.requests.get(rid) and self.sched.requests[rid].status == RequestStatus.RUNNING]
         if out.total_num_scheduled_tokens < self.sched.max_num_batched_tokens:
             assert set(still) <= set(ids[: len(still)]), (running_before, ids)
-        # decodes first: no decode after a longer chunk in batch order
-        kinds = [x.num_new_tokens > 1 or x.is_prefill for x in out.scheduled if x.request_id in still]
+        # decodes first: no decode (one new token past the prompt, sampled) after a chunk in batch
+        # order; a resumed request recomputing its output in 1-token chunks is a chunk, not a decode
+        kinds = [not (x.num_new_tokens == 1 and x.sample and not x.is_prefill) for x in out.scheduled if x.request_id in still]
         assert kinds == sorted(kinds), f"decode scheduled after a chunk: {kinds}"
         for x in out.scheduled:
             req = self.sched.requests[x.request_id]

@@ -264,6 +264,9 @@ def test_chat_repl_in_a_pty(llmd_daemon):
 def test_autostart_spawned_one_daemon_under_the_lock(llmd_small_daemon):
     starts = [m for m in llmd_small_daemon.spawn_messages if "starting a daemon" in m]
     assert len(starts) == 1, llmd_small_daemon.spawn_messages
+    # stderr is not a terminal here: plain progress lines, no \r redraws
+    assert not any("\r" in m for m in llmd_small_daemon.spawn_messages)
+    assert any(m.startswith("llmd: daemon ready after") for m in llmd_small_daemon.spawn_messages)
     assert "serving" in llmd_small_daemon.log_text()
     assert llmd_small_daemon.client().models()["data"][0]["max_model_len"] == 2048
 
