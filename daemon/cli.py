@@ -200,7 +200,7 @@ def bench_kv_quality(chunk, hf_reference, cached_prefix, kv_cache_dtype, **engin
     from llmd.daemon.kv_quality import KV_DTYPES, format_table, kv_quality
     from llmd.daemon.kv_quality_text import QUALITY_TEXT
 
-    engine_kw.pop("kv_scales", None)
+    kv_scales = engine_kw.pop("kv_scales", None)  # for the quantized rows (the first engine is auto)
     engine = build_engine(**engine_kw)
     ids = engine.tokenizer.encode(QUALITY_TEXT)
     kw = {k: getattr(engine.config, k) for k in ("device", "dtype", "block_size", "kv_cache_memory", "attention_backend")}
@@ -209,8 +209,9 @@ def bench_kv_quality(chunk, hf_reference, cached_prefix, kv_cache_dtype, **engin
         raise LlmdError(f"--cached-prefix must be in [0, {len(ids)}) tokens, got {cached_prefix}")
     if cached_prefix and not engine.config.enable_prefix_caching:
         raise LlmdError("--cached-prefix needs prefix caching (drop --no-prefix-caching)")
-    rows = kv_quality(engine.runner.model, engine.tokenizer, ids, KV_DTYPES, chunk, cached_prefix, **kw)
+    rows = kv_quality(engine.runner.model, engine.tokenizer, ids, KV_DTYPES, chunk, cached_prefix, kv_scales, **kw)
     served = f", first {cached_prefix // engine.config.block_size * engine.config.block_size} from the prefix cache" if cached_prefix else ""
+    served += f", static KV scales k={kv_scales[0]:g} v={kv_scales[1]:g}" if kv_scales else ""
     click.echo(f"{engine.model_config.name}: {len(ids)} tokens{served}, chunks of {chunk}, {engine.config.dtype} weights, "
                f"attention {engine.config.attention_backend} ({time.monotonic() - t0:.0f} s)")
     for line in format_table(rows):

@@ -124,10 +124,11 @@ def quality_row(model, tokenizer, ids: list[int], kv_cache_dtype: str, base: Qua
 
 
 def kv_quality(model, tokenizer, ids: list[int], kv_dtypes=KV_DTYPES, chunk: int = 64, cached_prefix: int = 0,
-               **engine_kw) -> list[QualityRow]:
-    """:func:`quality_row` for ``auto`` and then each other dtype in ``kv_dtypes``."""
+               kv_scales: tuple[float, float] | None = None, **engine_kw) -> list[QualityRow]:
+    """:func:`quality_row` for ``auto`` and then each other dtype in ``kv_dtypes``; ``kv_scales``
+    (static per-tensor k, v scales) apply to the quantized dtypes, None = dynamic scales."""
     base = quality_row(model, tokenizer, ids, "auto", None, chunk, cached_prefix, **engine_kw)
-    return [base] + [quality_row(model, tokenizer, ids, n, base, chunk, cached_prefix, **engine_kw)
+    return [base] + [quality_row(model, tokenizer, ids, n, base, chunk, cached_prefix, kv_scales=kv_scales, **engine_kw)
                      for n in kv_dtypes if n != "auto"]
 
 
