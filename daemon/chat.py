@@ -27,6 +27,9 @@ from llmd.models.errors import LlmdError
 STARTUP_TIMEOUT_S = 300.0
 
 
+REPL_COMMANDS = ("/reset", "/system TEXT", "/stats", "/exit")
+
+
 def default_log_path() -> str:
     from llmd.models.tokenizer import cache_root
 
@@ -61,22 +64,41 @@ def lock_held(path: str) -> bool:
         os.close(fd)
 
 
-def wait_for_daemon_exit(socket_path: str, timeout: float) -> bool:
+def pid_running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (an exited child not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: fall back to signal 0
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def wait_for_daemon_exit(socket_path: str, timeout: float, pid: int | None = None) -> bool:
     """Wait until the daemon on ``socket_path`` has exited: its socket file is gone (removed
-    first, on shutdown) and its ``<socket>.lock`` is released (at process exit), so a new
-    ``llmd serve`` on the path can start at once. Returns False after ``timeout`` seconds."""
+    first, on shutdown), its ``<socket>.lock`` is released (so a new ``llmd serve`` on the path
+    can start at once) and, given its ``pid`` (``/health``), the process is gone (its memory
+    returned). Returns False after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
-    while os.path.exists(socket_path) or lock_held(socket_path + ".lock"):
+    while (os.path.exists(socket_path) or lock_held(socket_path + ".lock")
+           or (pid is not None and pid_running(pid))):
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.05)
     return True
 
 
-def _tail(path: str, n: int = 5) -> str:
+def _tail(path: str, n: int = 5, start: int = 0) -> str:
+    """The last ``n`` lines of ``path`` after byte offset ``start``."""
     try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-n:]).strip()
+        with open(path, "rb") as f:
+            f.seek(start)
+            return "".join(f.read().decode(errors="replace").splitlines(True)[-n:]).strip()
     except OSError:
         return ""
 
@@ -106,6 +128,7 @@ def ensure_daemon(socket_path: str, serve_args: list[str], log_path: str | None 
             return client
         os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
         with open(log_path, "ab") as log:
+            log_start = log.tell()  # the log is appended to: progress shows this daemon's lines only
             cmd = [sys.executable, "-c", "from llmd.daemon.cli import main; main()", "serve", "--socket", socket_path, *serve_args]
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
                                     cwd="/", env=env)
@@ -115,10 +138,10 @@ def ensure_daemon(socket_path: str, serve_args: list[str], log_path: str | None 
         while not client.health():
             elapsed = time.monotonic() - t0
             if proc.poll() is not None and not lock_held(socket_path + ".lock"):
-                raise LlmdError(f"the daemon exited with code {proc.returncode}; see {log_path}: {_tail(log_path, 3)}")
+                raise LlmdError(f"the daemon exited with code {proc.returncode}; see {log_path}: {_tail(log_path, 3, log_start)}")
             if elapsed > timeout:
                 raise LlmdError(f"the daemon did not answer within {timeout:.0f} s; see {log_path}")
-            last = (_tail(log_path, 1).splitlines()[-1:] or [""])[0][:70]
+            last = (_tail(log_path, 1, log_start).splitlines()[-1:] or [""])[0][:70]
             if live:  # one line redrawn in place
                 echo(f"\rllmd: waiting for the daemon ({elapsed:4.0f} s) {last:<70}", nl=False)
             elif elapsed >= next_line:  # a log or pipe: a plain line every 10 s
@@ -144,12 +167,14 @@ def check_running_daemon(client: Client, model: str | None, ignored: list[str],
     """
     health = client.health() or {}
     served = health.get("model_ids") or [health.get("model")]
+    stop = f"`llmd stop --socket {client.socket_path}`"
     if model is not None and model not in served:
         raise LlmdError(f"the daemon on {client.socket_path} serves {served[0]!r}, not {model!r}: stop it with "
-                        f"`llmd stop`, or start another with --socket PATH")
+                        f"{stop}, or start another with --socket PATH")
     if ignored:
-        echo(f"llmd: a daemon already runs on {client.socket_path}; {', '.join(ignored)} apply only when "
-             f"`llmd chat` starts one (`llmd stop` it first)")
+        verb = "applies" if len(ignored) == 1 else "apply"
+        echo(f"llmd: a daemon already runs on {client.socket_path}; {', '.join(ignored)} {verb} only when "
+             f"`llmd chat` starts one ({stop} first)")
 
 
 class DaemonBackend:
@@ -230,7 +255,7 @@ def run_chat(backend, params: dict, system: str | None = None, prompt: str | Non
             raise KeyboardInterrupt
         return
     messages = list(base)
-    click.echo("llmd chat: /reset, /system TEXT, /stats, /exit; end a line with \\ to continue; Ctrl-C cancels a reply, Ctrl-D exits", err=True)
+    click.echo(f"llmd chat: {', '.join(REPL_COMMANDS)}; end a line with \\ to continue; Ctrl-C cancels a reply, Ctrl-D exits", err=True)
     while True:
         try:
             text = _read_message()
@@ -256,6 +281,12 @@ def run_chat(backend, params: dict, system: str | None = None, prompt: str | Non
         if text == "/stats":
             click.echo(backend.stats_line())
             continue
+        if text.startswith("/") and not text.startswith("//") and " " not in text.split("\n")[0]:
+            click.echo(f"unknown command {text.split()[0]} (commands: {', '.join(REPL_COMMANDS)}; "
+                       f"start a message with // to send a literal /)", err=True)
+            continue
+        if text.startswith("//"):
+            text = text[1:]
         messages.append({"role": "user", "content": text})
         reply = _reply(backend, messages, params)
         if reply is None:

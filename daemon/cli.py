@@ -93,7 +93,29 @@ def build_engine(**kw):
     return engine
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class OneLineUsageErrors(click.Group):
+    """click's usage errors (bad option values, unknown options) as one line
+    ``llmd: error: ...`` with click's exit code 2, instead of usage + hint + error."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, False, **extra)
+        except click.UsageError as e:
+            ctx = f" (see `{e.ctx.command_path} --help`)" if e.ctx is not None else ""
+            click.echo(f"llmd: error: {e.format_message()}{ctx}", err=True)
+            sys.exit(e.exit_code)
+        except click.ClickException as e:
+            e.show()
+            sys.exit(e.exit_code)
+        except click.Abort:
+            click.echo("llmd: aborted", err=True)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+@click.group(cls=OneLineUsageErrors, context_settings={"help_option_names": ["-h", "--help"]})
 def main():
     """llmd: a local LLM inference daemon (continuous batching over a paged KV cache)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -117,6 +139,13 @@ def generate(prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, **
 
     if max_tokens is not None and max_tokens < 1:
         raise LlmdError(f"--max-tokens must be >= 1, got {max_tokens}")
+    if not prompt:
+        raise LlmdError("PROMPT is empty")
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=list(stop))
+    try:  # before the weights load
+        params.validate()
+    except ValueError as e:
+        raise LlmdError("--" + str(e).replace("_", "-")) from None  # "--top-p must be in (0, 1], got 2.0"
     if chat:  # fail before loading the weights (the GGUF header read is cached for the load)
         from llmd.models.gguf_loader import load_config
         from llmd.models.registry import resolve_model
@@ -126,7 +155,6 @@ def generate(prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, **
             raise LlmdError(f"model {cfg.name} has no chat template (a base model); drop --chat")
     engine = build_engine(**engine_kw)
     ids = engine.tokenizer.apply_chat([{"role": "user", "content": prompt}]) if chat else engine.tokenizer.encode(prompt)
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=list(stop))
     engine.add_request(ids, params)
     t0 = time.monotonic()
     n, reason = 0, None
@@ -201,6 +229,12 @@ def bench_kv_quality(chunk, hf_reference, cached_prefix, kv_cache_dtype, **engin
     from llmd.daemon.kv_quality_text import QUALITY_TEXT
 
     kv_scales = engine_kw.pop("kv_scales", None)  # for the quantized rows (the first engine is auto)
+    if kv_scales is not None:  # fail before the weights load
+        from llmd.daemon.config import EngineConfig
+
+        EngineConfig(device=engine_kw.get("device") or "cpu", kv_cache_dtype="int8", kv_scales=kv_scales).resolve()
+    if cached_prefix < 0:
+        raise LlmdError(f"--cached-prefix must be >= 0 tokens, got {cached_prefix}")
     engine = build_engine(**engine_kw)
     ids = engine.tokenizer.encode(QUALITY_TEXT)
     kw = {k: getattr(engine.config, k) for k in ("device", "dtype", "block_size", "kv_cache_memory", "attention_backend")}

@@ -158,12 +158,15 @@ def register(main, engine_options, one_line_errors, build_engine) -> None:
         """Stop the daemon gracefully (in-flight requests finish or are aborted after its drain timeout);
         returns once the process has exited, so `llmd serve` can start again at once."""
         c = _client(socket_path)
-        if c.health() is None:
+        health = c.health()
+        if health is None:
             click.echo(f"llmd: no daemon running on {c.socket_path}")
             return
         from llmd.daemon.chat import wait_for_daemon_exit
 
         c.shutdown()
-        if not wait_for_daemon_exit(c.socket_path, timeout):
+        click.echo(f"llmd: stopping the daemon on {c.socket_path} (pid {health['pid']}); in-flight requests get "
+                   f"its drain timeout", err=True)
+        if not wait_for_daemon_exit(c.socket_path, timeout, health.get("pid")):
             raise LlmdError(f"the daemon on {c.socket_path} did not exit within {timeout:.0f} s")
         click.echo("llmd: daemon stopped")

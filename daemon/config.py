@@ -136,6 +136,8 @@ def parse_bytes(text: str) -> int:
         value = float(num)
     except ValueError:
         raise LlmdError(f"cannot parse byte size {text!r} (try 512MiB or 2GiB)") from None
-    if unit not in units or value <= 0:
+    if unit not in units:
         raise LlmdError(f"cannot parse byte size {text!r} (try 512MiB or 2GiB)")
+    if value <= 0:
+        raise LlmdError(f"byte size must be > 0, got {text!r}")
     return int(value * units[unit])

@@ -158,7 +158,8 @@ class Scheduler:
         if len(group) > self.max_num_seqs:
             raise ValueError(f"n = {len(group)} sequences exceed --max-num-seqs {self.max_num_seqs}")
         if self.max_num_waiting is not None and len(self.waiting) >= self.max_num_waiting:
-            raise QueueFullError(f"the waiting queue is full ({self.max_num_waiting} requests); retry later")
+            n = self.max_num_waiting
+            raise QueueFullError(f"the waiting queue is full ({n} request{'' if n == 1 else 's'}); retry later")
         req.followers = list(followers)
         for r in group:
             self.requests[r.request_id] = r

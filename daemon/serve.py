@@ -131,7 +131,8 @@ async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[s
          + f" (pid {os.getpid()})")
     try:
         await state.shutdown.wait()
-        echo(f"llmd: shutting down; {eloop.num_live} sequences in flight (drain timeout {drain_timeout:.0f} s)")
+        echo(f"llmd: shutting down; {eloop.num_live} sequence{'' if eloop.num_live == 1 else 's'} in flight "
+             f"(drain timeout {drain_timeout:.0f} s)")
         state.draining = True
         for site in sites:
             await site.stop()  # stop accepting

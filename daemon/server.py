@@ -88,6 +88,8 @@ async def read_json(request: web.Request):
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError("the request body is JSON nested too deeply") from None
 
 
 #: characters per token no real prompt exceeds; text longer than this × the context cannot fit

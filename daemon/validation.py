@@ -66,12 +66,24 @@ class ParsedRequest:
         return [SamplingParams(**vars(self.params)) for _ in range(self.n)]
 
 
+def json_type(v) -> str:
+    """The JSON name of a decoded value's type (``null``, ``boolean``, ``number``, ``string``,
+    ``array``, ``object``), for error messages that speak the client's language."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, (int, float)):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}.get(type(v), type(v).__name__)
+
+
 def _int(body: dict, name: str, default=None, lo: int | None = None, hi: int | None = None):
     v = body.get(name, default)
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, int):
-        raise ApiError(f"{name} must be an integer, got {type(v).__name__} {_short(v)}", name)
+        raise ApiError(f"{name} must be an integer, got {json_type(v)} {_short(v)}", name)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         raise ApiError(f"{name} must be an integer in [{lo if lo is not None else '-inf'}, "
                        f"{hi if hi is not None else 'inf'}], got {v}", name)
@@ -137,7 +149,7 @@ def _prompt(body: dict, vocab_size: int) -> str | list[int]:
         return _token_ids(p, "prompt", vocab_size)
     if p is None:
         raise ApiError("prompt is required (a string or a list of token ids)", "prompt")
-    raise ApiError(f"prompt must be a string or a list of token ids, got {type(p).__name__}", "prompt")
+    raise ApiError(f"prompt must be a string or a list of token ids, got {json_type(p)}", "prompt")
 
 
 def _messages(body: dict) -> list[dict]:
@@ -157,7 +169,8 @@ def _messages(body: dict) -> list[dict]:
                 raise ApiError(f"{where}.content parts must be {{type: 'text', text: str}} (no images)", f"{where}.content")
             content = "".join(c["text"] for c in content)
         if not isinstance(content, str):
-            raise ApiError(f"{where}.content must be a string, got {type(content).__name__}", f"{where}.content")
+            raise ApiError(f"{where}.content must be a string or a list of text parts, got {json_type(content)}",
+                           f"{where}.content")
         if not content:
             raise ApiError(f"{where}.content is empty", f"{where}.content")
         out.append({"role": "system" if role == "developer" else role, "content": check_utf8(content, f"{where}.content")})
@@ -175,7 +188,7 @@ def parse_request(body, chat: bool, model_ids: tuple[str, ...], vocab_size: int)
         ApiError: naming the field and its limit.
     """
     if not isinstance(body, dict):
-        raise ApiError(f"the request body must be a JSON object, got {type(body).__name__}")
+        raise ApiError(f"the request body must be a JSON object, got {json_type(body)}")
     model = body.get("model")
     if model is not None and model not in model_ids:
         raise ApiError(f"model {_short(model)} is not served here; available: {', '.join(model_ids)}", "model")

@@ -82,3 +82,30 @@ def test_engine_rejections_name_the_endpoints_prompt_field():
     assert engine_error(e, chat=True).param == "messages"
     assert engine_error(e, chat=False).param == "prompt"
     assert engine_error(LlmdError("max_tokens 9000 exceeds the context"), chat=True).param == "max_tokens"
+
+
+def test_deeply_nested_json_is_400_and_type_names_are_json_names():
+    """JSON nested past Python's recursion limit is a 400 (not a 500 from RecursionError), and
+    type errors name JSON types (null, number, ...), not Python's."""
+    import asyncio
+
+    from llmd.daemon.server import read_json
+
+    class FakeRequest:
+        def __init__(self, raw: bytes):
+            self.raw = raw
+
+        async def read(self):
+            return self.raw
+
+    deep = b'{"prompt": "x", "z": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with pytest.raises(ApiError, match="nested too deeply") as ei:
+        asyncio.run(read_json(FakeRequest(deep)))
+    assert ei.value.status == 400
+    assert asyncio.run(read_json(FakeRequest(b'{"prompt": "x"}'))) == {"prompt": "x"}
+    with pytest.raises(ApiError, match="got null"):
+        parse_request({"messages": [{"role": "user", "content": None}]}, True, ["m"], 1000)
+    with pytest.raises(ApiError, match="got number"):
+        parse_request({"prompt": 3.5}, False, ["m"], 1000)
+    with pytest.raises(ApiError, match="got array"):
+        parse_request([1], False, ["m"], 1000)

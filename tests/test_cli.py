@@ -36,8 +36,8 @@ def run_cli(args):
     return CliRunner().invoke(main, args)
 
 
-def assert_one_line_error(result, text):
-    assert result.exit_code == 1, result.output
+def assert_one_line_error(result, text, exit_code=1):
+    assert result.exit_code == exit_code, result.output
     lines = result.output.strip().splitlines()
     assert lines[-1].startswith("llmd: error: ") and text in lines[-1], result.output
     assert "Traceback" not in result.output
@@ -81,9 +81,7 @@ def test_stop_waits_for_the_daemon_process_to_exit(tmp_path):
     """`llmd stop` returns only once the daemon's lock is released (process exit), not when its
     socket file disappears (the daemon removes it first): `llmd serve` can reclaim the path at
     once. A stand-in process holds ``<socket>.lock`` for 1.5 s after the socket file is gone."""
-    import time
-
-    from llmd.daemon.chat import lock_held, wait_for_daemon_exit
+    from llmd.daemon.chat import lock_held, pid_running, wait_for_daemon_exit
 
     sock = str(tmp_path / "s.sock")
     holder = subprocess.Popen([sys.executable, "-c", f"""
@@ -97,10 +95,49 @@ time.sleep(1.5)
         assert holder.stdout.readline().strip() == "locked"
         assert lock_held(sock + ".lock")
         assert not wait_for_daemon_exit(sock, 0.3)  # still running
-        t0 = time.monotonic()
-        assert wait_for_daemon_exit(sock, 10)
-        assert holder.poll() is not None or time.monotonic() - t0 > 0.5
-        assert not lock_held(sock + ".lock")
+        assert wait_for_daemon_exit(sock, 10, holder.pid)  # lock released and the process gone
+        assert not lock_held(sock + ".lock") and not pid_running(holder.pid)
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_bad_sampling_values_fail_before_the_weights_load():
+    for args, text in ((["generate", "hi", "--temperature", "-1"], "--temperature must be >= 0"),
+                       (["generate", "hi", "--top-p", "2"], "--top-p must be in (0, 1]"),
+                       (["generate", ""], "PROMPT is empty"),
+                       (["bench", "kv-quality", "--kv-scales", "0,1"], "--kv-scales must be two positive")):
+        r = run_cli(args)
+        assert_one_line_error(r, text)
+        assert "loading" not in r.output, r.output
+    # click's usage errors: one line too, exit code 2
+    for args, text in ((["generate", "hi", "--kv-cache-memory", "0"], "byte size must be > 0"),
+                       (["generate", "hi", "--kv-cache-dtype", "int4"], "'int4' is not one of"),
+                       (["generate", "hi", "--no-such-option"], "No such option '--no-such-option'")):
+        assert_one_line_error(run_cli(args), text, exit_code=2)
+
+
+def test_repl_unknown_command_is_not_sent_to_the_model(monkeypatch, capsys):
+    """``/bogus`` prints the command list; ``//text`` sends ``/text``; ``/reset`` keeps the
+    system prompt."""
+    from llmd.daemon import chat
+
+    sent = []
+
+    class Backend:
+        def stream_chat(self, messages, params):
+            sent.append([m["content"] for m in messages])
+            yield "ok"
+
+    lines = iter(["/bogus", "//etc is a folder", "/reset", "hello"])
+
+    def fake_input(prompt):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    chat.run_chat(Backend(), {}, system="be brief")
+    assert sent == [["be brief", "/etc is a folder"], ["be brief", "hello"]]
+    assert "unknown command /bogus" in capsys.readouterr().err

@@ -267,4 +267,4 @@ def test_chat_with_a_running_daemon_of_another_model_is_a_clear_error(llmd_daemo
     r = CliRunner().invoke(main, ["chat", "--socket", llmd_daemon.path, "-m", "smollm2-135m", "--kv-cache-dtype", "int8",
                                   "-p", "What is the capital of France?", "--max-tokens", "8"])
     assert r.exit_code == 0, r.output
-    assert "--kv-cache-dtype apply only when `llmd chat` starts one" in r.output and "Paris" in r.output, r.output
+    assert "--kv-cache-dtype applies only when `llmd chat` starts one" in r.output and "Paris" in r.output, r.output
