@@ -23,17 +23,26 @@ def one_torch_thread():
     torch.set_num_threads(n)
 
 
+TOP1_MIN = {"int8": 0.97, "fp8_e4m3": 0.94, "fp8_e5m2": 0.90}  # case Q1: teacher-forced top-1 agreement
+DNLL_MAX_PCT = {"int8": 0.2, "fp8_e4m3": 0.75, "fp8_e5m2": 3.0}  # case Q4: ΔNLL budget (%)
+
+
+def engine_kw(dtype: str = "float32") -> dict:
+    """EngineConfig fields of the teacher-forced runs (float64's 92,160 B/token needs more than
+    float32's 64 MiB pool)."""
+    return {"device": "cpu", "dtype": dtype, "kv_cache_memory": (128 if dtype == "float64" else 64) * 2**20}
+
+
 def quality_getter(model, tokenizer, ids: list[int], dtype: str = "float32"):
     """``get(name)``: llmd's teacher-forced :class:`QualityRow` for one KV dtype, run on first use
     (each test pays for its own dtype; ``auto`` is the base of the others). ``dtype``: the
-    model's (``--dtype``; float64's 92,160 B/token needs more than float32's 64 MiB pool)."""
+    model's (``--dtype``)."""
     rows = {}
 
     def get(name):
         if name not in rows:
             base = None if name == "auto" else get("auto")
-            rows[name] = quality_row(model, tokenizer, ids, name, base, device="cpu", dtype=dtype,
-                                     kv_cache_memory=(128 if dtype == "float64" else 64) * 2**20)
+            rows[name] = quality_row(model, tokenizer, ids, name, base, **engine_kw(dtype))
         return rows[name]
 
     return get

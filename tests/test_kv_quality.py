@@ -9,11 +9,9 @@ import torch
 from llmd.daemon.kv_quality import KV_DTYPES, hf_fake_quant, quality_row
 from llmd.models.gguf_loader import load_model
 from llmd.daemon.kv_quality_text import QUALITY_TEXT
-from kv_quality_support import one_torch_thread, quality_getter, xfail_for  # noqa: F401 (fixture)
+from kv_quality_support import DNLL_MAX_PCT, TOP1_MIN, engine_kw, one_torch_thread, quality_getter, xfail_for  # noqa: F401
 from llmd.daemon.request import SamplingParams
 
-TOP1_MIN = {"int8": 0.97, "fp8_e4m3": 0.94, "fp8_e5m2": 0.90}  # Q1
-DNLL_MAX_PCT = {"int8": 0.2, "fp8_e4m3": 0.75, "fp8_e5m2": 3.0}  # Q4
 # Measured on this text (962 tokens), float32 on CPU, torch backend, ties-to-even rounding:
 #   int8      ΔNLL 0.098 %  top-1 97.19 %   HF fake-quant ΔNLL 0.041 %  (|diff| 0.057 pp)
 #   fp8_e4m3  ΔNLL 0.875 %  top-1 93.24 %   HF fake-quant ΔNLL 0.719 %  (|diff| 0.156 pp)
@@ -75,7 +73,7 @@ def test_q1_with_prefix_served_from_cache(quality, smollm2, smollm2_tokenizer, n
     agreement of Q1 is what a cached prefix gives too (cached blocks hold the codes and scales
     the cold run read back)."""
     ids, get = quality
-    row = quality_row(smollm2[0], smollm2_tokenizer, ids, name, get("auto"), cached_prefix=512, device="cpu", dtype="float32", kv_cache_memory=64 * 2**20)
+    row = quality_row(smollm2[0], smollm2_tokenizer, ids, name, get("auto"), cached_prefix=512, **engine_kw())
     cold = get(name)
     assert torch.equal(row.argmax, cold.argmax) and row.nll == cold.nll, (row, cold)
 

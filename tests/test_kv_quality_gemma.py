@@ -13,12 +13,10 @@ import pytest
 
 from llmd.daemon.kv_quality import KV_DTYPES, hf_fake_quant
 from llmd.daemon.kv_quality_text import QUALITY_TEXT
-from kv_quality_support import one_torch_thread, quality_getter, xfail_for  # noqa: F401 (fixture)
+from kv_quality_support import DNLL_MAX_PCT, TOP1_MIN, one_torch_thread, quality_getter, xfail_for  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # first tests here may load llmd's and HF's Gemma
 
-TOP1_MIN = {"int8": 0.97, "fp8_e4m3": 0.94, "fp8_e5m2": 0.90}  # Q1
-DNLL_MAX_PCT = {"int8": 0.2, "fp8_e4m3": 0.75, "fp8_e5m2": 3.0}  # Q4
 # Measured on this text (952 Gemma tokens), float32 on CPU, torch backend:
 #   int8      ΔNLL 1.040 %  top-1 94.43 %   HF fake-quant ΔNLL 1.194 %  (|diff| 0.154 pp)
 #   fp8_e4m3  ΔNLL 0.881 %  top-1 93.59 %   HF fake-quant ΔNLL 1.324 %  (|diff| 0.442 pp)
