@@ -6,7 +6,7 @@ vLLM v1 (``FlashAttentionMetadata``): slot mapping, block tables, query_start_lo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,7 +26,10 @@ class AttentionMetadata:
         seq_lens: ``[B]`` int32, context length of each sequence after this step (tokens).
         query_lens_cpu, seq_lens_cpu: the same lengths as Python lists (no device sync on CPU paths).
         block_size: tokens per KV block.
-        attn_backend: "torch" (``kernels/reference.py``) or "triton" (the Triton kernels).
+        attn_backend: "cpu" (``kernels/cpu_attention.py``, batched), "torch" (``kernels/reference.py``,
+            the per-sequence oracle) or "triton" (the Triton kernels).
+        plans: per-step derived data a backend builds once for all layers of the group (e.g. the
+            cpu backend's gather indices and masks), keyed by the backend; empty when built.
     """
 
     slot_mapping: torch.Tensor
@@ -37,6 +40,7 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     block_size: int
     attn_backend: str = "torch"
+    plans: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

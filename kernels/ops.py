@@ -1,6 +1,7 @@
 """The attention ops the models call: ``store_kv`` and ``paged_attention``, per backend.
 
-``torch`` runs :mod:`llmd.kernels.reference` (the CPU path and the oracle); ``triton`` runs
+``cpu`` runs :mod:`llmd.kernels.cpu_attention` (batched over the step; the CPU default);
+``torch`` runs :mod:`llmd.kernels.reference` (per sequence: the oracle); ``triton`` runs
 the kernels in ``kv_store.py``, ``decode_attention.py`` (batches of decodes only) and
 ``prefill_attention.py`` (any batch with a prefill chunk). The Triton modules are imported on
 first use, so ``TRITON_INTERPRET=1`` (the interpreter that runs them on CPU for tests) can be
@@ -11,11 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from llmd.kernels import reference
+from llmd.kernels import cpu_attention, reference
 from llmd.kernels.metadata import AttentionMetadata
 from llmd.quant.kv import PagedKVCache
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("cpu", "torch", "triton")
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache,
@@ -33,9 +34,11 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor | Pa
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, meta: AttentionMetadata,
                     scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """Attention of ``query [T, num_heads, head_dim]`` over the paged cache, using
-    ``meta.attn_backend``. Returns ``[T, num_heads, head_dim]`` in ``query.dtype``. The torch
+    ``meta.attn_backend`` ("cpu", "torch" or "triton"). Returns ``[T, num_heads, head_dim]`` in ``query.dtype``. The torch
     backend computes in float32, or float64 for a float64 model (``--dtype float64`` reference
     runs, where every product must stay float64)."""
+    if meta.attn_backend == "cpu":
+        return cpu_attention.paged_attention(query, kv_cache, meta, scale, sliding_window)
     if meta.attn_backend != "triton":
         compute = torch.float64 if query.dtype == torch.float64 else torch.float32
         return reference.paged_attention(query, kv_cache, meta, scale, sliding_window, compute)

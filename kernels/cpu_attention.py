@@ -1,0 +1,199 @@
+"""The fast CPU attention backend (``--attention-backend cpu``, the CPU default).
+
+Same semantics as :mod:`llmd.kernels.reference` (the oracle), batched over the step instead of
+looped per sequence:
+
+* **One plan per step per KV cache group** (:class:`StepPlan`, cached on the group's
+  :class:`AttentionMetadata`, so the 30 layers of a group share it): the gather indices of every
+  key a query may see, the additive mask (0 / -inf) and which query rows are decodes. A
+  sliding-window group's plan reads only the window ``[p - W + 1, p]`` of each query.
+* **Head-major gather.** One layer's cache data ``[2, num_blocks, block_size, kv_heads,
+  head_dim]`` viewed as rows ``[num_blocks * block_size * kv_heads, head_dim]``: the row of
+  (slot ``s``, KV head ``h``) is ``s * kv_heads + h``. ``index_select`` on dim 0 with indices
+  laid out ``[B, kv_heads, L]`` gives K (and V) already shaped ``[B * kv_heads, L, head_dim]``
+  for a batched matmul, in one contiguous copy (no ``repeat_interleave``, no permute copies).
+  int8/fp8 caches gather codes and their float32 scales ``[B * kv_heads, L]`` with the same
+  indices and dequantize inside the gather: ``code × scale`` in the compute dtype.
+* **Decodes batched together**: the query ``[B, heads, head_dim]`` viewed as ``[B * kv_heads,
+  group, head_dim]`` (GQA without copies of K/V), scores ``[B * kv_heads, group, L]``, keys past
+  each sequence's length masked with -inf (exact zeros after softmax). Padding every sequence to
+  the step's longest context is the one difference from the reference: the reduction order of
+  the softmax sum and of ``probs @ V`` can change with what else is batched (case S4; measured
+  and documented in the README).
+* **Prefill chunks** attend to their cached prefix plus causally to themselves (store-then-read:
+  the layer stored the chunk's K/V before calling this), one sequence at a time (a step holds a
+  few chunks at most under the token budget), with the same gather and a ``[Q, L]`` mask.
+
+Compute dtype: float32 for float32 (and float16) models, float64 for float64 models, bfloat16
+for bfloat16 models (oneDNN's AVX512-BF16 matmuls; scores are upcast to float32 for the softmax,
+probabilities cast back to bfloat16 for ``probs @ V``, as HF transformers' eager attention does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmd.kernels.metadata import AttentionMetadata
+from llmd.quant.kv import PagedKVCache
+
+
+@dataclass
+class _Gather:
+    """Rows to gather for ``N`` sequences over ``L`` key positions each.
+
+    Attributes:
+        rows: ``[N * kv_heads * L]`` int64 row ids into the ``[slots * kv_heads, head_dim]`` view,
+            ordered (sequence, KV head, key position).
+        bias: ``[N, 1, Q, L]`` float32 additive mask: 0 where the query at row ``q`` sees key
+            ``l``, -inf elsewhere (keys past the sequence, before the window, after the query).
+    """
+
+    rows: torch.Tensor
+    bias: torch.Tensor
+
+
+@dataclass
+class StepPlan:
+    """Gather/mask plan of one step for one KV cache group and sliding window.
+
+    Attributes:
+        decode_idx: ``[Bd]`` int64 flat token indices of the decode queries (query length 1),
+            or None when the step has none.
+        decode: the :class:`_Gather` of the decodes (``Q = 1``), or None.
+        prefills: ``(token_start, query_len, gather)`` per prefill chunk, ``gather`` with ``N = 1``.
+    """
+
+    decode_idx: torch.Tensor | None
+    decode: _Gather | None
+    prefills: list[tuple[int, int, _Gather]]
+
+
+def _key_rows(block_tables: torch.Tensor, first_pos: torch.Tensor, length: int, block_size: int,
+              kv_heads: int) -> torch.Tensor:
+    """Row ids ``[N * kv_heads * length]`` of keys at positions ``first_pos[n] + j``
+    (``j < length``), through ``block_tables [N, max_blocks]`` int32. Positions past a table's
+    end read the null block (they are masked)."""
+    pos = first_pos[:, None] + torch.arange(length, dtype=torch.int64)[None, :]
+    blk = torch.clamp(pos // block_size, max=block_tables.shape[1] - 1)
+    slots = block_tables.long().gather(1, blk) * block_size + pos % block_size  # [N, L]
+    heads = torch.arange(kv_heads, dtype=torch.int64)
+    return (slots[:, None, :] * kv_heads + heads[None, :, None]).reshape(-1)
+
+
+def build_plan(meta: AttentionMetadata, kv_heads: int, sliding_window: int | None) -> StepPlan:
+    """The step's :class:`StepPlan` (index math on the host, vector ops only per group of
+    sequences; one Python iteration per prefill chunk)."""
+    qlens = torch.tensor(meta.query_lens_cpu, dtype=torch.int64)
+    seq_lens = torch.tensor(meta.seq_lens_cpu, dtype=torch.int64)
+    starts = torch.cumsum(qlens, 0) - qlens
+    tables = meta.block_tables.cpu()
+    bs = meta.block_size
+    is_dec = qlens == 1
+    decode_idx, decode = None, None
+    if bool(is_dec.any()):
+        sel = torch.nonzero(is_dec).flatten()
+        lens = seq_lens[sel]
+        first = torch.zeros_like(lens) if sliding_window is None else torch.clamp(lens - sliding_window, min=0)
+        length = int((lens - first).max())
+        pos = first[:, None] + torch.arange(length)[None, :]
+        bias = torch.zeros(len(sel), 1, 1, length).masked_fill_((pos >= lens[:, None])[:, None, None, :], float("-inf"))
+        decode = _Gather(_key_rows(tables[sel], first, length, bs, kv_heads), bias)
+        decode_idx = starts[sel]
+    prefills = []
+    for b in torch.nonzero(~is_dec).flatten().tolist():
+        q_len, seq_len = meta.query_lens_cpu[b], meta.seq_lens_cpu[b]
+        first = 0 if sliding_window is None else max(0, seq_len - q_len - sliding_window + 1)
+        kpos = torch.arange(first, seq_len)[None, :]
+        qpos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        visible = kpos <= qpos
+        if sliding_window is not None:
+            visible &= kpos > qpos - sliding_window
+        bias = torch.zeros(q_len, seq_len - first).masked_fill_(~visible, float("-inf"))[None, None]
+        rows = _key_rows(tables[b : b + 1], torch.tensor([first]), seq_len - first, bs, kv_heads)
+        prefills.append((int(starts[b]), q_len, _Gather(rows, bias)))
+    return StepPlan(decode_idx, decode, prefills)
+
+
+def get_plan(meta: AttentionMetadata, kv_heads: int, sliding_window: int | None) -> StepPlan:
+    """The plan cached on ``meta`` (built by the group's first layer, reused by the others)."""
+    key = ("cpu", kv_heads, sliding_window)
+    plan = meta.plans.get(key)
+    if plan is None:
+        plan = meta.plans[key] = build_plan(meta, kv_heads, sliding_window)
+    return plan
+
+
+def compute_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """bfloat16 and float64 models compute in their own dtype; float32 and float16 in float32."""
+    return dtype if dtype in (torch.bfloat16, torch.float64) else torch.float32
+
+
+def _gather_kv(cache: PagedKVCache, rows: torch.Tensor, n: int, length: int, dtype: torch.dtype):
+    """K and V ``[n * kv_heads, length, head_dim]`` in ``dtype`` (``code × scale`` for int8/fp8)."""
+    data = cache.data
+    head_dim = data.shape[-1]
+    out = []
+    for i in (0, 1):
+        x = data[i].view(-1, head_dim).index_select(0, rows).view(-1, length, head_dim)
+        if cache.fmt.quantized:
+            s = cache.scales[i].view(-1).index_select(0, rows).view(-1, length, 1)
+            x = x.to(dtype) * s.to(dtype)
+        else:
+            x = x.to(dtype)
+        out.append(x)
+    return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``softmax(q k^T + bias) v`` per (sequence, KV head).
+
+    Args:
+        q: ``[N * kv_heads, group * Q, head_dim]`` scaled queries, compute dtype.
+        k, v: ``[N * kv_heads, L, head_dim]`` compute dtype.
+        bias: ``[N, 1, Q, L]`` float32 (broadcast over KV heads and the group).
+    Returns:
+        ``[N * kv_heads, group * Q, head_dim]`` in the compute dtype.
+    """
+    n, _, qn, length = bias.shape
+    scores = torch.bmm(q, k.transpose(1, 2)).to(bias.dtype if q.dtype != torch.float64 else q.dtype)
+    scores = scores.view(n, -1, qn, length) + bias.to(scores.dtype)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(q.shape[0], -1, length)
+    return torch.bmm(probs, v)
+
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, meta: AttentionMetadata,
+                    scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """Attention for a mixed batch of prefill chunks and decodes over the paged cache.
+
+    Args:
+        query: ``[T, num_heads, head_dim]`` (T = total query tokens of the step).
+        kv_cache: :class:`PagedKVCache` or an ``auto`` data tensor ``[2, blocks, block_size,
+            kv_heads, head_dim]``; the step's own K/V already stored.
+        meta: the group's :class:`AttentionMetadata` (its ``plans`` cache the step plan).
+        scale: softmax scale.
+        sliding_window: ``W`` or None; query ``p`` sees keys ``[p - W + 1, p]``.
+    Returns:
+        ``[T, num_heads, head_dim]`` in ``query.dtype``.
+    """
+    cache = PagedKVCache.wrap(kv_cache)
+    t, num_heads, head_dim = query.shape
+    kv_heads = cache.data.shape[3]
+    group = num_heads // kv_heads
+    cdt = compute_dtype_for(query.dtype)
+    plan = get_plan(meta, kv_heads, sliding_window)
+    qs = query.to(cdt) * scale
+    out = torch.empty(t, num_heads, head_dim, dtype=cdt)
+    if plan.decode is not None:
+        nd = plan.decode_idx.shape[0]
+        k, v = _gather_kv(cache, plan.decode.rows, nd, plan.decode.bias.shape[-1], cdt)
+        qd = qs.index_select(0, plan.decode_idx).view(nd * kv_heads, group, head_dim)
+        o = _attend(qd, k, v, plan.decode.bias).view(nd, num_heads, head_dim)
+        out.index_copy_(0, plan.decode_idx, o)
+    for start, q_len, g in plan.prefills:
+        k, v = _gather_kv(cache, g.rows, 1, g.bias.shape[-1], cdt)
+        qp = qs[start : start + q_len].view(q_len, kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        o = _attend(qp.reshape(kv_heads, group * q_len, head_dim), k, v, g.bias)
+        out[start : start + q_len] = o.view(kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
+    return out.to(query.dtype)
