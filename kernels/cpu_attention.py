@@ -12,8 +12,9 @@ looped per sequence:
   (slot ``s``, KV head ``h``) is ``s * kv_heads + h``. ``index_select`` on dim 0 with indices
   laid out ``[B, kv_heads, L]`` gives K (and V) already shaped ``[B * kv_heads, L, head_dim]``
   for a batched matmul, in one contiguous copy (no ``repeat_interleave``, no permute copies).
-  int8/fp8 caches gather codes and their float32 scales ``[B * kv_heads, L]`` with the same
-  indices and dequantize inside the gather: ``code × scale`` in the compute dtype.
+  int8/fp8 caches gather codes (1 byte each) and their float32 scales ``[B * kv_heads, L]`` with
+  the same indices; ``code × scale`` is applied as scores × k_scale and probabilities × v_scale
+  (the Triton kernels' order), so no pass over dequantized K/V is needed.
 * **Decodes batched together**: the query ``[B, heads, head_dim]`` viewed as ``[B * kv_heads,
   group, head_dim]`` (GQA without copies of K/V), scores ``[B * kv_heads, group, L]``, keys past
   each sequence's length masked with -inf (exact zeros after softmax). Padding every sequence to
@@ -130,37 +131,49 @@ def compute_dtype_for(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.bfloat16, torch.float64) else torch.float32
 
 
-def _gather_kv(cache: PagedKVCache, rows: torch.Tensor, n: int, length: int, dtype: torch.dtype):
-    """K and V ``[n * kv_heads, length, head_dim]`` in ``dtype`` (``code × scale`` for int8/fp8)."""
+def _gather_kv(cache: PagedKVCache, rows: torch.Tensor, length: int, dtype: torch.dtype):
+    """Gather K and V through the plan's rows.
+
+    Returns:
+        ``(k, v, k_scales, v_scales)``: K and V ``[N * kv_heads, length, head_dim]`` in ``dtype``
+        (int8/fp8 codes converted exactly: every code is representable in bfloat16 and
+        float32), and for int8/fp8 their scales ``[N * kv_heads, 1, length]`` float32 (float64
+        for float64 compute), else None. The caller multiplies scores by ``k_scales`` and
+        probabilities by ``v_scales``: ``q·(code × s) = (q·code) × s``, the dequantization
+        folded into ``[N, group, L]``-sized products instead of a pass over K and V.
+    """
     data = cache.data
     head_dim = data.shape[-1]
-    out = []
-    for i in (0, 1):
-        x = data[i].view(-1, head_dim).index_select(0, rows).view(-1, length, head_dim)
-        if cache.fmt.quantized:
-            s = cache.scales[i].view(-1).index_select(0, rows).view(-1, length, 1)
-            x = x.to(dtype) * s.to(dtype)
-        else:
-            x = x.to(dtype)
-        out.append(x)
-    return out
+    kv = [data[i].view(-1, head_dim).index_select(0, rows).view(-1, length, head_dim).to(dtype) for i in (0, 1)]
+    if not cache.fmt.quantized:
+        return kv[0], kv[1], None, None
+    sdt = torch.float64 if dtype == torch.float64 else torch.float32
+    ks, vs = (cache.scales[i].view(-1).index_select(0, rows).view(-1, 1, length).to(sdt) for i in (0, 1))
+    return kv[0], kv[1], ks, vs
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """``softmax(q k^T + bias) v`` per (sequence, KV head).
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+            k_scales: torch.Tensor | None, v_scales: torch.Tensor | None) -> torch.Tensor:
+    """``softmax(q (k·ks)^T + bias) (v·vs)`` per (sequence, KV head).
 
     Args:
         q: ``[N * kv_heads, group * Q, head_dim]`` scaled queries, compute dtype.
-        k, v: ``[N * kv_heads, L, head_dim]`` compute dtype.
+        k, v: ``[N * kv_heads, L, head_dim]`` compute dtype (codes for int8/fp8).
         bias: ``[N, 1, Q, L]`` float32 (broadcast over KV heads and the group).
+        k_scales, v_scales: ``[N * kv_heads, 1, L]`` float32/float64 or None.
     Returns:
         ``[N * kv_heads, group * Q, head_dim]`` in the compute dtype.
     """
     n, _, qn, length = bias.shape
-    scores = torch.bmm(q, k.transpose(1, 2)).to(bias.dtype if q.dtype != torch.float64 else q.dtype)
-    scores = scores.view(n, -1, qn, length) + bias.to(scores.dtype)
-    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(q.shape[0], -1, length)
-    return torch.bmm(probs, v)
+    sdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scores = torch.bmm(q, k.transpose(1, 2)).to(sdt)
+    if k_scales is not None:
+        scores = scores * k_scales
+    scores = scores.view(n, -1, qn, length) + bias.to(sdt)
+    probs = torch.softmax(scores, dim=-1).view(q.shape[0], -1, length)
+    if v_scales is not None:
+        probs = probs * v_scales
+    return torch.bmm(probs.to(v.dtype), v)
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, meta: AttentionMetadata,
@@ -187,13 +200,13 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, 
     out = torch.empty(t, num_heads, head_dim, dtype=cdt)
     if plan.decode is not None:
         nd = plan.decode_idx.shape[0]
-        k, v = _gather_kv(cache, plan.decode.rows, nd, plan.decode.bias.shape[-1], cdt)
+        k, v, ks, vs = _gather_kv(cache, plan.decode.rows, plan.decode.bias.shape[-1], cdt)
         qd = qs.index_select(0, plan.decode_idx).view(nd * kv_heads, group, head_dim)
-        o = _attend(qd, k, v, plan.decode.bias).view(nd, num_heads, head_dim)
+        o = _attend(qd, k, v, plan.decode.bias, ks, vs).view(nd, num_heads, head_dim)
         out.index_copy_(0, plan.decode_idx, o)
     for start, q_len, g in plan.prefills:
-        k, v = _gather_kv(cache, g.rows, 1, g.bias.shape[-1], cdt)
+        k, v, ks, vs = _gather_kv(cache, g.rows, g.bias.shape[-1], cdt)
         qp = qs[start : start + q_len].view(q_len, kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        o = _attend(qp.reshape(kv_heads, group * q_len, head_dim), k, v, g.bias)
+        o = _attend(qp.reshape(kv_heads, group * q_len, head_dim), k, v, g.bias, ks, vs)
         out[start : start + q_len] = o.view(kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
     return out.to(query.dtype)
