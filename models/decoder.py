@@ -2,12 +2,16 @@
 decoder layers over the paged KV cache, final norm, (tied) LM head, and the GGUF tensor map.
 
 An architecture subclasses :class:`DecoderForCausalLM` and sets ``layer_cls`` (its decoder
-block), ``norm_cls`` (its final RMSNorm) and ``layer_tensors`` (GGUF per-layer tensor stem →
-parameter path inside a block, llama.cpp's names), and may override ``embed`` and
+block, ``forward(x, rope, kv_cache, meta)``), ``norm_cls`` (its final RMSNorm) and
+``layer_tensors`` (GGUF per-layer tensor stem → where it lands inside a block, llama.cpp's
+names: a parameter path, or ``(module path, part)`` for one part of a
+:class:`~llmd.models.layers.MergedLinear`), and may override ``embed`` and
 ``transform_gguf_tensor``.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -15,6 +19,20 @@ from torch import nn
 
 from llmd.kernels import AttentionMetadata
 from llmd.models.config import ModelConfig
+from llmd.models.layers import MergedLinear, rope_tables
+
+
+class Slot(NamedTuple):
+    """Where one GGUF tensor lands: rows ``[start, stop)`` of parameter ``param`` (a part of a
+    fused projection), or the whole parameter when ``rows`` is None."""
+
+    param: str
+    rows: tuple[int, int] | None = None
+
+    def of(self, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The slot's tensor (a view) among ``dict(model.named_parameters())``."""
+        p = params[self.param].data
+        return p if self.rows is None else p[self.rows[0] : self.rows[1]]
 
 
 class DecoderForCausalLM(nn.Module):
@@ -23,12 +41,15 @@ class DecoderForCausalLM(nn.Module):
     ``forward(input_ids [T] int64, positions [T] int64, kv_caches: one cache per layer, meta)
     -> hidden [T, hidden_size]`` where ``meta`` is one :class:`AttentionMetadata` for all layers
     or a list with one per layer (layers of different KV cache groups have their own block
-    tables); ``compute_logits(hidden [N, hidden]) -> [N, vocab] float32``.
+    tables); ``compute_logits(hidden [N, hidden]) -> [N, vocab] float32``. The RoPE tables
+    (``[T, 1, head_dim]`` cos and sin in the activation dtype) are built once per step for each
+    distinct RoPE base (``cfg.layer_rope_theta(i)``; Gemma 3 has a local and a global one) and
+    handed to the layers.
     """
 
     layer_cls: type[nn.Module]
     norm_cls: type[nn.Module]
-    layer_tensors: dict[str, str] = {}
+    layer_tensors: dict[str, str | tuple[str, str]] = {}
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
@@ -40,15 +61,21 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = None
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.rope_thetas = [cfg.layer_rope_theta(i) for i in range(cfg.num_layers)]
 
-    def gguf_tensor_map(self) -> dict[str, str]:
-        """GGUF tensor name → parameter name, for every tensor this architecture reads."""
-        m = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight"}
+    def gguf_tensor_map(self) -> dict[str, Slot]:
+        """GGUF tensor name → its :class:`Slot`, for every tensor this architecture reads. The
+        slots of each parameter cover its rows exactly once (checked by the loader)."""
+        m = {"token_embd.weight": Slot("embed_tokens.weight"), "output_norm.weight": Slot("norm.weight")}
         if self.lm_head is not None:
-            m["output.weight"] = "lm_head"
+            m["output.weight"] = Slot("lm_head")
         for i in range(self.config.num_layers):
             for g, p in self.layer_tensors.items():
-                m[f"blk.{i}.{g}.weight"] = f"layers.{i}.{p}"
+                if isinstance(p, tuple):
+                    fused: MergedLinear = self.get_submodule(f"layers.{i}.{p[0]}")
+                    m[f"blk.{i}.{g}.weight"] = Slot(f"layers.{i}.{p[0]}.weight", fused.rows[p[1]])
+                else:
+                    m[f"blk.{i}.{g}.weight"] = Slot(f"layers.{i}.{p}")
         return m
 
     def transform_gguf_tensor(self, name: str, w: np.ndarray) -> np.ndarray:
@@ -62,8 +89,9 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
         x = self.embed(input_ids)
+        tables = {th: rope_tables(positions, self.config.head_dim, th, x.dtype) for th in set(self.rope_thetas)}
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
-            x = layer(x, positions, cache, meta[i] if isinstance(meta, list) else meta)
+            x = layer(x, tables[self.rope_thetas[i]], cache, meta[i] if isinstance(meta, list) else meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

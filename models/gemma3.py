@@ -20,19 +20,19 @@ from llmd.models.config import ModelConfig
 from llmd.models.decoder import DecoderForCausalLM
 from llmd.models.layers import GatedMLP, GemmaRMSNorm, PagedAttention
 
-# GGUF per-layer tensor stem → parameter path inside a Gemma3DecoderLayer.
+# GGUF per-layer tensor stem → parameter path inside a Gemma3DecoderLayer, or (fused module, part).
 LAYER_TENSORS = {
     "attn_norm": "input_layernorm.weight",
-    "attn_q": "self_attn.q_proj.weight",
-    "attn_k": "self_attn.k_proj.weight",
-    "attn_v": "self_attn.v_proj.weight",
+    "attn_q": ("self_attn.qkv_proj", "q"),
+    "attn_k": ("self_attn.qkv_proj", "k"),
+    "attn_v": ("self_attn.qkv_proj", "v"),
     "attn_output": "self_attn.o_proj.weight",
     "attn_q_norm": "self_attn.q_norm.weight",
     "attn_k_norm": "self_attn.k_norm.weight",
     "post_attention_norm": "post_attention_layernorm.weight",
     "ffn_norm": "pre_feedforward_layernorm.weight",
-    "ffn_gate": "mlp.gate_proj.weight",
-    "ffn_up": "mlp.up_proj.weight",
+    "ffn_gate": ("mlp.gate_up_proj", "gate"),
+    "ffn_up": ("mlp.gate_up_proj", "up"),
     "ffn_down": "mlp.down_proj.weight",
     "post_ffw_norm": "post_feedforward_layernorm.weight",
 }
@@ -41,7 +41,7 @@ LAYER_TENSORS = {
 class Gemma3DecoderLayer(nn.Module):
     """One Gemma 3 block: ``x + post_norm(attn(pre_norm(x)))``, then the same around the MLP.
 
-    ``forward(x [T, hidden], positions [T] int64, kv_cache, meta) -> [T, hidden]``.
+    ``forward(x [T, hidden], rope (cos, sin) [T, 1, head_dim], kv_cache, meta) -> [T, hidden]``.
     """
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype):
@@ -58,8 +58,8 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = GatedMLP(h, cfg.intermediate_size, dtype, "gelu_tanh")
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype)
 
-    def forward(self, x, positions, kv_cache, meta):
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, kv_cache, meta))
+    def forward(self, x, rope, kv_cache, meta):
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, kv_cache, meta))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 

@@ -7,6 +7,10 @@ a file (the tokenizer's header size) costs nothing.
 Dequantization is ``gguf.quants.dequantize`` (the ``gguf`` package from llama.cpp), which
 covers F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K and more. Every GGUF tensor
 must map to a parameter and every parameter must be filled, else loading fails naming it.
+Fused projections (``qkv_proj``, ``gate_up_proj``) are filled part by part: each GGUF tensor
+(``attn_q``, ``attn_k``, ...) lands in its rows (a :class:`~llmd.models.decoder.Slot`), the
+parts tile the parameter (checked before loading), and parameters start as NaN, so a row no
+tensor wrote stays visible.
 """
 
 from __future__ import annotations
@@ -55,6 +59,23 @@ def dequantize_tensor(t) -> np.ndarray:
     return np.asarray(arr, dtype=np.float32).reshape(shape)
 
 
+def check_slots_cover(slots: dict, params: dict[str, torch.Tensor]) -> None:
+    """Check that the slots of ``model.gguf_tensor_map()`` cover every row of every parameter
+    exactly once (fused projections: one slot per part), so loading every mapped tensor fills
+    every parameter. Raises GGUFLoadError naming the first parameter that is not."""
+    rows: dict[str, list[tuple[int, int]]] = {name: [] for name in params}
+    for slot in slots.values():
+        rows[slot.param].append(slot.rows or (0, params[slot.param].shape[0]))
+    for name, ranges in rows.items():
+        end = 0
+        for start, stop in sorted(ranges):
+            if start != end:
+                break
+            end = stop
+        if end != params[name].shape[0] or not ranges:
+            raise GGUFLoadError(f"llmd parameter {name} rows {sorted(ranges)} do not tile [0, {params[name].shape[0]})")
+
+
 def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """Build the architecture's model and fill it from the GGUF file.
 
@@ -76,21 +97,21 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torc
     params = dict(model.named_parameters())
     for p in params.values():  # poison: anything the GGUF does not fill stays NaN
         p.data.fill_(float("nan"))
-    tensor_map = model.gguf_tensor_map()
-    filled: set[str] = set()
+    slots = model.gguf_tensor_map()
+    check_slots_cover(slots, params)
+    loaded: set[str] = set()
     for t in reader.tensors:
-        pname = tensor_map.get(t.name)
-        if pname is None:
+        slot = slots.get(t.name)
+        if slot is None:
             raise GGUFLoadError(f"GGUF tensor {t.name} ({cfg.architecture}) has no matching llmd parameter")
         w = model.transform_gguf_tensor(t.name, dequantize_tensor(t))
-        p = params[pname]
-        if tuple(w.shape) != tuple(p.shape):
-            raise GGUFLoadError(f"GGUF tensor {t.name} has shape {tuple(w.shape)}, expected {tuple(p.shape)}")
-        p.data.copy_(torch.from_numpy(np.require(w, requirements="W")))
-        filled.add(pname)
-    missing = sorted(set(params) - filled)
+        dst = slot.of(params)
+        if tuple(w.shape) != tuple(dst.shape):
+            raise GGUFLoadError(f"GGUF tensor {t.name} has shape {tuple(w.shape)}, expected {tuple(dst.shape)}")
+        dst.copy_(torch.from_numpy(np.require(w, requirements="W")))
+        loaded.add(t.name)
+    missing = [name for name in slots if name not in loaded]
     if missing:
-        inv = {v: k for k, v in tensor_map.items()}
-        raise GGUFLoadError(f"GGUF file lacks tensor {inv.get(missing[0], missing[0])} (and {len(missing) - 1} more)")
+        raise GGUFLoadError(f"GGUF file lacks tensor {missing[0]} (and {len(missing) - 1} more)")
     model.to(device).eval()
     return model, cfg

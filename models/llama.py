@@ -26,6 +26,11 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 class LlamaDecoderLayer(nn.Module):
+    """One pre-norm Llama block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
+
+    ``forward(x [T, hidden], rope (cos, sin) [T, 1, head_dim], kv_cache, meta) -> [T, hidden]``.
+    """
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -36,22 +41,23 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, "silu")
 
-    def forward(self, x, positions, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+    def forward(self, x, rope, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
     """Llama decoder (see :class:`DecoderForCausalLM` for the interface); undoes llama.cpp's
-    Q/K row permutation on load."""
+    Q/K row permutation on load (per GGUF tensor, before its rows land in ``qkv_proj``)."""
 
     layer_cls = LlamaDecoderLayer
     norm_cls = RMSNorm
     layer_tensors = {
         "attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight",
-        "attn_q": "self_attn.q_proj.weight", "attn_k": "self_attn.k_proj.weight",
-        "attn_v": "self_attn.v_proj.weight", "attn_output": "self_attn.o_proj.weight",
-        "ffn_gate": "mlp.gate_proj.weight", "ffn_up": "mlp.up_proj.weight", "ffn_down": "mlp.down_proj.weight",
+        "attn_q": ("self_attn.qkv_proj", "q"), "attn_k": ("self_attn.qkv_proj", "k"),
+        "attn_v": ("self_attn.qkv_proj", "v"), "attn_output": "self_attn.o_proj.weight",
+        "ffn_gate": ("mlp.gate_up_proj", "gate"), "ffn_up": ("mlp.gate_up_proj", "up"),
+        "ffn_down": "mlp.down_proj.weight",
     }
 
     def transform_gguf_tensor(self, name: str, w: np.ndarray) -> np.ndarray:

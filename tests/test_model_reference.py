@@ -76,7 +76,7 @@ def test_dequantization_exact_on_smollm2(smollm2, smollm2_path):
             ref = unpermute_qk(ref, cfg.num_heads)
         elif t.name.endswith("attn_k.weight"):
             ref = unpermute_qk(ref, cfg.num_kv_heads)
-        assert torch.equal(params[tmap[t.name]].data, torch.from_numpy(np.array(ref))), t.name
+        assert torch.equal(tmap[t.name].of(params), torch.from_numpy(np.array(ref))), t.name
     assert seen == {"Q4_1", "Q8_0", "F32"}
 
 
