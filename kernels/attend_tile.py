@@ -1,8 +1,13 @@
 """One online-softmax step over a tile of paged K/V, shared by the decode and prefill kernels.
 
 FlashAttention-2's inner loop (Dao 2023): gather ``BLOCK_N`` keys through the block table,
-dequantize in registers (scores × k_scale, probabilities × v_scale), and fold the tile into
-the running max ``m``, running sum ``l`` and unnormalized output ``acc``.
+dequantize in registers and fold the tile into the running max ``m``, running sum ``l`` and
+unnormalized output ``acc``. K: scores ``(q · k_code) × k_scale`` (codes are exact in every dot
+dtype: |code| ≤ 57,344 < float16's 65,504; the dot accumulates in float32). V, float16 models:
+``v_code × v_scale`` in float32 first, then the cast to float16, so ``p × v_scale`` (which
+underflows float16 for small scales: 1e-3 / 448 ≈ 2e-6 is subnormal) is never formed; float32
+and bfloat16 (float32's exponent range) keep ``(p × v_scale) · v_code``, which needs no float32
+V tile in registers (the float32 decode kernel spills with one).
 """
 
 from __future__ import annotations
@@ -10,7 +15,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-NEG = -1.0e30  # finite "minus infinity": fully masked tiles never produce inf - inf = NaN
+#: Finite "minus infinity": fully masked tiles never produce inf - inf = NaN. A ``tl.constexpr``
+#: so compiled kernels may read it (a plain global is a NameError outside the interpreter).
+NEG = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def e4m3_value(c):
+    """float32 value of e4m3fn bits ``c`` (a uint8 tensor; 0x7F/0xFF, NaN, are never stored):
+    normals rebase the exponent (bias 7 → 127) under float32's top mantissa bits, subnormals are
+    ``mantissa · 2^-9``."""
+    c = c.to(tl.int32)
+    mag = c & 0x7F
+    normal = ((mag + (120 << 3)) << 20).to(tl.float32, bitcast=True)
+    val = tl.where(mag >= 8, normal, mag.to(tl.float32) * 0.001953125)
+    return tl.where(c >= 0x80, -val, val)
 
 
 @triton.jit
@@ -27,14 +46,16 @@ def attend_tile(
     kvh,  # int64 KV head
     stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_sh,
     scale,
-    BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, E4M3_SW: tl.constexpr,
 ):
     dot_ty = q.dtype
     blk = tl.load(bt_row_ptr + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
     off = (n % BLOCK_SIZE).to(tl.int64)
     c_off = blk * stride_cb + off * stride_ct + kvh * stride_ch
-    k = tl.load(k_ptr + c_off[:, None] + d[None, :], mask=n_mask[:, None], other=0.0).to(dot_ty)
-    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    k = tl.load(k_ptr + c_off[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
+    if E4M3_SW:
+        k = e4m3_value(k)
+    s = tl.dot(q, tl.trans(k.to(dot_ty)), input_precision="ieee")
     if QUANT:
         s_off = blk * stride_sb + off * stride_st + kvh * stride_sh
         k_sc = tl.load(ks_ptr + s_off, mask=n_mask, other=0.0)
@@ -44,9 +65,14 @@ def attend_tile(
     alpha = tl.exp(m_i - m_new)
     p = tl.where(visible, tl.exp(s - m_new[:, None]), 0.0)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(v_ptr + c_off[:, None] + d[None, :], mask=n_mask[:, None], other=0.0).to(dot_ty)
+    v = tl.load(v_ptr + c_off[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
+    if E4M3_SW:
+        v = e4m3_value(v)
     if QUANT:
         v_sc = tl.load(vs_ptr + s_off, mask=n_mask, other=0.0)
-        p = p * v_sc[None, :]
-    acc = acc * alpha[:, None] + tl.dot(p.to(dot_ty), v, input_precision="ieee")
+        if dot_ty == tl.float16:  # p · (code × scale): p × v_scale would underflow float16
+            v = v.to(tl.float32) * v_sc[:, None]
+        else:  # float32 / bfloat16 range: (p × v_scale) · code, fewer registers than a float32 V tile
+            p = p * v_sc[None, :]
+    acc = acc * alpha[:, None] + tl.dot(p.to(dot_ty), v.to(dot_ty), input_precision="ieee")
     return m_new, l_i, acc

@@ -8,7 +8,6 @@ window × path × splits, ≤ 4 sequences, context ≤ 300; the full matrix is t
 
 import itertools
 import os
-import random
 import subprocess
 import sys
 import textwrap
@@ -19,6 +18,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+from covering import pairwise  # noqa: E402
 from llmd.kernels import AttentionMetadata, ops, reference  # noqa: E402
 from llmd.quant.kv import PagedKVCache, get_format  # noqa: E402
 
@@ -35,24 +35,6 @@ PARAMS = {
     "path": ["decode", "prefill"],
     "splits": [None, 4],
 }
-
-
-def pairwise(params: dict, seed: int = 0, tries: int = 60) -> list[dict]:
-    """Greedy all-pairs covering set: each row is the best of ``tries`` random candidates."""
-    names = list(params)
-    todo = {((a, x), (b, y)) for a, b in itertools.combinations(names, 2) for x in params[a] for y in params[b]}
-    rng, rows = random.Random(seed), []
-
-    def covers(row):
-        return {((a, row[a]), (b, row[b])) for a, b in itertools.combinations(names, 2)} & todo
-
-    while todo:
-        (a, x), (b, y) = min(todo, key=repr)
-        cands = [{n: rng.choice(params[n]) for n in names} | {a: x, b: y} for _ in range(tries)]
-        best = max(cands, key=lambda r: len(covers(r)))
-        todo -= covers(best)
-        rows.append(best)
-    return rows
 
 
 SHAPES = pairwise(PARAMS)
@@ -113,8 +95,8 @@ def test_kernels_vs_float64_references(case):
     dmeta = to_dev(meta)
     reference.store_kv(k, v, ref_cache, meta.slot_mapping)
     ops.store_kv(k.to(DEV), v.to(DEV), cache, dmeta.slot_mapping, "triton")
-    # store_kv: same codes and scales as the torch reference (bit for bit under the interpreter)
-    assert torch.equal(cache.data.cpu().float(), ref_cache.data.float())
+    # store_kv: same codes and scales as the torch reference, bit for bit
+    assert torch.equal(cache.data.cpu().view(torch.uint8), ref_cache.data.view(torch.uint8))
     if fmt.quantized:
         assert torch.equal(cache.scales.cpu(), ref_cache.scales)
     scale, window = hd**-0.5, case["window"]
@@ -160,14 +142,15 @@ def test_static_scales_clamp_out_of_range_inputs(name):
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2"])
 def test_store_kv_rounds_ties_to_even_like_torch(name):
     """Triton store_kv and the torch reference round exact ties the same way (to even) and give
-    torch's own cast: every code and every midpoint between neighbouring codes, static scale 1."""
+    torch's own cast, byte for byte: every code and every midpoint between neighbouring codes,
+    and -0.0 (fp8 keeps its sign bit), static scale 1."""
     fmt = get_format(name)
     if fmt.is_fp8:
         codes = torch.arange(256, dtype=torch.uint8).view(fmt.dtype).float()
         codes = codes[codes.isfinite()].unique()
     else:
         codes = torch.arange(-127.0, 128.0)
-    vals = torch.cat([codes, (codes[:-1] + codes[1:]) / 2])
+    vals = torch.cat([codes, (codes[:-1] + codes[1:]) / 2, torch.tensor([-0.0])])
     vals = torch.cat([vals, torch.zeros(-len(vals) % 64)]).reshape(-1, 1, 64)  # [T, 1 head, 64]
     t = vals.shape[0]
     shape = (2, -(-t // 16) + 1, 16, 1, 64)
@@ -178,8 +161,120 @@ def test_store_kv_rounds_ties_to_even_like_torch(name):
     reference.store_kv(vals, -vals, ref, slots)
     cast = vals.to(fmt.dtype) if fmt.is_fp8 else torch.round(vals).to(torch.int8)
     got = cache.data.cpu().view(2, -1, 1, 64)[:, 16 : 16 + t]
-    assert torch.equal(got.float(), ref.data.view(2, -1, 1, 64)[:, 16 : 16 + t].float())
-    assert torch.equal(got[0].float(), cast.float()) and torch.equal(got[1].float(), -cast.float())
+    assert torch.equal(got.view(torch.uint8), ref.data.view(2, -1, 1, 64)[:, 16 : 16 + t].view(torch.uint8))
+    neg = (-vals).to(fmt.dtype) if fmt.is_fp8 else -cast
+    assert torch.equal(got[0].view(torch.uint8), cast.view(torch.uint8))
+    assert torch.equal(got[1].view(torch.uint8), neg.view(torch.uint8))
+
+
+def test_e4m3_software_codec_before_sm89():
+    """Before sm_89 Triton has no e4m3 type: with capability 80 forced, store_kv writes e4m3 as
+    uint8 bits computed in integer arithmetic and the attention kernels decode them the same way.
+    Every finite code and every midpoint (ties to even) and random rows give torch's own
+    float8_e4m3fn bytes (-0.0 included); decode and prefill read them back like the native path."""
+    from llmd.kernels.decode_attention import paged_decode_attention
+    from llmd.kernels.kv_store import store_kv
+    from llmd.kernels.prefill_attention import paged_prefill_attention
+
+    fmt = get_format("fp8_e4m3")
+    codes = torch.arange(256, dtype=torch.uint8).view(fmt.dtype).float()
+    codes = codes[codes.isfinite()].unique()
+    vals = torch.cat([codes, (codes[:-1] + codes[1:]) / 2, torch.tensor([-0.0])])
+    vals = torch.cat([vals, torch.zeros(-len(vals) % 64)]).reshape(-1, 1, 64)
+    t = vals.shape[0]
+    cache = PagedKVCache.allocate((2, -(-t // 16) + 1, 16, 1, 64), fmt, torch.float32, DEV, static_scales=(1.0, 1.0))
+    store_kv(vals.to(DEV), (-vals).to(DEV), cache, torch.arange(16, 16 + t, device=DEV), capability=80)
+    got = cache.data.cpu().view(2, -1, 1, 64)[:, 16 : 16 + t]
+    assert torch.equal(got[0].view(torch.uint8), vals.to(fmt.dtype).view(torch.uint8))
+    assert torch.equal(got[1].view(torch.uint8), (-vals).to(fmt.dtype).view(torch.uint8))
+
+    case = {"block_size": 16, "head_dim": 64, "group": 3, "mags": (1.0, 1.0), "path": "prefill"}
+    meta, q, k, v, nb = make_batch(case, seed=5)
+    shape = (2, nb, 16, 2, 64)
+    soft, native = (PagedKVCache.allocate(shape, fmt, torch.float32, DEV) for _ in range(2))
+    dmeta = to_dev(meta)
+    store_kv(k.to(DEV), v.to(DEV), soft, dmeta.slot_mapping, capability=80)
+    store_kv(k.to(DEV), v.to(DEV), native, dmeta.slot_mapping)
+    assert torch.equal(soft.data.cpu().view(torch.uint8), native.data.cpu().view(torch.uint8))
+    assert torch.equal(soft.scales.cpu(), native.scales.cpu())
+    args = (dmeta.block_tables, dmeta.query_start_loc, dmeta.seq_lens, max(meta.query_lens_cpu), 0.125, 40)
+    out = paged_prefill_attention(q.to(DEV), soft, *args, capability=80).cpu()
+    ref = paged_prefill_attention(q.to(DEV), native, *args).cpu()
+    assert rel(out, ref) <= 1e-6
+    qd = q[: len(meta.seq_lens_cpu)].to(DEV)  # one query row per sequence: a decode batch
+    dec = [paged_decode_attention(qd, c, dmeta.block_tables, dmeta.seq_lens, max(meta.seq_lens_cpu), 0.125,
+                                  num_splits=3, capability=cap).cpu() for c, cap in ((soft, 80), (native, None))]
+    assert rel(dec[0], dec[1]) <= 1e-6
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
+def test_float16_model_small_v_scales_do_not_underflow(name):
+    """A float16 model whose V values are ~1e-3: scales ~1e-5 put p × v_scale among float16's
+    subnormals; the kernels dequantize V (code × scale, float32) before the float16 dot instead.
+    Measured vs the float64 reference of the same bytes: 3.1e-4 (p × v_scale in float16 gave
+    2.6e-3 int8, 9.3e-3 e4m3)."""
+    fmt = get_format(name)
+    case = {"block_size": 16, "head_dim": 64, "group": 4, "mags": (0.5, 1e-3), "path": "prefill"}
+    meta, q, k, v, nb = make_batch(case, seed=7)
+    q, k, v = q.half(), k.half(), v.half()
+    cache = PagedKVCache.allocate((2, nb, 16, 2, 64), fmt, torch.float16, DEV)
+    dmeta = to_dev(meta)
+    ops.store_kv(k.to(DEV), v.to(DEV), cache, dmeta.slot_mapping, "triton")
+    ref_cache = PagedKVCache(cache.data.cpu(), cache.scales.cpu(), fmt)
+    for decode in (False, True):
+        if decode:
+            from llmd.kernels.decode_attention import paged_decode_attention
+
+            qq, m = q[: len(meta.seq_lens_cpu)], AttentionMetadata(
+                meta.slot_mapping, meta.block_tables, torch.arange(len(meta.seq_lens_cpu) + 1, dtype=torch.int32),
+                meta.seq_lens, [1] * len(meta.seq_lens_cpu), meta.seq_lens_cpu, 16, "triton")
+            out = paged_decode_attention(qq.to(DEV), cache, dmeta.block_tables, dmeta.seq_lens, max(meta.seq_lens_cpu),
+                                         0.125, num_splits=2).cpu()
+        else:
+            qq, m = q, meta
+            out = ops.paged_attention(q.to(DEV), cache, dmeta, 0.125).cpu()
+        ref = reference.paged_attention(qq.double(), ref_cache, m, 0.125, compute_dtype=torch.float64)
+        assert torch.isfinite(out).all() and rel(out, ref) <= 1e-3, (decode, rel(out, ref))
+
+
+def test_split_merge_guards_empty_splits():
+    """A row with no token at all (seq_len 0, as padded rows will be) merges to 0, not 0/0; splits
+    a window leaves empty weigh nothing."""
+    from llmd.kernels.decode_attention import paged_decode_attention
+
+    fmt = get_format("int8")
+    cache = PagedKVCache.allocate((2, 24, 16, 1, 64), fmt, torch.float32, DEV)
+    g = torch.Generator().manual_seed(11)
+    k, v = torch.randn(300, 1, 64, generator=g), torch.randn(300, 1, 64, generator=g)
+    table = torch.zeros(2, 20, dtype=torch.int32)
+    table[1] = torch.arange(1, 21)
+    ops.store_kv(k.to(DEV), v.to(DEV), cache, (torch.arange(300) + 16).to(DEV), "triton")
+    q = torch.randn(2, 4, 64, generator=g)
+    seq_lens = torch.tensor([0, 300], dtype=torch.int32)
+    meta = AttentionMetadata(torch.zeros(2, dtype=torch.long), table, torch.arange(3, dtype=torch.int32), seq_lens,
+                             [1, 1], [0, 300], 16, "triton")
+    for splits in (1, 5):
+        out = paged_decode_attention(q.to(DEV), cache, table.to(DEV), seq_lens.to(DEV), 300, 0.125, 40,
+                                     num_splits=splits).cpu()
+        assert torch.isfinite(out).all() and torch.equal(out[0], torch.zeros(4, 64))
+        kv = reference.gather_kv(cache, table[1].to(DEV), 300, torch.float64)
+        ref = reference.attention_one_seq(q[1:].double(), *kv, 0.125, 40, compute_dtype=torch.float64)
+        assert rel(out[1:], ref.cpu()) <= 1e-4
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU script runs the whole check on CUDA")
+def test_gpu_kernel_check_runs_under_the_interpreter():
+    """The GPU script's correctness check (``llmd.kernels.bench.run_kernel_check``) on its float16 /
+    float32 cases here: bf16 is left to the GPU, the interpreter's bfloat16 ``tl.dot`` being wrong
+    (Triton 3.9 multiplies the raw bits: errors ~1e10 on a 16 × 16 product)."""
+    from llmd.kernels.bench import CHECK_BUDGET, _check_case, check_cases
+
+    g = torch.Generator().manual_seed(0)
+    cases = [c for c in check_cases() if c["dtype"] != "bfloat16"][:6]
+    assert {c["dtype"] for c in cases} == {"float16", "float32"}
+    for case in cases:
+        err, exact = _check_case(case, g, DEV)
+        assert exact and err <= CHECK_BUDGET[case["dtype"]], (case, err, exact)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="conftest engines run on CPU (interpreter only)")
