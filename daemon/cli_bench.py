@@ -50,3 +50,41 @@ def register(bench, engine_options, one_line_errors, build_engine) -> None:
 
         engine = build_engine(**engine_kw)
         run_chunked_prefill_bench(engine, num_decoders, decode_tokens, long_prompt, period, echo=click.echo)
+
+    def int_list(ctx, param, value):
+        try:
+            out = [int(x) for x in value.split(",") if x.strip()]
+        except ValueError:
+            raise click.BadParameter(f"comma-separated integers expected, got {value!r}") from None
+        if not out or min(out) < 1:
+            raise click.BadParameter(f"positive integers expected, got {value!r}")
+        return out
+
+    def name_list(ctx, param, value):
+        return [x.strip() for x in value.split(",") if x.strip()]
+
+    # bench step takes --dtype / --attention-backend as lists, sizes the KV pool itself and
+    # bypasses the scheduler, so those engine options are left off (the rest apply as usual)
+    not_for_step = {"dtype", "attention_backend", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
+                    "max_model_len", "enable_prefix_caching", "prefix_cache_seed", "max_prefill_chunk", "max_num_waiting"}
+
+    def step_engine_options(fn):
+        fn = engine_options(fn)
+        fn.__click_params__ = [p for p in fn.__click_params__ if p.name not in not_for_step]
+        return fn
+
+    @bench.command("step")
+    @click.option("--batch", default="1,8,32,64", show_default=True, callback=int_list, help="Batch sizes (decoding sequences), comma-separated.")
+    @click.option("--context", default="256,1024", show_default=True, callback=int_list, help="Tokens cached per sequence, comma-separated.")
+    @click.option("--dtype", "dtypes", default="float32,bfloat16", show_default=True, callback=name_list, help="Model dtypes, comma-separated (weights loaded once each).")
+    @click.option("--attention-backend", "backends", default="torch,cpu", show_default=True, callback=name_list, help="Attention backends, comma-separated (torch = the reference).")
+    @click.option("--reps", default=5, show_default=True, type=click.IntRange(min=1), help="Timed repetitions per component (median; after one warm-up).")
+    @click.option("--bandwidth-mib", default=512, show_default=True, type=click.IntRange(min=1), help="Tensor size of the read-bandwidth measurement (MiB).")
+    @step_engine_options
+    @one_line_errors
+    def bench_step(batch, context, dtypes, backends, reps, bandwidth_mib, **engine_kw):
+        """Per-step time of decode steps split into preparation, linears, lm_head, attention and
+        sampling, beside the linears-only and KV-read floors (the KV pool is sized to fit)."""
+        from llmd.daemon.bench_step import run_step_bench
+
+        run_step_bench(engine_kw, dtypes, backends, batch, context, reps, bandwidth_mib, echo=click.echo)

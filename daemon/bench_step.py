@@ -1,0 +1,300 @@
+"""``llmd bench step``: where one decode step's time goes, beside its two floors (issue 13).
+
+Every sequence of the batch has ``context`` tokens cached and decodes one token. The step is
+timed whole (``ModelRunner.execute``: preparation, forward, LM head, sampling) and by
+component, each called alone on the same step, so no profiler overhead enters:
+
+- ``prep``: ``runner.prepare_inputs`` (ids, positions, slot mapping, block tables);
+- ``linears``: a matmul-only replay of every 2-D weight of every layer (whatever the layers
+  hold: separate or fused Q/K/V and gate/up) on ``[batch, in_features]`` random activations.
+  This is also the first floor: the projections at this batch with nothing else around them;
+- ``lm_head``: ``model.compute_logits`` on ``[batch, hidden]`` (tied embedding or own head);
+- ``attention``: ``kernels.store_kv`` + ``kernels.paged_attention`` for every layer, with the
+  step's real metadata (rebuilt by ``prepare_inputs`` before each repetition, untimed, so
+  anything a backend builds once per step is counted) and random q/k/v of the model's shapes;
+- ``rest``: the forward (``model(...)``) minus linears and attention: embedding, norms, RoPE,
+  activations, residuals, and whatever the real projections cost beyond the replay;
+- ``sample``: ``runner.sampler`` on the step's logits (greedy).
+
+The second floor is the KV-read floor: the K/V bytes the step must read (every layer's
+``context + 1`` tokens, or its sliding window, of every sequence; scales included for int8/fp8
+caches) ÷ this machine's read bandwidth, measured in the same run as the best of several
+``x.sum()`` over a large float32 tensor.
+
+The KV state is built without the scheduler or the KV manager (their state is untouched): each
+sequence gets distinct block ids drawn without replacement from a seeded shuffle of the pool
+(block 0, the null block, excluded), as a pool after some churn; the cache is filled with
+uniform random values so every read touches real memory (never the kernel's zero page).
+Weights are loaded once per dtype; one engine per (dtype, backend) holds a pool sized for the
+largest batch × context. Times are medians of ``reps`` repetitions after one warm-up, in
+seconds internally and printed in milliseconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from llmd import kernels
+from llmd.daemon.bench_step_report import format_table
+from llmd.daemon.config import EngineConfig
+from llmd.daemon.request import Request, SamplingParams
+from llmd.daemon.scheduler import ScheduledRequest, SchedulerOutput
+from llmd.models.errors import LlmdError
+
+
+
+@dataclass
+class StepTimes:
+    """One (dtype, backend, batch, context) row. Times in seconds (medians); ``kv_bytes`` in
+    bytes; ``cpu_other``: fraction of all cores busy with other processes while it ran."""
+
+    dtype: str
+    backend: str
+    batch: int
+    context: int
+    prep: float
+    linears: float
+    lm_head: float
+    attention: float
+    forward: float
+    sample: float
+    step: float
+    kv_bytes: int
+    kv_floor: float
+    cpu_other: float
+
+    @property
+    def rest(self) -> float:
+        return self.forward - self.linears - self.attention
+
+    @property
+    def floor(self) -> float:
+        """linears + lm_head + KV-read floor (seconds)."""
+        return self.linears + self.lm_head + self.kv_floor
+
+
+class CpuOther:
+    """Share of all cores used by *other* processes between start and :meth:`frac` (Linux
+    ``/proc/stat`` busy ticks minus this process's ``os.times``); NaN where /proc is absent."""
+
+    def __init__(self):
+        self.t0, self.busy0, self.own0 = time.monotonic(), self._busy(), self._own()
+
+    @staticmethod
+    def _busy() -> float:
+        try:
+            with open("/proc/stat") as f:
+                v = [int(x) for x in f.readline().split()[1:9]]
+        except OSError:
+            return float("nan")
+        return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # seconds busy, all cores
+
+    @staticmethod
+    def _own() -> float:
+        t = os.times()
+        return t.user + t.system
+
+    def frac(self) -> float:
+        wall = max(1e-9, time.monotonic() - self.t0)
+        other = (self._busy() - self.busy0) - (self._own() - self.own0)
+        return max(0.0, other / (wall * (os.cpu_count() or 1)))
+
+
+def read_bandwidth(device: torch.device, mib: int = 512, tries: int = 5) -> float:
+    """Best of ``tries`` ``x.sum()`` over a ``mib``-MiB float32 tensor (filled first); bytes/s."""
+    x = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device=device)
+    x.sum()
+    best = min(timed(lambda: x.sum(), device) for _ in range(tries))
+    return x.numel() * 4 / best
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds one call of ``fn`` takes (synchronizing CUDA around it)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
+
+
+def median_time(fn: Callable, reps: int, device: torch.device, setup: Callable | None = None) -> float:
+    """Median seconds of ``reps`` calls after one warm-up; ``setup()`` (untimed) feeds ``fn``."""
+    ts = []
+    for _ in range(reps + 1):
+        arg = setup() if setup else None
+        ts.append(timed((lambda: fn(arg)) if setup else fn, device))
+    return statistics.median(ts[1:])
+
+
+def first_kept(group, context: int, block_size: int) -> int:
+    """Index of the first block a decoding sequence at position ``context`` still holds in
+    ``group`` (0 for full attention; a sliding window frees the blocks it no longer sees)."""
+    return 0 if group.sliding_window is None else max(0, (context - group.sliding_window + 1) // block_size)
+
+
+def blocks_needed(groups, block_size: int, batch: int, context: int) -> int:
+    """Blocks of ``batch`` decoding sequences of ``context + 1`` tokens over all groups, + the null block."""
+    n = -(-(context + 1) // block_size)
+    return batch * sum(n - first_kept(g, context, block_size) for g in groups) + 1
+
+
+def decode_step(engine, batch: int, context: int, seed: int = 0) -> tuple[SchedulerOutput, list[Request]]:
+    """A step of ``batch`` greedy decodes with ``context`` tokens cached each, and its requests."""
+    rng = random.Random(seed)
+    pool = list(range(1, engine.num_blocks))
+    rng.shuffle(pool)
+    ids = iter(pool)
+    vocab, bs = engine.model_config.vocab_size, engine.config.block_size
+    n = -(-(context + 1) // bs)
+    sched, reqs = [], []
+    for b in range(batch):
+        tok = rng.randrange(vocab)
+        tables = [[0] * first_kept(g, context, bs) + [next(ids) for _ in range(n - first_kept(g, context, bs))]
+                  for g in engine.kv_cache_groups]
+        sched.append(ScheduledRequest(f"step-{b}", [tok], context, tables, sample=True, is_prefill=False))
+        reqs.append(Request(f"step-{b}", [tok] * context, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
+    return SchedulerOutput(scheduled=sched), reqs
+
+
+def fill_kv(runner) -> None:
+    """Uniform random K/V codes (and scales in [0.01, 0.1]) in every cache tensor."""
+    for c in runner.caches:
+        if c.data.dtype.is_floating_point and c.data.element_size() > 1:
+            c.data.uniform_(-1, 1)
+        else:  # int8 / fp8 codes, a block at a time (no full-size float32 copy)
+            for i in range(c.data.shape[1]):
+                c.data[:, i].copy_(torch.empty(c.data[:, i].shape, device=c.data.device).uniform_(-2, 2))
+        if c.scales is not None:
+            c.scales.uniform_(0.01, 0.1)
+
+
+def kv_read_bytes(engine, batch: int, context: int) -> int:
+    """K/V bytes (scales included) a decode step of ``batch`` × ``context`` must read."""
+    cfg = engine.model_config
+    per_layer_token = engine.bytes_per_token / cfg.num_layers
+    tokens = sum(min(context + 1, cfg.layer_window(i) or context + 1) for i in range(cfg.num_layers))
+    return int(batch * tokens * per_layer_token)
+
+
+def measure(engine, batch: int, context: int, reps: int, bandwidth: float) -> StepTimes:
+    """Time one decode step of ``batch`` sequences × ``context`` cached tokens, by component."""
+    runner, model, cfg = engine.runner, engine.runner.model, engine.model_config
+    dev, dtype = runner.device, next(model.parameters()).dtype
+    out, reqs = decode_step(engine, batch, context)
+    meter = CpuOther()
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device=dev, dtype=dtype)
+
+    weights = [p for layer in model.layers for p in layer.parameters() if p.dim() == 2]
+    acts = {w.shape[1]: rand(batch, w.shape[1]) for w in weights}
+    q = rand(batch, cfg.num_heads, cfg.head_dim)
+    k, v = rand(batch, cfg.num_kv_heads, cfg.head_dim), rand(batch, cfg.num_kv_heads, cfg.head_dim)
+    hidden = rand(batch, cfg.hidden_size)
+    metas = lambda: runner.prepare_inputs(out)[2]  # noqa: E731
+
+    def attention(meta):
+        for i, cache in enumerate(runner.layer_caches):
+            m = meta[i] if isinstance(meta, list) else meta
+            kernels.store_kv(k, v, cache, m.slot_mapping, m.attn_backend)
+            kernels.paged_attention(q, cache, m, cfg.softmax_scale, cfg.layer_window(i))
+
+    def forward(inputs):
+        ids, pos, meta, _ = inputs
+        model(ids, pos, runner.layer_caches, meta)
+
+    with torch.inference_mode():
+        t = dict(
+            prep=median_time(lambda: runner.prepare_inputs(out), reps, dev),
+            linears=median_time(lambda: [F.linear(acts[w.shape[1]], w) for w in weights], reps, dev),
+            lm_head=median_time(lambda: model.compute_logits(hidden), reps, dev),
+            attention=median_time(attention, reps, dev, setup=metas),
+            forward=median_time(forward, reps, dev, setup=lambda: runner.prepare_inputs(out)),
+        )
+        logits = runner.compute_logits(out)
+        t["sample"] = median_time(lambda: runner.sampler(logits, reqs), reps, dev)
+        t["step"] = median_time(lambda: runner.execute(out, reqs), reps, dev)
+    nbytes = kv_read_bytes(engine, batch, context)
+    return StepTimes(engine.config.dtype, engine.config.attention_backend, batch, context, **t,
+                     kv_bytes=nbytes, kv_floor=nbytes / bandwidth, cpu_other=meter.frac())
+
+
+def engine_for(model, config: EngineConfig, batch: int, context: int):
+    """An engine over the loaded ``model`` whose pool holds ``batch`` × (``context`` + 1) tokens
+    (``config.kv_cache_memory`` is replaced; ``max_num_seqs`` and the token budget are raised
+    to ``batch``), its cache filled with random K/V."""
+    from llmd.daemon.engine import Engine
+    from llmd.daemon.kv import make_kv_cache_groups
+    from llmd.daemon.kv_size import kv_block_bytes
+    from llmd.quant.kv import get_format
+
+    cfg, dtype = model.config, next(model.parameters()).dtype
+    groups = make_kv_cache_groups(cfg.sliding_window or (None,) * cfg.num_layers, hybrid=not config.disable_hybrid_kv_cache_manager)
+    fmt = get_format(config.kv_cache_dtype)
+    block_bytes = kv_block_bytes(cfg, groups, config.block_size, fmt.bytes_per_element(dtype), fmt.scale_bytes)
+    memory = (blocks_needed(groups, config.block_size, batch, context) + 1) * block_bytes
+    sized = dataclasses.replace(config, kv_cache_memory=memory, max_num_seqs=max(batch, config.max_num_seqs),
+                                max_num_batched_tokens=max(batch, config.max_num_batched_tokens))  # the runner's buffers fit
+    engine = Engine(model, None, sized)  # no tokenizer: no requests are added
+    fill_kv(engine.runner)
+    return engine
+
+
+def run_step_bench(engine_kw: dict, dtypes: list[str], backends: list[str], batches: list[int], contexts: list[int],
+                   reps: int = 5, bandwidth_mib: int = 512, echo: Callable[[str], None] = print) -> list[StepTimes]:
+    """Load the model once per dtype, measure every (backend, batch, context), print the table.
+
+    ``engine_kw``: :class:`EngineConfig` fields (model, device, block size, KV cache dtype, ...);
+    its ``dtype`` / ``attention_backend`` / ``kv_cache_memory`` are set here. A backend the
+    engine rejects is reported and skipped. Returns the rows measured.
+    """
+    from llmd.models.gguf_loader import load_config, load_model
+    from llmd.models.registry import resolve_model
+
+    base = EngineConfig(**{**engine_kw, "dtype": None, "attention_backend": None, "kv_cache_memory": None}).resolve()
+    if hasattr(base, "apply_threads"):
+        base.apply_threads()  # --threads, before the bandwidth probe (each engine applies it again)
+    dev = torch.device(base.device)
+    path = resolve_model(base.model)
+    model_cfg = load_config(path)
+    if max(contexts) + 1 > min(base.max_model_len or model_cfg.max_position, model_cfg.max_position):
+        raise LlmdError(f"--context {max(contexts)} + 1 decoded token exceeds the model's context of {model_cfg.max_position} tokens")
+    bandwidth = read_bandwidth(dev, bandwidth_mib)
+    load = open("/proc/loadavg").read().strip() if os.path.exists("/proc/loadavg") else "n/a"
+    echo(f"llmd bench step: {os.path.basename(path)} on {dev}, {torch.get_num_threads()} threads; decode steps "
+         f"(every sequence has `context` tokens cached, decodes 1); block size {base.block_size}, KV cache "
+         f"{base.kv_cache_dtype}; read bandwidth {bandwidth / 1e9:.1f} GB/s (best x.sum() of {bandwidth_mib} MiB); "
+         f"median of {reps} reps; loadavg {load}")
+    rows: list[StepTimes] = []
+    for dname in dtypes:
+        cfg = EngineConfig(**{**engine_kw, "dtype": dname, "attention_backend": None, "kv_cache_memory": None}).resolve()
+        model, _ = load_model(path, cfg.torch_dtype, cfg.device)
+        for be in backends:
+            try:
+                bcfg = EngineConfig(**{**engine_kw, "dtype": cfg.dtype, "attention_backend": be, "kv_cache_memory": None}).resolve()
+            except LlmdError as e:
+                echo(f"{cfg.dtype} {be}: skipped ({e})")
+                continue
+            engine = engine_for(model, bcfg, max(batches), max(contexts))
+            for b in batches:
+                for c in contexts:
+                    rows.append(measure(engine, b, c, reps, bandwidth))
+            del engine
+            gc.collect()
+        del model
+        gc.collect()
+    for line in format_table(rows):
+        echo(line)
+    return rows

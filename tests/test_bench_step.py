@@ -1,0 +1,39 @@
+"""``llmd bench step`` on a tiny random GGUF (batch 2, context 32, one repetition): the table has
+a row per (backend, batch, context), every component time is positive, and the parts do not
+exceed the whole step grossly."""
+
+import torch
+from click.testing import CliRunner
+from tiny_gguf import write_tiny_llama
+
+from llmd.daemon.cli import main
+
+COLS = ["prep", "linears", "lm_head", "attn", "rest", "sample", "step", "KV_MB", "KV_flr", "attn/KV", "step/flr"]
+
+
+def test_bench_step_tiny(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256)
+    threads = torch.get_num_threads()
+    try:
+        res = CliRunner().invoke(main, ["bench", "step", "--model", str(path), "--batch", "2", "--context", "32",
+                                        "--reps", "1", "--dtype", "float32", "--attention-backend", "torch,cpu",
+                                        "--bandwidth-mib", "16"], env={"OMP_NUM_THREADS": "1"})
+    finally:
+        torch.set_num_threads(threads)
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert lines[0].startswith("llmd bench step: tiny.gguf on cpu, 1 threads")
+    head = next(i for i, ln in enumerate(lines) if ln.startswith("dtype"))
+    assert lines[head].split()[4:15] == COLS
+    rows = {tuple(ln.split()[:4]): ln.split() for ln in lines[head + 1 : head + 3]}
+    assert set(rows) == {("float32", "torch", "2", "32"), ("float32", "cpu", "2", "32")}
+    for key, f in rows.items():
+        t = dict(zip(COLS, map(float, f[4:15])))
+        assert all(t[c] > 0 for c in ("prep", "linears", "lm_head", "attn", "sample", "step", "KV_MB", "KV_flr")), key
+        assert abs(t["KV_MB"] - 2 * 33 * 2 * 2 * 2 * 16 * 4 / 1e6) < 1e-4  # batch x tokens x layers x K,V x heads x dim x bytes
+        parts = t["prep"] + t["linears"] + t["lm_head"] + t["attn"] + t["sample"]
+        assert parts <= 2 * t["step"] + 20, (key, t)  # ms; the slack absorbs a preempted single repetition
+    assert rows[("float32", "cpu", "2", "32")][15] != "-"  # fast / reference ratio printed
+    assert lines[head + 3].startswith("targets (issue 13) at batch 32, context 512")
+    assert "no row at batch 32, context 512" in lines[head + 4]
