@@ -32,7 +32,7 @@ probabilities cast back to bfloat16 for ``probs @ V``, as HF transformers' eager
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -64,11 +64,24 @@ class StepPlan:
             or None when the step has none.
         decode: the :class:`_Gather` of the decodes (``Q = 1``), or None.
         prefills: ``(token_start, query_len, gather)`` per prefill chunk, ``gather`` with ``N = 1``.
+        workspace: output buffers of the gathers, matmuls and softmax, keyed by (role, shape,
+            dtype), reused by every layer of the group in this step. Fresh multi-MB tensors per
+            layer cost more in first-touch page faults than the gathers themselves (measured
+            here: 1.0-1.5 ms vs 0.3 ms for a 6 MiB bfloat16 K gather).
     """
 
     decode_idx: torch.Tensor | None
     decode: _Gather | None
     prefills: list[tuple[int, int, _Gather]]
+    workspace: dict = field(default_factory=dict, repr=False)
+
+    def buffer(self, role: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor of ``shape``/``dtype`` for ``role``, the same one every layer."""
+        key = (role, shape, dtype)
+        buf = self.workspace.get(key)
+        if buf is None:
+            buf = self.workspace[key] = torch.empty(shape, dtype=dtype)
+        return buf
 
 
 def _key_rows(block_tables: torch.Tensor, first_pos: torch.Tensor, length: int, block_size: int,
@@ -131,8 +144,9 @@ def compute_dtype_for(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.bfloat16, torch.float64) else torch.float32
 
 
-def _gather_kv(cache: PagedKVCache, rows: torch.Tensor, length: int, dtype: torch.dtype):
-    """Gather K and V through the plan's rows.
+def _gather_kv(plan: StepPlan, role: str, cache: PagedKVCache, rows: torch.Tensor, length: int,
+               dtype: torch.dtype):
+    """Gather K and V through the plan's rows into the plan's workspace.
 
     Returns:
         ``(k, v, k_scales, v_scales)``: K and V ``[N * kv_heads, length, head_dim]`` in ``dtype``
@@ -144,7 +158,15 @@ def _gather_kv(cache: PagedKVCache, rows: torch.Tensor, length: int, dtype: torc
     """
     data = cache.data
     head_dim = data.shape[-1]
-    kv = [data[i].view(-1, head_dim).index_select(0, rows).view(-1, length, head_dim).to(dtype) for i in (0, 1)]
+    shape = (rows.shape[0] // length, length, head_dim)
+    kv = []
+    for i in (0, 1):
+        raw = plan.buffer(f"{role}{i}", (rows.shape[0], head_dim), data.dtype)
+        torch.index_select(data[i].view(-1, head_dim), 0, rows, out=raw)
+        if data.dtype != dtype:
+            conv = plan.buffer(f"{role}{i}c", (rows.shape[0], head_dim), dtype)
+            raw = conv.copy_(raw)
+        kv.append(raw.view(shape))
     if not cache.fmt.quantized:
         return kv[0], kv[1], None, None
     sdt = torch.float64 if dtype == torch.float64 else torch.float32
@@ -152,9 +174,9 @@ def _gather_kv(cache: PagedKVCache, rows: torch.Tensor, length: int, dtype: torc
     return kv[0], kv[1], ks, vs
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+def _attend(plan: StepPlan, role: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
             k_scales: torch.Tensor | None, v_scales: torch.Tensor | None) -> torch.Tensor:
-    """``softmax(q (k·ks)^T + bias) (v·vs)`` per (sequence, KV head).
+    """``softmax(q (k·ks)^T + bias) (v·vs)`` per (sequence, KV head), in the plan's workspace.
 
     Args:
         q: ``[N * kv_heads, group * Q, head_dim]`` scaled queries, compute dtype.
@@ -162,18 +184,25 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tenso
         bias: ``[N, 1, Q, L]`` float32 (broadcast over KV heads and the group).
         k_scales, v_scales: ``[N * kv_heads, 1, L]`` float32/float64 or None.
     Returns:
-        ``[N * kv_heads, group * Q, head_dim]`` in the compute dtype.
+        ``[N * kv_heads, group * Q, head_dim]`` in the compute dtype (a workspace buffer: the
+        caller copies it out before the next layer).
     """
     n, _, qn, length = bias.shape
+    rows, gq = q.shape[0], q.shape[1]
     sdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    scores = torch.bmm(q, k.transpose(1, 2)).to(sdt)
+    scores = torch.bmm(q, k.transpose(1, 2), out=plan.buffer(role + "s", (rows, gq, length), q.dtype))
+    if scores.dtype != sdt:
+        scores = plan.buffer(role + "s32", (rows, gq, length), sdt).copy_(scores)
     if k_scales is not None:
-        scores = scores * k_scales
-    scores = scores.view(n, -1, qn, length) + bias.to(sdt)
-    probs = torch.softmax(scores, dim=-1).view(q.shape[0], -1, length)
+        scores.mul_(k_scales)
+    scores4 = scores.view(n, -1, qn, length)
+    scores4.add_(bias if bias.dtype == sdt else bias.to(sdt))
+    probs = torch.softmax(scores4, dim=-1, out=plan.buffer(role + "p", scores4.shape, sdt)).view(rows, gq, length)
     if v_scales is not None:
-        probs = probs * v_scales
-    return torch.bmm(probs.to(v.dtype), v)
+        probs.mul_(v_scales)
+    if probs.dtype != v.dtype:
+        probs = plan.buffer(role + "p16", (rows, gq, length), v.dtype).copy_(probs)
+    return torch.bmm(probs, v, out=plan.buffer(role + "o", (rows, gq, v.shape[-1]), v.dtype))
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, meta: AttentionMetadata,
@@ -200,13 +229,13 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, 
     out = torch.empty(t, num_heads, head_dim, dtype=cdt)
     if plan.decode is not None:
         nd = plan.decode_idx.shape[0]
-        k, v, ks, vs = _gather_kv(cache, plan.decode.rows, plan.decode.bias.shape[-1], cdt)
+        k, v, ks, vs = _gather_kv(plan, "d", cache, plan.decode.rows, plan.decode.bias.shape[-1], cdt)
         qd = qs.index_select(0, plan.decode_idx).view(nd * kv_heads, group, head_dim)
-        o = _attend(qd, k, v, plan.decode.bias, ks, vs).view(nd, num_heads, head_dim)
+        o = _attend(plan, "d", qd, k, v, plan.decode.bias, ks, vs).view(nd, num_heads, head_dim)
         out.index_copy_(0, plan.decode_idx, o)
     for start, q_len, g in plan.prefills:
-        k, v, ks, vs = _gather_kv(cache, g.rows, g.bias.shape[-1], cdt)
+        k, v, ks, vs = _gather_kv(plan, "p", cache, g.rows, g.bias.shape[-1], cdt)
         qp = qs[start : start + q_len].view(q_len, kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        o = _attend(qp.reshape(kv_heads, group * q_len, head_dim), k, v, g.bias, ks, vs)
+        o = _attend(plan, "p", qp.reshape(kv_heads, group * q_len, head_dim), k, v, g.bias, ks, vs)
         out[start : start + q_len] = o.view(kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
     return out.to(query.dtype)
