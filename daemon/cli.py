@@ -61,7 +61,8 @@ def engine_options(fn):
     """Options shared by every command that builds an engine."""
     opts = [
         model_option,
-        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16", "float64"]), default=None, help="Weights/activations dtype (default: float32 on CPU, bfloat16 on CUDA; float64: CPU reference runs)."),
+        click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16", "float64"]), default="auto", show_default=True, help="Weights/activations dtype; auto = bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16/AMX), else float32; float64: CPU reference runs."),
+        click.option("--threads", default=None, type=int, help="torch CPU threads (default: $OMP_NUM_THREADS if set, else the cores this process may use; two processes sharing the cores: split them, e.g. --threads 1 each on 2 cores)."),
         click.option("--device", default=None, help="cpu or cuda (default: cuda if available)."),
         click.option("--block-size", default=16, show_default=True, type=int, help="Tokens per KV block."),
         click.option("--kv-cache-memory", default=None, callback=parse_bytes_option, help="KV cache size, e.g. 512MiB (default: 512MiB on CPU, 80% of free memory on CUDA)."),
@@ -70,7 +71,7 @@ def engine_options(fn):
         click.option("--max-model-len", default=None, type=int, help="Context cap in tokens (default: the model's)."),
         click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8_e4m3", "fp8_e5m2", "int8"]), default="auto", show_default=True, help="KV cache storage: auto = model dtype; 8-bit formats keep float32 scales per (token, KV head)."),
         click.option("--kv-scales", default=None, callback=parse_kv_scales_option, help="Static per-tensor KV scales k,v (vLLM convention: stored = x / scale); default: dynamic."),
-        click.option("--attention-backend", type=click.Choice(["torch", "triton"]), default=None, help="Attention ops (default: triton on CUDA, torch on CPU)."),
+        click.option("--attention-backend", type=click.Choice(["cpu", "torch", "triton"]), default=None, help="Attention ops: cpu (fast batched CPU path), torch (the pure-torch reference), triton (default: triton on CUDA, cpu on CPU; torch with --dtype float64)."),
         click.option("--disable-hybrid-kv-cache-manager", is_flag=True, default=False, help="Keep every block of sliding-window layers (one full-attention KV cache group), as vLLM's flag."),
         click.option("--enable-prefix-caching/--no-prefix-caching", default=True, show_default=True, help="Reuse the KV of cached full blocks across requests (block-chain hashes)."),
         click.option("--prefix-cache-seed", default=None, type=int, help="Seed of the block-hash chain root (default: random per daemon; for tests)."),
@@ -86,10 +87,12 @@ def build_engine(**kw):
     from llmd.daemon.config import EngineConfig
     from llmd.daemon.engine import Engine
 
-    click.echo(f"llmd: loading {kw['model']} ...", err=True)
+    config = EngineConfig(**kw).resolve()  # bad settings fail before the weights load
+    click.echo(f"llmd: loading {kw['model']} ({config.dtype}, {config.threads} thread{'' if config.threads == 1 else 's'}) ...", err=True)
     t0 = time.monotonic()
-    engine = Engine.from_config(EngineConfig(**kw))
-    click.echo(f"llmd: loaded {engine.model_config.name} in {time.monotonic() - t0:.1f} s; {engine.capacity_summary()}", err=True)
+    engine = Engine.from_config(config)
+    click.echo(f"llmd: loaded {engine.model_config.name} in {time.monotonic() - t0:.1f} s; {engine.runtime_summary()}; "
+               f"{engine.capacity_summary()}", err=True)
     return engine
 
 
@@ -237,7 +240,7 @@ def bench_kv_quality(chunk, hf_reference, cached_prefix, kv_cache_dtype, **engin
         raise LlmdError(f"--cached-prefix must be >= 0 tokens, got {cached_prefix}")
     engine = build_engine(**engine_kw)
     ids = engine.tokenizer.encode(QUALITY_TEXT)
-    kw = {k: getattr(engine.config, k) for k in ("device", "dtype", "block_size", "kv_cache_memory", "attention_backend")}
+    kw = {k: getattr(engine.config, k) for k in ("device", "dtype", "block_size", "kv_cache_memory", "attention_backend", "threads")}
     t0 = time.monotonic()
     if not 0 <= cached_prefix < len(ids):
         raise LlmdError(f"--cached-prefix must be in [0, {len(ids)}) tokens, got {cached_prefix}")

@@ -9,6 +9,8 @@ import torch
 from llmd.models.errors import LlmdError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+DTYPE_CHOICES = ("auto", *DTYPES)
+ATTENTION_BACKENDS = ("cpu", "torch", "triton")
 DEFAULT_KV_CACHE_MEMORY_CPU = 512 * 1024**2  # bytes
 CUDA_KV_CACHE_FRACTION = 0.8  # of free device memory after the weights are loaded
 
@@ -19,7 +21,9 @@ class EngineConfig:
 
     Attributes:
         model: GGUF path or known model name (see ``llmd.models.registry``).
-        dtype: "float32" / "bfloat16" / "float16"; ``None`` = float32 on CPU, bfloat16 on CUDA.
+        dtype: "auto" / "float32" / "bfloat16" / "float16"; "auto" (or ``None``) = bfloat16 on
+            CUDA, and on CPU bfloat16 when the processor computes it natively (AVX512-BF16 or
+            AMX, :func:`cpu_has_native_bf16`), else float32. Resolved to the concrete name.
             "float64" (CPU, torch backend only) is for reference runs such as the
             ``llmd bench kv-quality --dtype float64`` comparison with HF transformers.
         device: "cpu" / "cuda"; ``None`` picks CUDA when available.
@@ -32,8 +36,10 @@ class EngineConfig:
         max_model_len: context cap (prompt + output tokens); ``None`` = the model's trained length.
         kv_cache_dtype: "auto" (model dtype), "int8", "fp8_e4m3", "fp8_e5m2" (``llmd.quant.kv``).
         kv_scales: static (k_scale, v_scale) per-tensor KV scales; ``None`` = dynamic scales.
-        attention_backend: "torch" / "triton"; ``None`` = triton on CUDA, torch on CPU (triton
-            on CPU needs ``TRITON_INTERPRET=1``: the interpreter, for tests).
+        attention_backend: "cpu" (the fast batched CPU path) / "torch" (``kernels/reference.py``,
+            the pure-torch oracle) / "triton"; ``None`` = triton on CUDA, cpu on CPU (torch with
+            ``dtype="float64"``). Triton on CPU needs ``TRITON_INTERPRET=1`` (the interpreter,
+            for tests).
         disable_hybrid_kv_cache_manager: put every layer in one full-attention KV cache group,
             so sliding-window layers keep every block (vLLM's flag of the same name; for
             comparisons). Default False: sliding-window layers free out-of-window blocks.
@@ -43,6 +49,9 @@ class EngineConfig:
         max_prefill_chunk: prefill tokens of one request per step (tokens); ``None`` = the
             token budget (256 on CPU; on CUDA the 4,096 budget, vLLM's range being 2,048-8,192).
         max_num_waiting: waiting requests at most before new ones get HTTP 429 (default 1,024).
+        threads: torch intra-op threads, set once when the engine is built
+            (``torch.set_num_threads``); ``None`` = ``$OMP_NUM_THREADS`` if set, else the cores
+            this process may use (``len(os.sched_getaffinity(0))``).
     """
 
     model: str = "smollm2-135m"
@@ -61,6 +70,7 @@ class EngineConfig:
     prefix_cache_seed: int | None = None
     max_prefill_chunk: int | None = None
     max_num_waiting: int = 1024
+    threads: int | None = None
 
     def resolve(self) -> "EngineConfig":
         """Fill device-dependent defaults and validate. Raises LlmdError naming the bad setting."""
@@ -71,10 +81,15 @@ class EngineConfig:
         on_cuda = self.device.startswith("cuda")
         if on_cuda and not torch.cuda.is_available():
             raise LlmdError("--device cuda requested but no CUDA device is available")
-        if self.dtype is None:
-            self.dtype = "bfloat16" if on_cuda else "float32"
+        if self.dtype is None or self.dtype == "auto":
+            self.dtype = "bfloat16" if on_cuda or cpu_has_native_bf16() else "float32"
+            self.dtype_auto = True  # not a dataclass field (asdict/replace round-trips stay valid)
         if self.dtype not in DTYPES:
-            raise LlmdError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+            raise LlmdError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        if self.threads is None:
+            self.threads = default_threads()
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
+            raise LlmdError(f"--threads must be an integer >= 1, got {self.threads!r}")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 4096 if on_cuda else 256
         if self.max_prefill_chunk is None:
@@ -105,16 +120,56 @@ class EngineConfig:
             if len(self.kv_scales) != 2 or not all(s > 0 and s != float("inf") for s in self.kv_scales):
                 raise LlmdError(f"--kv-scales must be two positive finite numbers k,v; got {self.kv_scales}")
             self.kv_scales = (float(self.kv_scales[0]), float(self.kv_scales[1]))
-        if self.attention_backend is None:
-            self.attention_backend = "triton" if on_cuda else "torch"
-        if self.attention_backend not in ("torch", "triton"):
-            raise LlmdError(f"--attention-backend must be torch or triton, got {self.attention_backend!r}")
+        if self.attention_backend is None:  # float64 runs are reference runs: the oracle
+            self.attention_backend = "triton" if on_cuda else ("torch" if self.dtype == "float64" else "cpu")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise LlmdError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                            f"got {self.attention_backend!r}")
         if self.attention_backend == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise LlmdError("--attention-backend triton on CPU needs TRITON_INTERPRET=1 (the Triton interpreter, slow)")
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype or "float32"]
+        """The resolved dtype (call :meth:`resolve` first: "auto" / ``None`` read as float32)."""
+        return DTYPES.get(self.dtype or "float32", torch.float32)
+
+    def apply_threads(self) -> None:
+        """Set torch's intra-op threads to :attr:`threads` (resolved), and its inter-op pool
+        to the same when that pool has not started yet (torch allows it once per process)."""
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+        if torch.get_num_interop_threads() > self.threads:
+            try:
+                torch.set_num_interop_threads(self.threads)
+            except RuntimeError:  # already set, or inter-op work already started: leave it
+                pass
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX tiles), so oneDNN's
+    bfloat16 matmuls beat float32. Not ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``: that
+    is true on any AVX512BW CPU, where bfloat16 is emulated and slower."""
+    probes = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
+    for probe in probes:
+        try:
+            if probe is not None and probe():
+                return True
+        except Exception:  # a torch build without the probe's backend
+            continue
+    return False
+
+
+def default_threads() -> int:
+    """``$OMP_NUM_THREADS`` when it is a positive integer, else the cores this process may run on."""
+    import os
+
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) >= 1:
+        return int(env)
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no sched_getaffinity (macOS)
+        return max(1, os.cpu_count() or 1)
 
 
 def parse_kv_scales(text: str) -> tuple[float, float]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmd.daemon.config import CUDA_KV_CACHE_FRACTION, DEFAULT_KV_CACHE_MEMORY_CPU, EngineConfig
+from llmd.daemon.config import CUDA_KV_CACHE_FRACTION, DEFAULT_KV_CACHE_MEMORY_CPU, DTYPES, EngineConfig
 from llmd.daemon.detokenizer import IncrementalDetokenizer
 from llmd.daemon.kv import KVCacheManager, make_kv_cache_groups
 from llmd.daemon.kv_size import group_summary, kv_block_bytes, kv_cache_bytes_per_token
@@ -77,12 +77,17 @@ class Engine:
     """
 
     def __init__(self, model, tokenizer: Tokenizer, config: EngineConfig):
+        dtype_given = config.dtype not in (None, "auto")
         self.config = config.resolve()
+        kv_dtype = next(model.parameters()).dtype
+        loaded = next((k for k, v in DTYPES.items() if v == kv_dtype), self.config.dtype)
+        if not dtype_given and loaded != self.config.dtype:  # a model loaded already: "auto" is its dtype
+            self.config.dtype, self.config.dtype_auto = loaded, False
+        self.config.apply_threads()  # torch.set_num_threads(--threads), once per engine
         self.model_config: ModelConfig = model.config
         self.tokenizer = tokenizer
         cfg = self.model_config
         self.max_model_len = min(config.max_model_len or cfg.max_position, cfg.max_position)
-        kv_dtype = next(model.parameters()).dtype
         self.bytes_per_token = kv_cache_bytes_per_token(cfg, self.config.kv_cache_dtype, kv_dtype)
         self.kv_cache_groups = make_kv_cache_groups(cfg.sliding_window or (None,) * cfg.num_layers,
                                                     hybrid=not self.config.disable_hybrid_kv_cache_manager)
@@ -109,6 +114,8 @@ class Engine:
         self.runner = ModelRunner(
             model, self.num_blocks, config.block_size, kv_dtype, self.config.device,
             self.config.kv_cache_dtype, self.config.kv_scales, self.config.attention_backend, self.kv_cache_groups,
+            max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
         )
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.last_scheduler_output: SchedulerOutput | None = None
@@ -126,6 +133,7 @@ class Engine:
         from llmd.models.tokenizer import load_tokenizer
 
         config.resolve()
+        config.apply_threads()  # the weight dequantization runs on these threads too
         path = resolve_model(config.model)
         model, cfg = load_model(path, config.torch_dtype, config.device)
         tokenizer = load_tokenizer(path, cfg, open_gguf(path).data_offset)
@@ -143,6 +151,19 @@ class Engine:
             f"({self.kv_cache_memory / 2**20:.0f} MiB); {group_summary(self.kv_cache_groups, bs)}; "
             f"{(self.num_blocks - 1) / per_seq:.2f} sequences of {self.max_model_len} tokens"
         )
+
+    def runtime_summary(self) -> str:
+        """The chosen dtype, attention backend and torch threads, e.g.
+        ``dtype bfloat16 (auto: native bf16 on this CPU), attention cpu, 2 threads``."""
+        from llmd.daemon.config import cpu_has_native_bf16
+
+        c = self.config
+        why = ""
+        if getattr(c, "dtype_auto", False):
+            on_cuda = c.device.startswith("cuda")
+            why = " (auto: CUDA)" if on_cuda else (" (auto: native bf16 on this CPU)" if cpu_has_native_bf16()
+                                                   else " (auto: no native bf16 on this CPU)")
+        return f"dtype {c.dtype}{why}, attention {c.attention_backend}, {c.threads} thread{'' if c.threads == 1 else 's'}"
 
     def _kv_dtype_label(self) -> str:
         c = self.config

@@ -168,6 +168,16 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without concatenating the whole history (a decode step
+        reads one output token)."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished

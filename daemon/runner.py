@@ -3,7 +3,8 @@
 Owns the paged KV cache tensors (one per layer, allocated once; int8/fp8 caches carry float32
 scales beside the data, see :mod:`llmd.quant.kv`) and turns each step's
 :class:`SchedulerOutput` into input ids, positions, the slot mapping and padded block tables
-(vLLM v1 ``gpu_model_runner.py`` ``_prepare_inputs``; nano-vllm ``model_runner.py``).
+(:mod:`llmd.daemon.input_batch`: vector ops into persistent buffers, vLLM v1
+``gpu_model_runner.py`` ``_prepare_inputs``; nano-vllm ``model_runner.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from llmd.daemon.input_batch import InputBatch
 from llmd.daemon.kv import KVCacheGroupSpec, layer_placement, make_kv_cache_groups
 from llmd.daemon.request import Request
 from llmd.daemon.sampler import Sampler, SamplerOutput
@@ -26,25 +28,6 @@ def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[
     return (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
 
 
-def build_metadata(out: SchedulerOutput, group: int, block_size: int, device: torch.device,
-                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor, query_lens: list[int],
-                   seq_lens_cpu: list[int], backend: str) -> AttentionMetadata:
-    """One KV cache group's :class:`AttentionMetadata`: its block tables ``[B, max_blocks]``
-    int32 (0-padded) and slot mapping ``[T]`` int64 (``block_id * block_size + offset``)."""
-    bs = block_size
-    tables_py = [s.block_tables[group] for s in out.scheduled]
-    tables = torch.zeros(len(tables_py), max(len(t) for t in tables_py), dtype=torch.int32)
-    slots: list[int] = []
-    for b, (s, table) in enumerate(zip(out.scheduled, tables_py)):
-        tables[b, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        slots.extend(table[p // bs] * bs + p % bs for p in range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens))
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device), block_tables=tables.to(device),
-        query_start_loc=query_start_loc, seq_lens=seq_lens, query_lens_cpu=query_lens, seq_lens_cpu=seq_lens_cpu,
-        block_size=bs, attn_backend=backend,
-    )
-
-
 class ModelRunner:
     """Runs the model on a scheduled batch.
 
@@ -56,8 +39,10 @@ class ModelRunner:
         device: where tensors live.
         kv_cache_dtype: "auto", "int8", "fp8_e4m3" or "fp8_e5m2".
         kv_scales: static (k_scale, v_scale) per-tensor scales, or None for dynamic scales.
-        attention_backend: "torch" or "triton" (set on every step's AttentionMetadata).
+        attention_backend: "cpu", "torch" or "triton" (set on every step's AttentionMetadata).
         kv_cache_groups: the KV cache groups (default: every layer in one full-attention group).
+        max_num_seqs, max_num_batched_tokens, max_model_len: size the persistent input buffers
+            (:class:`~llmd.daemon.input_batch.InputBatch`; they grow if a step needs more).
 
     Attributes:
         caches: the ``group_size`` physical caches; layer ``k`` of every group uses ``caches[k]``
@@ -69,12 +54,12 @@ class ModelRunner:
 
     def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device: str | torch.device,
                  kv_cache_dtype: str = "auto", kv_scales: tuple[float, float] | None = None,
-                 attention_backend: str = "torch", kv_cache_groups: list[KVCacheGroupSpec] | None = None):
+                 attention_backend: str = "torch", kv_cache_groups: list[KVCacheGroupSpec] | None = None,
+                 max_num_seqs: int = 32, max_num_batched_tokens: int = 256, max_model_len: int = 2048):
         self.model = model
         self.config: ModelConfig = model.config
         self.block_size = block_size
         self.device = torch.device(device)
-        self.attention_backend = attention_backend
         self.groups = kv_cache_groups or make_kv_cache_groups((None,) * self.config.num_layers)
         group_size, placement = layer_placement(self.groups)
         self.layer_group = [placement[i][0] for i in range(self.config.num_layers)]
@@ -85,6 +70,17 @@ class ModelRunner:
         self.kv_caches = [c.data for c in self.layer_caches]
         self.kv_scales = [c.scales for c in self.layer_caches]
         self.sampler = Sampler()
+        self.inputs = InputBatch(len(self.groups), block_size, self.device, attention_backend, max_num_seqs,
+                                 max_num_batched_tokens, -(-max_model_len // block_size))
+
+    @property
+    def attention_backend(self) -> str:
+        """The backend name every step's AttentionMetadata carries (settable)."""
+        return self.inputs.attention_backend
+
+    @attention_backend.setter
+    def attention_backend(self, name: str) -> None:
+        self.inputs.attention_backend = name
 
     def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata | list[AttentionMetadata], list[int]]:
         """Flatten a step into model inputs.
@@ -93,31 +89,13 @@ class ModelRunner:
             ``input_ids [T] int64``, ``positions [T] int64``, the attention metadata (one
             :class:`AttentionMetadata` with a single KV cache group, else a list with one per
             layer: its group's block tables and slot mapping), and ``logits_indices``: the flat
-            index of the last token of each sequence that samples.
+            index of the last token of each sequence that samples. The CPU tensors are views of
+            persistent buffers, valid until the next call.
         """
-        ids: list[int] = []
-        positions: list[int] = []
-        qlens, seq_lens, logits_indices = [], [], []
-        for s in out.scheduled:
-            start, n = s.num_computed_tokens, s.num_new_tokens
-            ids.extend(s.token_ids)
-            positions.extend(range(start, start + n))
-            qlens.append(n)
-            seq_lens.append(start + n)
-            if s.sample:
-                logits_indices.append(len(ids) - 1)
-        qsl = [0]
-        for n in qlens:
-            qsl.append(qsl[-1] + n)
-        dev = self.device
-        qsl_t = torch.tensor(qsl, dtype=torch.int32, device=dev)
-        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
-        metas = [build_metadata(out, g, self.block_size, dev, qsl_t, seq_lens_t, qlens, seq_lens, self.attention_backend)
-                 for g in range(len(self.groups))]
+        step = self.inputs.prepare(out)
+        metas = step.metas
         meta = metas[0] if len(metas) == 1 else [metas[g] for g in self.layer_group]
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
-        return input_ids, pos_t, meta, logits_indices
+        return step.input_ids, step.positions, meta, step.logits_indices
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
@@ -141,7 +119,12 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.layer_caches, meta)
         if not logits_indices:
             return torch.empty(0, self.config.vocab_size)
-        return self.model.compute_logits(hidden[torch.tensor(logits_indices, device=hidden.device)]).float().cpu()
+        first, last = logits_indices[0], logits_indices[-1]
+        if last - first == len(logits_indices) - 1:  # increasing indices, so a run of rows: a view, no gather
+            hidden = hidden[first : last + 1]
+        else:
+            hidden = hidden[torch.tensor(logits_indices, device=hidden.device)]
+        return self.model.compute_logits(hidden).float().cpu()
 
     def execute(self, out: SchedulerOutput, requests: Sequence[Request],
                 rows: Sequence[int] | None = None) -> SamplerOutput | None:
@@ -155,6 +138,6 @@ class ModelRunner:
         logits = self.compute_logits(out)
         if not requests:
             return None
-        if rows is not None:
+        if rows is not None and (len(rows) != logits.shape[0] or any(r != i for i, r in enumerate(rows))):
             logits = logits[torch.tensor(list(rows), dtype=torch.long)]
         return self.sampler(logits, requests)

@@ -9,7 +9,8 @@ Pipeline per row (order as in vLLM's ``vllm/v1/sample/sampler.py`` and HF transf
    CTRL, Keskar et al. 2019): positive logits divided by the penalty, negative multiplied;
 3. frequency and presence penalties over output tokens only (OpenAI formula, vLLM
    ``apply_penalties``): ``logit -= count * frequency_penalty + (count > 0) * presence_penalty``;
-4. ``temperature == 0`` -> argmax of the penalized logits (first index on ties);
+4. ``temperature == 0`` -> argmax of the penalized logits (first index on ties; rows that are
+   greedy with no penalty and no logprobs share one batched argmax, the same tokens);
    otherwise divide by the temperature, then top-k (HF ``TopKLogitsWarper``), top-p
    (HF ``TopPLogitsWarper``; keeps the smallest set whose mass >= top_p, the top token always
    kept), min-p (HF ``MinPLogitsWarper``: drop p < min_p * p_max), softmax over the
@@ -33,7 +34,8 @@ import torch
 
 from llmd.daemon.request import Request, SamplingParams
 
-__all__ = ["Sampler", "SamplerOutput", "TokenLogprobs", "apply_penalties", "filter_candidates", "row_seed"]
+__all__ = ["Sampler", "SamplerOutput", "TokenLogprobs", "apply_penalties", "filter_candidates", "is_plain_greedy",
+           "row_seed"]
 
 
 @dataclass
@@ -162,6 +164,13 @@ def filter_candidates(logits: torch.Tensor, top_k: int, top_p: float,
     return idx
 
 
+def is_plain_greedy(params: SamplingParams) -> bool:
+    """Greedy with no penalties and no logprobs: the token is ``argmax(raw logits)``, so such
+    rows share one batched argmax (no per-row clone, penalty pass or generator)."""
+    return (params.temperature == 0.0 and params.logprobs is None and params.repetition_penalty == 1.0
+            and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0)
+
+
 class Sampler:
     """Samples one token per row of a logits batch.
 
@@ -184,13 +193,21 @@ class Sampler:
         if logits.shape[0] != len(requests):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(requests)} requests")
         cpu = logits.detach().to(device="cpu", dtype=torch.float32)
-        tokens: list[int] = []
-        logprobs: list[TokenLogprobs | None] = []
-        for b, req in enumerate(requests):
-            # clone(): a fresh contiguous buffer per row, so no kernel sees batch layout.
-            tok, lp = self.sample_row(cpu[b].clone(), req)
-            tokens.append(tok)
-            logprobs.append(lp)
+        n = len(requests)
+        tokens: list[int] = [0] * n
+        logprobs: list[TokenLogprobs | None] = [None] * n
+        plain = [b for b, req in enumerate(requests) if is_plain_greedy(req.sampling_params)]
+        if plain:  # one argmax for all of them: exact, first index on ties (NaN first), as row by row;
+            # numpy's argmax is vectorized (4 us for 49k floats here, torch's CPU argmax 43 us)
+            rows = cpu if len(plain) == n else cpu[plain]
+            for b, tok in zip(plain, rows.contiguous().numpy().argmax(axis=-1).tolist()):
+                tokens[b] = tok
+        if len(plain) < n:
+            fast = set(plain)
+            for b, req in enumerate(requests):
+                if b not in fast:
+                    # clone(): a fresh contiguous buffer per row, so no kernel sees batch layout.
+                    tokens[b], logprobs[b] = self.sample_row(cpu[b].clone(), req)
         return SamplerOutput(sampled_token_ids=tokens, logprobs=logprobs)
 
     @staticmethod

@@ -196,7 +196,7 @@ class Scheduler:
     def _scheduled(self, req: Request, start: int, num_new: int) -> ScheduledRequest:
         return ScheduledRequest(
             request_id=req.request_id,
-            token_ids=req.all_token_ids[start : start + num_new],
+            token_ids=req.token_ids_slice(start, start + num_new),
             num_computed_tokens=start,
             block_tables=self.kv.get_block_tables(req.request_id),
             sample=start + num_new == req.num_tokens,
@@ -299,7 +299,9 @@ class Scheduler:
             if req is None:  # aborted while the step ran
                 continue
             req.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            bs = self.kv.block_size
+            if req.num_computed_tokens // bs != s.num_computed_tokens // bs:  # a block filled up this step
+                self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
             if not s.sample:
                 continue
             for r in [req, *(self._fork_followers(req) if req.followers else ())]:

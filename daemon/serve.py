@@ -127,8 +127,9 @@ async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[s
         await sites[-1].start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, state.shutdown.set)
+    summary = f"; {engine.runtime_summary()}" if hasattr(engine, "runtime_summary") else ""
     echo(f"llmd: serving {model_id} on {socket_path}" + (f" and http://{host or '127.0.0.1'}:{port}" if port else "")
-         + f" (pid {os.getpid()})")
+         + f" (pid {os.getpid()}{summary})")
     try:
         await state.shutdown.wait()
         echo(f"llmd: shutting down; {eloop.num_live} sequence{'' if eloop.num_live == 1 else 's'} in flight "

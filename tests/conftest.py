@@ -61,6 +61,7 @@ def make_engine(smollm2, smollm2_tokenizer):
 
     def make(**kw) -> Engine:
         kw.setdefault("kv_cache_memory", 64 * 2**20)
+        kw.setdefault("threads", torch.get_num_threads())  # keep the test's own thread setting
         return Engine(smollm2[0], smollm2_tokenizer, EngineConfig(device="cpu", dtype="float32", **kw))
 
     return make

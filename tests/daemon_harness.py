@@ -27,11 +27,15 @@ import pytest
 
 from llmd.daemon.client import Client
 
-SERVE = [sys.executable, "-c", "from llmd.daemon.cli import main; main()", "serve"]
-SMALL_ARGS = ["--max-model-len", "2048", "--kv-cache-memory", "128MiB", "--drain-timeout", "1"]
+# float32: the tests expect exact greedy tokens (bfloat16, the CPU default where the CPU has it,
+# diverges from float32); --threads 1: see DAEMON_ENV.
+PINNED = ["--dtype", "float32", "--threads", "1"]
+SERVE = [sys.executable, "-c", "from llmd.daemon.cli import main; main()", "serve", *PINNED]
+SMALL_ARGS = ["--max-model-len", "2048", "--kv-cache-memory", "128MiB", "--drain-timeout", "1", *PINNED]
 START_TIMEOUT_S = 240
-# Two daemons and the test process share the CI's 2 cores: one torch thread each, or OpenMP's
-# spinning threads oversubscribe the cores and small ops get ~10x slower.
+# Two daemons and the test process share the CI's 2 cores: one torch thread each (--threads 1,
+# and OMP_NUM_THREADS for anything else), or OpenMP's spinning threads oversubscribe the cores
+# and small ops get ~10x slower.
 DAEMON_ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
 
 

@@ -93,6 +93,7 @@ def make_gemma_engine(gemma3, gemma3_tokenizer):
 
     def make(**kw) -> Engine:
         kw.setdefault("kv_cache_memory", 64 * 2**20)
+        kw.setdefault("threads", torch.get_num_threads())  # keep the test's own thread setting
         return Engine(gemma3[0], gemma3_tokenizer, EngineConfig(device="cpu", dtype="float32", **kw))
 
     return make

@@ -13,7 +13,8 @@ GENERATE_AND_LIST_MODULES = r"""
 import re, sys
 from llmd.daemon.cli import main
 try:
-    main(["generate", "What is the capital of France?", "--chat", "--max-tokens", "24"], standalone_mode=False)
+    main(["generate", "What is the capital of France?", "--chat", "--max-tokens", "24", "--dtype", "float32"],
+         standalone_mode=False)
 finally:
     sys.stdout.flush()
     bad = sorted(m for m in sys.modules if re.match(r"transformers\.models\.[^.]+\.modeling_", m))
@@ -30,6 +31,7 @@ def test_generate_chat_answers_paris_without_transformers_modeling():
     assert "Paris" in proc.stdout
     assert "MODELING_MODULES=\n" in proc.stderr or proc.stderr.rstrip().endswith("MODELING_MODULES=")
     assert "KV cache: 46080 B/token" in proc.stderr
+    assert "; dtype float32, attention cpu, " in proc.stderr  # the load line names dtype, backend, threads
 
 
 def run_cli(args):

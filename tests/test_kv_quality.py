@@ -9,7 +9,9 @@ import torch
 from llmd.daemon.kv_quality import KV_DTYPES, hf_fake_quant, quality_row
 from llmd.models.gguf_loader import load_model
 from llmd.daemon.kv_quality_text import QUALITY_TEXT
-from kv_quality_support import DNLL_MAX_PCT, TOP1_MIN, engine_kw, one_torch_thread, quality_getter, xfail_for  # noqa: F401
+from kv_quality_support import (  # noqa: F401
+    DNLL_MAX_PCT, QUALITY_BACKEND, TOP1_MIN, engine_kw, one_torch_thread, quality_getter, xfail_for,
+)
 from llmd.daemon.request import SamplingParams
 
 # Measured on this text (962 tokens), float32 on CPU, torch backend, ties-to-even rounding:
@@ -73,7 +75,8 @@ def test_q1_with_prefix_served_from_cache(quality, smollm2, smollm2_tokenizer, n
     agreement of Q1 is what a cached prefix gives too (cached blocks hold the codes and scales
     the cold run read back)."""
     ids, get = quality
-    row = quality_row(smollm2[0], smollm2_tokenizer, ids, name, get("auto"), cached_prefix=512, **engine_kw())
+    row = quality_row(smollm2[0], smollm2_tokenizer, ids, name, get("auto"), cached_prefix=512,
+                      attention_backend=QUALITY_BACKEND, **engine_kw())
     cold = get(name)
     assert torch.equal(row.argmax, cold.argmax) and row.nll == cold.nll, (row, cold)
 

@@ -100,7 +100,8 @@ def test_config_validation():
         EngineConfig(device="cpu", kv_cache_dtype="int8", kv_scales=(0.0, 1.0)).resolve()
     with pytest.raises(LlmdError, match="attention-backend"):
         EngineConfig(device="cpu", attention_backend="flash").resolve()
-    assert EngineConfig(device="cpu").resolve().attention_backend == "torch"
+    assert EngineConfig(device="cpu").resolve().attention_backend == "cpu"  # the fast CPU path
+    assert EngineConfig(device="cpu", attention_backend="torch").resolve().attention_backend == "torch"  # the oracle
     assert parse_kv_scales("0.5,2") == (0.5, 2.0)
     with pytest.raises(LlmdError):
         parse_kv_scales("0.5")

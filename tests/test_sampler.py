@@ -36,6 +36,30 @@ def test_greedy_is_argmax():
     assert out.logprobs == [None] * 5
 
 
+def test_batched_greedy_rows_equal_row_by_row_sampling():
+    """Plain greedy rows (no penalty, no logprobs) share one batched argmax; mixed with rows
+    that take the per-row path (penalties, logprobs, temperature > 0), every token and logprob
+    equals ``sample_row`` on that row alone; ties (and -inf rows) keep the first index."""
+    from llmd.daemon.sampler import is_plain_greedy
+
+    logits = rand_logits(7, seed=5)
+    logits[1, 10] = logits[1, 20] = logits[1].max() + 1.0  # a tie: index 10 wins
+    logits[4] = float("-inf")
+    logits[4, 33] = logits[4, 40] = 0.0
+    logits[0, 7] = logits[0, 9] = float("nan")  # NaN counts as the maximum, first one wins (torch and numpy)
+    kinds = [dict(temperature=0.0), dict(temperature=0.0), dict(temperature=0.0, repetition_penalty=1.3),
+             dict(temperature=0.7, seed=3), dict(temperature=0.0), dict(temperature=0.0, logprobs=2),
+             dict(temperature=0.0, presence_penalty=0.5)]
+    reqs = [make_req(rid=str(i), output=(2, 10), **kw) for i, kw in enumerate(kinds)]
+    assert [is_plain_greedy(r.sampling_params) for r in reqs] == [True, True, False, False, True, False, False]
+    out = sampler(logits, reqs)
+    expected = [Sampler.sample_row(logits[b].clone(), r) for b, r in enumerate(reqs)]
+    assert out.sampled_token_ids == [t for t, _ in expected]
+    assert out.logprobs == [lp for _, lp in expected]
+    assert out.sampled_token_ids[:2] == [7, 10] and out.sampled_token_ids[4] == 33
+    assert sampler(logits[:0], []).sampled_token_ids == []
+
+
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
 def test_top_k_1_is_greedy(temperature):
     logits = rand_logits(4, seed=2)
