@@ -17,8 +17,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from llmd.daemon.config import EngineConfig  # noqa: E402
-from llmd.daemon.engine import Engine  # noqa: E402
+from llmd.daemon.core.config import EngineConfig  # noqa: E402
+from llmd.daemon.core.engine import Engine  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from llmd.daemon.client import Client
+from llmd.daemon.client.client import Client
 
 # float32: the tests expect exact greedy tokens (bfloat16, the CPU default where the CPU has it,
 # diverges from float32); --threads 1: see DAEMON_ENV.
 PINNED = ["--dtype", "float32", "--threads", "1"]
-SERVE = [sys.executable, "-c", "from llmd.daemon.cli import main; main()", "serve", *PINNED]
+SERVE = [sys.executable, "-c", "from llmd.daemon.cli.main import main; main()", "serve", *PINNED]
 SMALL_ARGS = ["--max-model-len", "2048", "--kv-cache-memory", "128MiB", "--drain-timeout", "1", *PINNED]
 START_TIMEOUT_S = 240
 # Two daemons and the test process share the CI's 2 cores: one torch thread each (--threads 1,
@@ -84,7 +84,7 @@ def _stop(d: Daemon, timeout: float = 30.0) -> None:
 
 
 def _start_small(small: Daemon, errors: list) -> None:
-    from llmd.daemon.chat import ensure_daemon
+    from llmd.daemon.client.chat import ensure_daemon
 
     def one():
         try:

@@ -14,8 +14,8 @@ import os
 import pytest
 import torch
 
-from llmd.daemon.config import EngineConfig
-from llmd.daemon.engine import Engine
+from llmd.daemon.core.config import EngineConfig
+from llmd.daemon.core.engine import Engine
 from llmd.kernels import AttentionMetadata
 
 GEMMA_WINDOW = 512

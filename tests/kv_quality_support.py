@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmd.daemon.kv_quality import KV_DTYPES, quality_row
+from llmd.daemon.bench.kv_quality import KV_DTYPES, quality_row
 
 
 def xfail_for(reason: str, *names: str) -> list:

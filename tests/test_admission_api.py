@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from llmd.daemon.request import SamplingParams
-from llmd.daemon.server import engine_error
-from llmd.daemon.validation import ApiError, parse_request
+from llmd.daemon.core.request import SamplingParams
+from llmd.daemon.serving.api import engine_error
+from llmd.daemon.serving.validation import ApiError, parse_request
 from llmd.models.errors import LlmdError, ServerBusyError
 
 
@@ -61,7 +61,7 @@ def test_lone_surrogates_are_400_not_500():
 
 
 def test_oversized_text_is_rejected_before_tokenizing():
-    from llmd.daemon.server import MAX_CHARS_PER_TOKEN, _check_prompt_size
+    from llmd.daemon.serving.api import MAX_CHARS_PER_TOKEN, _check_prompt_size
 
     _check_prompt_size("x" * (MAX_CHARS_PER_TOKEN * 100), 100)  # at the limit: left to the tokenizer
     with pytest.raises(ApiError, match="characters") as ei:
@@ -75,7 +75,7 @@ def test_oversized_text_is_rejected_before_tokenizing():
 def test_engine_rejections_name_the_endpoints_prompt_field():
     """A chat request the engine rejects (no chat template, prompt too long) names ``messages``;
     a completion names ``prompt``; a max_tokens problem names ``max_tokens``."""
-    from llmd.daemon.server import engine_error
+    from llmd.daemon.serving.api import engine_error
     from llmd.models.errors import LlmdError
 
     e = LlmdError("model gemma3-270m has no chat template; drop --chat / use /v1/completions")
@@ -89,7 +89,7 @@ def test_deeply_nested_json_is_400_and_type_names_are_json_names():
     type errors name JSON types (null, number, ...), not Python's."""
     import asyncio
 
-    from llmd.daemon.server import read_json
+    from llmd.daemon.serving.api import read_json
 
     class FakeRequest:
         def __init__(self, raw: bytes):

@@ -1,7 +1,7 @@
 """``llmd bench chunked-prefill`` on a small workload: both modes run to completion, the chunked
 one splits the long prompt over more steps, and the table carries the ITL ratio."""
 
-from llmd.daemon.bench_chunked import run_chunked_prefill_bench
+from llmd.daemon.bench.chunked import run_chunked_prefill_bench
 
 
 def test_bench_chunked_prefill_small(make_engine):

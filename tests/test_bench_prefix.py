@@ -1,7 +1,7 @@
 """``llmd bench prefix`` on a small workload: both scenarios run, caching computes fewer prompt
 tokens, and the printed table carries the ratios."""
 
-from llmd.daemon.bench_prefix import run_prefix_bench
+from llmd.daemon.bench.prefix import run_prefix_bench
 
 
 def test_bench_prefix_small(make_engine):

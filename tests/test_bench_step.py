@@ -6,7 +6,7 @@ import torch
 from click.testing import CliRunner
 from tiny_gguf import write_tiny_llama
 
-from llmd.daemon.cli import main
+from llmd.daemon.cli.main import main
 
 COLS = ["prep", "linears", "lm_head", "attn", "rest", "sample", "step", "KV_MB", "KV_flr", "attn/KV", "step/flr"]
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from kv_quality_support import engine_kw, one_torch_thread  # noqa: F401
 
-from llmd.daemon.kv_quality import quality_row
-from llmd.daemon.kv_quality_text import QUALITY_TEXT
+from llmd.daemon.bench.kv_quality import quality_row
+from llmd.daemon.bench.kv_quality_text import QUALITY_TEXT
 
 pytestmark = pytest.mark.slow
 

@@ -6,12 +6,12 @@ import sys
 
 from click.testing import CliRunner
 
-from llmd.daemon.cli import main
+from llmd.daemon.cli.main import main
 from tiny_gguf import write_tiny_llama
 
 GENERATE_AND_LIST_MODULES = r"""
 import re, sys
-from llmd.daemon.cli import main
+from llmd.daemon.cli.main import main
 try:
     main(["generate", "What is the capital of France?", "--chat", "--max-tokens", "24", "--dtype", "float32"],
          standalone_mode=False)
@@ -83,7 +83,7 @@ def test_stop_waits_for_the_daemon_process_to_exit(tmp_path):
     """`llmd stop` returns only once the daemon's lock is released (process exit), not when its
     socket file disappears (the daemon removes it first): `llmd serve` can reclaim the path at
     once. A stand-in process holds ``<socket>.lock`` for 1.5 s after the socket file is gone."""
-    from llmd.daemon.chat import lock_held, pid_running, wait_for_daemon_exit
+    from llmd.daemon.client.chat import lock_held, pid_running, wait_for_daemon_exit
 
     sock = str(tmp_path / "s.sock")
     holder = subprocess.Popen([sys.executable, "-c", f"""
@@ -122,7 +122,7 @@ def test_bad_sampling_values_fail_before_the_weights_load():
 def test_repl_unknown_command_is_not_sent_to_the_model(monkeypatch, capsys):
     """``/bogus`` prints the command list; ``//text`` sends ``/text``; ``/reset`` keeps the
     system prompt."""
-    from llmd.daemon import chat
+    from llmd.daemon.client import chat
 
     sent = []
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmd.daemon.detokenizer import IncrementalDetokenizer
+from llmd.daemon.core.detokenizer import IncrementalDetokenizer
 
 @pytest.fixture(scope="session")
 def tok(smollm2_tokenizer):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from llmd.daemon.request import SamplingParams
+from llmd.daemon.core.request import SamplingParams
 from llmd.models.errors import LlmdError
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from llmd.daemon.cli import main
-from llmd.daemon.config import EngineConfig, cpu_has_native_bf16, default_threads
+from llmd.daemon.cli.main import main
+from llmd.daemon.core.config import EngineConfig, cpu_has_native_bf16, default_threads
 from llmd.models.errors import LlmdError
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmd.daemon.request import SamplingParams
+from llmd.daemon.core.request import SamplingParams
 
 TEXT = ("The history of the city begins with a small fishing village on the river. Over the centuries "
         "merchants arrived, bridges were built and the markets grew, until the town became the seat of "

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmd.daemon.request import SamplingParams
+from llmd.daemon.core.request import SamplingParams
 from llmd.models.errors import LlmdError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

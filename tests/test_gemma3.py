@@ -216,7 +216,7 @@ def test_decode_greedy_tokens_match_hf(ours_long, reference):
 
 def test_engine_completes_paris(make_gemma_engine, gemma3_tokenizer):
     """End to end through the engine (scheduler, KV manager, runner): greedy continuation names Paris."""
-    from llmd.daemon.request import SamplingParams
+    from llmd.daemon.core.request import SamplingParams
 
     engine = make_gemma_engine()
     ids = gemma3_tokenizer.encode("The capital of France is the city of")

@@ -285,7 +285,7 @@ def test_engine_triton_backend_matches_torch(make_engine):
     value within an ulp of a rounding boundary flips its code and moves every later layer: here
     prompt 2's V at layer 22 of 30 (x/scale = 4.500059 torch vs 4.499998 triton) costs up to 0.020
     in logprob; most tokens differ by ~1e-3."""
-    from llmd.daemon.request import SamplingParams
+    from llmd.daemon.core.request import SamplingParams
 
     prompts = ["The capital of France is", "def fibonacci(n):\n    "]
     params = SamplingParams(max_tokens=4, temperature=0, logprobs=3)

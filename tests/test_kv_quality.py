@@ -6,13 +6,13 @@ import copy
 import pytest
 import torch
 
-from llmd.daemon.kv_quality import KV_DTYPES, hf_fake_quant, quality_row
+from llmd.daemon.bench.kv_quality import KV_DTYPES, hf_fake_quant, quality_row
 from llmd.models.gguf_loader import load_model
-from llmd.daemon.kv_quality_text import QUALITY_TEXT
+from llmd.daemon.bench.kv_quality_text import QUALITY_TEXT
 from kv_quality_support import (  # noqa: F401
     DNLL_MAX_PCT, QUALITY_BACKEND, TOP1_MIN, engine_kw, one_torch_thread, quality_getter, xfail_for,
 )
-from llmd.daemon.request import SamplingParams
+from llmd.daemon.core.request import SamplingParams
 
 # Measured on this text (962 tokens), float32 on CPU, torch backend, ties-to-even rounding:
 #   int8      ΔNLL 0.098 %  top-1 97.19 %   HF fake-quant ΔNLL 0.041 %  (|diff| 0.057 pp)

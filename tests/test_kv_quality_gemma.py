@@ -11,8 +11,8 @@ model loads (see tests/gemma_fixtures.py).
 
 import pytest
 
-from llmd.daemon.kv_quality import KV_DTYPES, hf_fake_quant
-from llmd.daemon.kv_quality_text import QUALITY_TEXT
+from llmd.daemon.bench.kv_quality import KV_DTYPES, hf_fake_quant
+from llmd.daemon.bench.kv_quality_text import QUALITY_TEXT
 from kv_quality_support import DNLL_MAX_PCT, TOP1_MIN, one_torch_thread, quality_getter, xfail_for  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # first tests here may load llmd's and HF's Gemma

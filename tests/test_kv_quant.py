@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from llmd.daemon.config import EngineConfig, parse_kv_scales
-from llmd.daemon.kv_size import kv_cache_bytes_per_token, kv_size_rows
+from llmd.daemon.core.config import EngineConfig, parse_kv_scales
+from llmd.daemon.core.kv_size import kv_cache_bytes_per_token, kv_size_rows
 from llmd.kernels import reference
 from llmd.models.errors import LlmdError
 from llmd.quant.kv import (
@@ -158,7 +158,7 @@ def test_static_scales_fill_the_scale_slots():
 def test_cli_flags_and_bench_kernels_without_cuda():
     from click.testing import CliRunner
 
-    from llmd.daemon.cli import main
+    from llmd.daemon.cli.main import main
 
     runner = CliRunner()
     help_text = runner.invoke(main, ["generate", "--help"]).output

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmd.daemon.engine import RequestOutput
-from llmd.daemon.metrics import DaemonMetrics
+from llmd.daemon.core.engine import RequestOutput
+from llmd.daemon.serving.metrics import DaemonMetrics
 
 VLLM_NAMES = ["vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
               "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
@@ -98,7 +98,7 @@ def test_vllm_compat_names():
 def test_serve_has_metrics_compat_option():
     from click.testing import CliRunner
 
-    from llmd.daemon.cli import main
+    from llmd.daemon.cli.main import main
 
     out = CliRunner().invoke(main, ["serve", "--help"]).output
     assert "--metrics-compat" in out and "vllm" in out

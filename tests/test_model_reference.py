@@ -4,8 +4,8 @@ import gguf
 import numpy as np
 import torch
 
-from llmd.daemon.request import SamplingParams
-from llmd.daemon.scheduler import ScheduledRequest, SchedulerOutput
+from llmd.daemon.core.request import SamplingParams
+from llmd.daemon.core.scheduler import ScheduledRequest, SchedulerOutput
 from llmd.models.llama import unpermute_qk
 
 

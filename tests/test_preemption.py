@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from test_scheduler import BIG, Harness, alone, blocks_for, make_req, prompt_of, sched_ids
 
 from llmd.daemon.kv import KVCacheManager
-from llmd.daemon.request import Request, RequestStatus, SamplingParams
-from llmd.daemon.scheduler import QueueFullError, Scheduler
+from llmd.daemon.core.request import Request, RequestStatus, SamplingParams
+from llmd.daemon.core.scheduler import QueueFullError, Scheduler
 
 
 def with_priority(req: Request, priority: int) -> Request:

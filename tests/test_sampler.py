@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from llmd.daemon.request import Request, SamplingParams
-from llmd.daemon.sampler import Sampler, SamplerOutput, row_seed
+from llmd.daemon.core.request import Request, SamplingParams
+from llmd.daemon.core.sampler import Sampler, SamplerOutput, row_seed
 
 V = 64
 
@@ -40,7 +40,7 @@ def test_batched_greedy_rows_equal_row_by_row_sampling():
     """Plain greedy rows (no penalty, no logprobs) share one batched argmax; mixed with rows
     that take the per-row path (penalties, logprobs, temperature > 0), every token and logprob
     equals ``sample_row`` on that row alone; ties (and -inf rows) keep the first index."""
-    from llmd.daemon.sampler import is_plain_greedy
+    from llmd.daemon.core.sampler import is_plain_greedy
 
     logits = rand_logits(7, seed=5)
     logits[1, 10] = logits[1, 20] = logits[1].max() + 1.0  # a tie: index 10 wins
@@ -156,7 +156,7 @@ def test_penalties_match_hand_computation():
     expected = torch.tensor([2.0 / rp, -1.0 * rp, 0.5 / rp - 2 * fp - pp, -0.5 * rp - fp - pp, 1.0, 3.0])
     req = make_req(prompt=[0, 1], output=[2, 2, 3], temperature=0.0,
                    repetition_penalty=rp, frequency_penalty=fp, presence_penalty=pp)
-    from llmd.daemon.sampler import apply_penalties
+    from llmd.daemon.core.sampler import apply_penalties
     got = apply_penalties(logits[0].clone(), req.sampling_params, req.prompt_token_ids, req.output_token_ids)
     torch.testing.assert_close(got, expected)
     # the argmax follows the penalized logits: unpenalized 5 wins; now penalize 5 heavily
@@ -230,7 +230,7 @@ def reference_mask(logits: torch.Tensor, top_k: int, top_p: float, min_p: float)
 @pytest.mark.parametrize("top_k,top_p,min_p", [(0, 0.9, 0.0), (0, 0.999, 0.0), (50, 0.7, 0.0), (0, 1.0, 0.05),
                                                (100, 0.95, 0.01), (7, 1.0, 0.0), (0, 0.3, 0.2)])
 def test_filter_candidates_matches_full_mask(top_k, top_p, min_p):
-    from llmd.daemon.sampler import filter_candidates
+    from llmd.daemon.core.sampler import filter_candidates
     for seed in range(3):
         logits = rand_logits(1, v=20000, seed=seed, scale=1.0)[0]  # flat: top-p needs > 1024 tokens
         got = filter_candidates(logits, top_k, top_p, min_p)
@@ -239,6 +239,6 @@ def test_filter_candidates_matches_full_mask(top_k, top_p, min_p):
 
 
 def test_top_k_keeps_ties():
-    from llmd.daemon.sampler import filter_candidates
+    from llmd.daemon.core.sampler import filter_candidates
     logits = torch.tensor([3.0, 1.0, 1.0, 1.0, 0.0])
     assert set(filter_candidates(logits, 2, 1.0, 0.0).tolist()) == {0, 1, 2, 3}

@@ -1,4 +1,4 @@
-"""Tests for llmd.daemon.scheduler: continuous batching, chunked prefill, admission, stops, aborts.
+"""Tests for llmd.daemon.core.scheduler: continuous batching, chunked prefill, admission, stops, aborts.
 
 No model: a deterministic stub runner plays the GPU. It keeps a paged "KV cache" (a token per
 (block id, slot)), writes each step's scheduled tokens through the step's block tables, reads a
@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmd.daemon.kv import KVCacheManager
-from llmd.daemon.request import Request, RequestStatus, SamplingParams
-from llmd.daemon.scheduler import Scheduler, SchedulerOutput
+from llmd.daemon.core.request import Request, RequestStatus, SamplingParams
+from llmd.daemon.core.scheduler import Scheduler, SchedulerOutput
 
 BIG = 10**9
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmd.daemon.client import ApiResponseError
+from llmd.daemon.client.client import ApiResponseError
 from llmd.daemon.protocol import STATS_SCHEMA_VERSION, rle, rle_to_cells
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -258,7 +258,7 @@ def test_chat_with_a_running_daemon_of_another_model_is_a_clear_error(llmd_daemo
     silent chat with Y); other engine options given to a running daemon get a one-line note."""
     from click.testing import CliRunner
 
-    from llmd.daemon.cli import main
+    from llmd.daemon.cli.main import main
 
     assert "smollm2-135m" in llmd_daemon.client().health()["model_ids"]
     r = CliRunner().invoke(main, ["chat", "--socket", llmd_daemon.path, "-m", "gemma3-270m", "-p", "Hi"])

@@ -19,9 +19,9 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from llmd.daemon.cli import main as cli_main
-from llmd.daemon.client import AsyncClient
-from llmd.daemon.serve import claim_socket
+from llmd.daemon.cli.main import main as cli_main
+from llmd.daemon.client.client import AsyncClient
+from llmd.daemon.serving.lifecycle import claim_socket
 from llmd.models.errors import LlmdError
 
 TOPICS = ["cats", "the sea", "Paris", "music", "trees", "rain", "bread", "stars", "trains", "snow",
@@ -180,7 +180,7 @@ def test_socket_permissions_and_other_uid_refused(llmd_daemon):
 
 
 def test_second_daemon_stale_socket_and_long_path(llmd_daemon, tmp_path):
-    proc = subprocess.run([sys.executable, "-c", "from llmd.daemon.cli import main; main()", "serve", "--socket",
+    proc = subprocess.run([sys.executable, "-c", "from llmd.daemon.cli.main import main; main()", "serve", "--socket",
                            llmd_daemon.path], capture_output=True, text=True, timeout=120, cwd="/")
     assert proc.returncode == 1 and "already running" in proc.stderr, proc.stderr
     assert llmd_daemon.client().health()["status"] == "ok"
@@ -231,7 +231,7 @@ def test_chat_repl_in_a_pty(llmd_daemon):
         import fcntl
         fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
-    proc = subprocess.Popen([sys.executable, "-c", "from llmd.daemon.cli import main; main()", "chat", "--socket",
+    proc = subprocess.Popen([sys.executable, "-c", "from llmd.daemon.cli.main import main; main()", "chat", "--socket",
                              llmd_daemon.path],  # default sampling: greedy
                             stdin=slave, stdout=slave, stderr=slave, preexec_fn=ctty, cwd="/", close_fds=True)
     os.close(slave)
@@ -293,7 +293,7 @@ def test_sigterm_drains_then_aborts_and_removes_socket(llmd_small_daemon):
 
 
 def test_bench_serve_smoke(llmd_daemon):
-    from llmd.daemon.bench_serve import percentile, run_serve_bench
+    from llmd.daemon.bench.serve import percentile, run_serve_bench
 
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([1.0, 2.0], 99) == 2.0
     res = asyncio.run(run_serve_bench(llmd_daemon.path, 4, 20.0, (8, 16), (4, 6), seed=0, echo=lambda m: None))

@@ -12,7 +12,7 @@ import json
 import re
 from pathlib import Path
 
-from llmd.daemon.client import ApiResponseError, DaemonUnavailable
+from llmd.daemon.client.client import ApiResponseError, DaemonUnavailable
 from llmd.daemon.protocol import STATS_SCHEMA_VERSION
 from llmd.tui import map_cells as mc
 from llmd.tui.app import TopApp

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from test_tui import load
 
-from llmd.daemon.client import ApiResponseError, Client
+from llmd.daemon.client.client import ApiResponseError, Client
 from llmd.tui.app import TopApp
 from llmd.tui.request_table import RequestTable
 
@@ -142,7 +142,7 @@ def test_llmd_top_runs_from_a_regular_install(tmp_path):
     # -S: no .pth files, so an editable install's finder cannot serve llmd from the repo
     script = (f"import sys; sys.path[:0] = [{str(site)!r}, {sysconfig.get_paths()['purelib']!r}]\n"
               f"import llmd.tui.app; assert llmd.tui.app.__file__.startswith({str(site)!r}), llmd.tui.app.__file__\n"
-              "from llmd.daemon.cli import main; sys.argv = ['llmd', 'top', '--socket', sys.argv[1]]; main()\n")
+              "from llmd.daemon.cli.main import main; sys.argv = ['llmd', 'top', '--socket', sys.argv[1]]; main()\n")
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
     env = dict(os.environ, TERM="xterm-256color", OMP_NUM_THREADS="1")

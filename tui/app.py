@@ -89,7 +89,7 @@ class TopApp(App):
             self._polling = False
 
     def _failed(self, e: Exception) -> None:
-        from llmd.daemon.client import ApiResponseError, DaemonUnavailable
+        from llmd.daemon.client.client import ApiResponseError, DaemonUnavailable
 
         self.failures += 1
         retry = f"retrying every {self.interval:g} s (attempt {self.failures})"
@@ -136,7 +136,7 @@ class TopApp(App):
 
     async def _call(self, what: str, fn, *args) -> None:
         """Run a client call in a thread; report its result; poll at once."""
-        from llmd.daemon.client import ApiResponseError
+        from llmd.daemon.client.client import ApiResponseError
 
         try:
             result = await asyncio.to_thread(fn, *args)

@@ -35,7 +35,7 @@ def one_line_errors(fn):
 def parse_bytes_option(ctx, param, value):
     if value is None:
         return None
-    from llmd.daemon.config import parse_bytes
+    from llmd.daemon.core.config import parse_bytes
 
     try:
         return parse_bytes(value)
@@ -46,7 +46,7 @@ def parse_bytes_option(ctx, param, value):
 def parse_kv_scales_option(ctx, param, value):
     if value is None:
         return None
-    from llmd.daemon.config import parse_kv_scales
+    from llmd.daemon.core.config import parse_kv_scales
 
     try:
         return parse_kv_scales(value)
@@ -84,8 +84,8 @@ def engine_options(fn):
 
 
 def build_engine(**kw):
-    from llmd.daemon.config import EngineConfig
-    from llmd.daemon.engine import Engine
+    from llmd.daemon.core.config import EngineConfig
+    from llmd.daemon.core.engine import Engine
 
     config = EngineConfig(**kw).resolve()  # bad settings fail before the weights load
     click.echo(f"llmd: loading {kw['model']} ({config.dtype}, {config.threads} thread{'' if config.threads == 1 else 's'}) ...", err=True)
@@ -138,7 +138,7 @@ def main():
 @one_line_errors
 def generate(prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, **engine_kw):
     """Generate a completion for PROMPT with llmd's own engine, streaming text to stdout."""
-    from llmd.daemon.request import SamplingParams
+    from llmd.daemon.core.request import SamplingParams
 
     if max_tokens is not None and max_tokens < 1:
         raise LlmdError(f"--max-tokens must be >= 1, got {max_tokens}")
@@ -181,7 +181,7 @@ def generate(prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, **
 def kv_size(model, context, memory, block_size):
     """KV cache bytes per token and sequences that fit, per cache dtype (GGUF metadata only)."""
     from llmd.daemon.kv import make_kv_cache_groups
-    from llmd.daemon.kv_size import group_summary, kv_size_rows
+    from llmd.daemon.core.kv_size import group_summary, kv_size_rows
     from llmd.models.gguf_loader import load_config
     from llmd.models.registry import resolve_model
 
@@ -213,7 +213,7 @@ def bench():
 @one_line_errors
 def bench_throughput(num_requests, min_prompt, max_prompt, min_output, max_output, seed, **engine_kw):
     """Continuous vs static batching on the same seeded mixed-length requests."""
-    from llmd.daemon.bench import run_throughput_bench
+    from llmd.daemon.bench.throughput import run_throughput_bench
 
     engine = build_engine(**engine_kw)
     run_throughput_bench(engine, num_requests, (min_prompt, max_prompt), (min_output, max_output), seed, echo=click.echo)
@@ -228,12 +228,12 @@ def bench_throughput(num_requests, min_prompt, max_prompt, min_output, max_outpu
 @one_line_errors
 def bench_kv_quality(chunk, hf_reference, cached_prefix, kv_cache_dtype, **engine_kw):
     """Teacher-forced ΔNLL and top-1 agreement per KV dtype on a fixed ~1,000-token text (cases Q1/Q4)."""
-    from llmd.daemon.kv_quality import KV_DTYPES, format_table, kv_quality
-    from llmd.daemon.kv_quality_text import QUALITY_TEXT
+    from llmd.daemon.bench.kv_quality import KV_DTYPES, format_table, kv_quality
+    from llmd.daemon.bench.kv_quality_text import QUALITY_TEXT
 
     kv_scales = engine_kw.pop("kv_scales", None)  # for the quantized rows (the first engine is auto)
     if kv_scales is not None:  # fail before the weights load
-        from llmd.daemon.config import EngineConfig
+        from llmd.daemon.core.config import EngineConfig
 
         EngineConfig(device=engine_kw.get("device") or "cpu", kv_cache_dtype="int8", kv_scales=kv_scales).resolve()
     if cached_prefix < 0:
@@ -261,7 +261,7 @@ def _hf_fake_quant_table(engine, ids, rows):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from llmd.daemon.kv_quality import hf_fake_quant_nll, nll_and_argmax
+    from llmd.daemon.bench.kv_quality import hf_fake_quant_nll, nll_and_argmax
     from llmd.models.registry import resolve_model
 
     path = resolve_model(engine.config.model)
@@ -290,9 +290,9 @@ def bench_kernels(block_n):
 
 
 # serve, chat, ps, status, stop (daemon/cli_daemon.py); bench prefix (daemon/cli_bench.py)
-from llmd.daemon.cli_bench import register as _register_bench_commands  # noqa: E402
-from llmd.daemon.cli_daemon import register as _register_daemon_commands  # noqa: E402
-from llmd.daemon.cli_top import register as _register_top_command  # noqa: E402
+from llmd.daemon.cli.bench import register as _register_bench_commands  # noqa: E402
+from llmd.daemon.cli.daemon import register as _register_daemon_commands  # noqa: E402
+from llmd.daemon.cli.top import register as _register_top_command  # noqa: E402
 
 _register_daemon_commands(main, engine_options, one_line_errors, build_engine)
 _register_bench_commands(bench, engine_options, one_line_errors, build_engine)

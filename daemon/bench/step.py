@@ -45,10 +45,10 @@ import torch
 import torch.nn.functional as F
 
 from llmd import kernels
-from llmd.daemon.bench_step_report import format_table
-from llmd.daemon.config import EngineConfig
-from llmd.daemon.request import Request, SamplingParams
-from llmd.daemon.scheduler import ScheduledRequest, SchedulerOutput
+from llmd.daemon.bench.step_report import format_table
+from llmd.daemon.core.config import EngineConfig
+from llmd.daemon.core.request import Request, SamplingParams
+from llmd.daemon.core.scheduler import ScheduledRequest, SchedulerOutput
 from llmd.models.errors import LlmdError
 
 
@@ -235,9 +235,9 @@ def engine_for(model, config: EngineConfig, batch: int, context: int):
     """An engine over the loaded ``model`` whose pool holds ``batch`` × (``context`` + 1) tokens
     (``config.kv_cache_memory`` is replaced; ``max_num_seqs`` and the token budget are raised
     to ``batch``), its cache filled with random K/V."""
-    from llmd.daemon.engine import Engine
+    from llmd.daemon.core.engine import Engine
     from llmd.daemon.kv import make_kv_cache_groups
-    from llmd.daemon.kv_size import kv_block_bytes
+    from llmd.daemon.core.kv_size import kv_block_bytes
     from llmd.quant.kv import get_format
 
     cfg, dtype = model.config, next(model.parameters()).dtype

@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from llmd.daemon.request import Request, SamplingParams
+from llmd.daemon.core.request import Request, SamplingParams
 
 __all__ = ["Sampler", "SamplerOutput", "TokenLogprobs", "apply_penalties", "filter_candidates", "is_plain_greedy",
            "row_seed"]

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from llmd.daemon.engine_loop import EngineLoop
+from llmd.daemon.serving.engine_loop import EngineLoop
 from llmd.daemon.protocol import SSE_DONE, error_body, sse, stats_with_cells
-from llmd.daemon.responses import ResponseBuilder
-from llmd.daemon.validation import ApiError, check_utf8, parse_request
+from llmd.daemon.serving.responses import ResponseBuilder
+from llmd.daemon.serving.validation import ApiError, check_utf8, parse_request
 from llmd.models.errors import LlmdError, ServerBusyError
 
 log = logging.getLogger("llmd.server")

@@ -1,4 +1,4 @@
-"""The table of ``llmd bench step`` (:mod:`llmd.daemon.bench_step`): component times in ms,
+"""The table of ``llmd bench step`` (:mod:`llmd.daemon.bench.step`): component times in ms,
 the floors, the ratios, and issue 13's targets beside the rows they apply to."""
 
 from __future__ import annotations

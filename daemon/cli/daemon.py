@@ -27,7 +27,7 @@ def _path(socket_path):
 
 
 def _client(socket_path, timeout=10.0):
-    from llmd.daemon.client import Client
+    from llmd.daemon.client.client import Client
 
     return Client(_path(socket_path), timeout=timeout)
 
@@ -51,7 +51,7 @@ def register(main, engine_options, one_line_errors, build_engine) -> None:
     @one_line_errors
     def serve(socket_path, host, port, served_model_name, drain_timeout, metrics_compat, **engine_kw):
         """Run the daemon: OpenAI-style HTTP API on a Unix socket (SIGTERM or `llmd stop` ends it)."""
-        from llmd.daemon.serve import claim_socket, run_server
+        from llmd.daemon.serving.lifecycle import claim_socket, run_server
 
         if host is not None and port is None:
             raise LlmdError("--host needs --port")
@@ -78,7 +78,7 @@ def register(main, engine_options, one_line_errors, build_engine) -> None:
     @one_line_errors
     def chat(socket_path, prompt, system, temperature, top_p, max_tokens, seed, no_daemon, daemon_log, **engine_kw):
         """Chat with the model; starts a background daemon if none runs (it keeps running: `llmd stop`)."""
-        from llmd.daemon import chat as chat_mod
+        from llmd.daemon.client import chat as chat_mod
 
         params = {"temperature": temperature, "top_p": top_p, "max_tokens": max_tokens, "seed": seed}
         if no_daemon:
@@ -143,7 +143,7 @@ def register(main, engine_options, one_line_errors, build_engine) -> None:
         @one_line_errors
         def bench_serve(socket_path, num_requests, rate, min_prompt, max_prompt, min_output, max_output, seed):
             """Open-loop load on a running daemon: throughput, TTFT, TPOT, ITL p50/p99."""
-            from llmd.daemon.bench_serve import run_serve_bench
+            from llmd.daemon.bench.serve import run_serve_bench
 
             if rate <= 0 or num_requests < 1:
                 raise LlmdError("--rate must be > 0 and --num-requests >= 1")
@@ -162,7 +162,7 @@ def register(main, engine_options, one_line_errors, build_engine) -> None:
         if health is None:
             click.echo(f"llmd: no daemon running on {c.socket_path}")
             return
-        from llmd.daemon.chat import wait_for_daemon_exit
+        from llmd.daemon.client.chat import wait_for_daemon_exit
 
         c.shutdown()
         click.echo(f"llmd: stopping the daemon on {c.socket_path} (pid {health['pid']}); in-flight requests get "

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmd.daemon.config import EngineConfig
-from llmd.daemon.engine import Engine
-from llmd.daemon.scheduler import ScheduledRequest, SchedulerOutput
+from llmd.daemon.core.config import EngineConfig
+from llmd.daemon.core.engine import Engine
+from llmd.daemon.core.scheduler import ScheduledRequest, SchedulerOutput
 from llmd.quant.kv import SCALE_FLOOR, KVCacheFormat, get_format
 
 KV_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")

@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmd.daemon.config import CUDA_KV_CACHE_FRACTION, DEFAULT_KV_CACHE_MEMORY_CPU, DTYPES, EngineConfig
-from llmd.daemon.detokenizer import IncrementalDetokenizer
+from llmd.daemon.core.config import CUDA_KV_CACHE_FRACTION, DEFAULT_KV_CACHE_MEMORY_CPU, DTYPES, EngineConfig
+from llmd.daemon.core.detokenizer import IncrementalDetokenizer
 from llmd.daemon.kv import KVCacheManager, make_kv_cache_groups
-from llmd.daemon.kv_size import group_summary, kv_block_bytes, kv_cache_bytes_per_token
-from llmd.daemon.request import Request, RequestStatus, SamplingParams
-from llmd.daemon.runner import ModelRunner
-from llmd.daemon.sampler import TokenLogprobs
-from llmd.daemon.scheduler import QueueFullError, Scheduler, SchedulerOutput
+from llmd.daemon.core.kv_size import group_summary, kv_block_bytes, kv_cache_bytes_per_token
+from llmd.daemon.core.request import Request, RequestStatus, SamplingParams
+from llmd.daemon.core.model_runner import ModelRunner
+from llmd.daemon.core.sampler import TokenLogprobs
+from llmd.daemon.core.scheduler import QueueFullError, Scheduler, SchedulerOutput
 from llmd.models.config import ModelConfig
 from llmd.models.errors import LlmdError, ServerBusyError
 from llmd.models.tokenizer import Tokenizer
@@ -141,7 +141,7 @@ class Engine:
 
     def capacity_summary(self) -> str:
         """One line: bytes/token, blocks, KV cache groups, and how many full-context sequences fit."""
-        from llmd.daemon.kv_size import blocks_per_sequence
+        from llmd.daemon.core.kv_size import blocks_per_sequence
 
         bs = self.config.block_size
         per_seq = blocks_per_sequence(self.kv_cache_groups, self.max_model_len, bs, 1)
@@ -155,7 +155,7 @@ class Engine:
     def runtime_summary(self) -> str:
         """The chosen dtype, attention backend and torch threads, e.g.
         ``dtype bfloat16 (auto: native bf16 on this CPU), attention cpu, 2 threads``."""
-        from llmd.daemon.config import cpu_has_native_bf16
+        from llmd.daemon.core.config import cpu_has_native_bf16
 
         c = self.config
         why = ""

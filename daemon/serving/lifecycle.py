@@ -27,10 +27,10 @@ import stat
 
 from aiohttp import web
 
-from llmd.daemon.engine_loop import EngineLoop
-from llmd.daemon.metrics import DaemonMetrics
+from llmd.daemon.serving.engine_loop import EngineLoop
+from llmd.daemon.serving.metrics import DaemonMetrics
 from llmd.daemon.protocol import check_socket_path, default_socket_dir
-from llmd.daemon.server import ServerState, make_app
+from llmd.daemon.serving.api import ServerState, make_app
 from llmd.models.errors import LlmdError
 
 log = logging.getLogger("llmd.serve")

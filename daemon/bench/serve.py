@@ -18,7 +18,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from llmd.daemon.client import AsyncClient
+from llmd.daemon.client.client import AsyncClient
 
 
 @dataclass

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from llmd.daemon.request import SamplingParams
+from llmd.daemon.core.request import SamplingParams
 
 
 @dataclass

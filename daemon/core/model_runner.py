@@ -3,7 +3,7 @@
 Owns the paged KV cache tensors (one per layer, allocated once; int8/fp8 caches carry float32
 scales beside the data, see :mod:`llmd.quant.kv`) and turns each step's
 :class:`SchedulerOutput` into input ids, positions, the slot mapping and padded block tables
-(:mod:`llmd.daemon.input_batch`: vector ops into persistent buffers, vLLM v1
+(:mod:`llmd.daemon.core.input_batch`: vector ops into persistent buffers, vLLM v1
 ``gpu_model_runner.py`` ``_prepare_inputs``; nano-vllm ``model_runner.py``).
 """
 
@@ -13,11 +13,11 @@ from collections.abc import Sequence
 
 import torch
 
-from llmd.daemon.input_batch import InputBatch
+from llmd.daemon.core.input_batch import InputBatch
 from llmd.daemon.kv import KVCacheGroupSpec, layer_placement, make_kv_cache_groups
-from llmd.daemon.request import Request
-from llmd.daemon.sampler import Sampler, SamplerOutput
-from llmd.daemon.scheduler import SchedulerOutput
+from llmd.daemon.core.request import Request
+from llmd.daemon.core.sampler import Sampler, SamplerOutput
+from llmd.daemon.core.scheduler import SchedulerOutput
 from llmd.kernels import AttentionMetadata
 from llmd.models.config import ModelConfig
 from llmd.quant.kv import PagedKVCache, get_format

@@ -21,7 +21,7 @@ from typing import Iterator
 
 import click
 
-from llmd.daemon.client import Client
+from llmd.daemon.client.client import Client
 from llmd.models.errors import LlmdError
 
 STARTUP_TIMEOUT_S = 300.0
@@ -129,7 +129,7 @@ def ensure_daemon(socket_path: str, serve_args: list[str], log_path: str | None 
         os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
         with open(log_path, "ab") as log:
             log_start = log.tell()  # the log is appended to: progress shows this daemon's lines only
-            cmd = [sys.executable, "-c", "from llmd.daemon.cli import main; main()", "serve", "--socket", socket_path, *serve_args]
+            cmd = [sys.executable, "-c", "from llmd.daemon.cli.main import main; main()", "serve", "--socket", socket_path, *serve_args]
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
                                     cwd="/", env=env)
         echo(f"llmd: starting a daemon (pid {proc.pid}, log {log_path}); it keeps running after this chat, `llmd stop` ends it")
@@ -205,7 +205,7 @@ class LocalBackend:
         self.engine = engine
 
     def stream_chat(self, messages: list[dict], params: dict) -> Iterator[str]:
-        from llmd.daemon.request import SamplingParams
+        from llmd.daemon.core.request import SamplingParams
 
         eng = self.engine
         rid = eng.add_request(eng.tokenizer.apply_chat(messages), SamplingParams(**params))

@@ -1,5 +1,5 @@
 """``llmd bench prefix`` (and later bench commands), registered on the ``bench`` group of
-:mod:`llmd.daemon.cli`, which passes its shared helpers in so this module never imports it."""
+:mod:`llmd.daemon.cli.main`, which passes its shared helpers in so this module never imports it."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def register(bench, engine_options, one_line_errors, build_engine) -> None:
     @one_line_errors
     def bench_prefix(system_tokens, users, turns, max_tokens, **engine_kw):
         """Median TTFT and prompt tokens computed with prefix caching on vs off (same model, one run)."""
-        from llmd.daemon.bench_prefix import run_prefix_bench
+        from llmd.daemon.bench.prefix import run_prefix_bench
 
         engine = build_engine(**engine_kw)
         run_prefix_bench(engine, system_tokens, users, turns, max_tokens, echo=click.echo)
@@ -32,7 +32,7 @@ def register(bench, engine_options, one_line_errors, build_engine) -> None:
     def bench_hybrid(seq_tokens, new_tokens, num_requests, **engine_kw):
         """Long sequences decoding at once in one KV budget: hybrid KV cache groups vs every layer
         global (use a model with sliding-window layers: --model gemma3-270m)."""
-        from llmd.daemon.bench_hybrid import run_hybrid_bench
+        from llmd.daemon.bench.hybrid import run_hybrid_bench
 
         engine = build_engine(**engine_kw)
         run_hybrid_bench(engine, seq_tokens, new_tokens, num_requests, echo=click.echo)
@@ -46,7 +46,7 @@ def register(bench, engine_options, one_line_errors, build_engine) -> None:
     @one_line_errors
     def bench_chunked_prefill(num_decoders, decode_tokens, long_prompt, period, **engine_kw):
         """ITL of decoding requests while long prompts arrive: chunked prefill on vs off (one run)."""
-        from llmd.daemon.bench_chunked import run_chunked_prefill_bench
+        from llmd.daemon.bench.chunked import run_chunked_prefill_bench
 
         engine = build_engine(**engine_kw)
         run_chunked_prefill_bench(engine, num_decoders, decode_tokens, long_prompt, period, echo=click.echo)
@@ -85,6 +85,6 @@ def register(bench, engine_options, one_line_errors, build_engine) -> None:
     def bench_step(batch, context, dtypes, backends, reps, bandwidth_mib, **engine_kw):
         """Per-step time of decode steps split into preparation, linears, lm_head, attention and
         sampling, beside the linears-only and KV-read floors (the KV pool is sized to fit)."""
-        from llmd.daemon.bench_step import run_step_bench
+        from llmd.daemon.bench.step import run_step_bench
 
         run_step_bench(engine_kw, dtypes, backends, batch, context, reps, bandwidth_mib, echo=click.echo)

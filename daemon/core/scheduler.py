@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from llmd.daemon.kv import KVCacheManager
-from llmd.daemon.request import Request, RequestStatus
+from llmd.daemon.core.request import Request, RequestStatus
 
 
 @dataclass

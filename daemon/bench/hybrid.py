@@ -17,8 +17,8 @@ import random
 import time
 from collections.abc import Callable
 
-from llmd.daemon.kv_size import blocks_per_sequence
-from llmd.daemon.request import SamplingParams
+from llmd.daemon.core.kv_size import blocks_per_sequence
+from llmd.daemon.core.request import SamplingParams
 
 
 def measure_concurrency(engine, seq_tokens: int, num_requests: int, new_tokens: int, seed: int = 0) -> dict:
@@ -47,7 +47,7 @@ def run_hybrid_bench(engine, seq_tokens: int = 2048, new_tokens: int = 16, num_r
     ``num_requests`` defaults to one more than the hybrid layout's decode bound fits.
     Returns ``{hybrid: measure_concurrency(...) result}``.
     """
-    from llmd.daemon.engine import Engine
+    from llmd.daemon.core.engine import Engine
 
     cfg = engine.config
     engines = {h: Engine(engine.runner.model, engine.tokenizer, dataclasses.replace(

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from llmd.daemon.request import SamplingParams
+from llmd.daemon.core.request import SamplingParams
 
 SYSTEM_PROMPT = (
     "You are llmd's assistant. You answer questions about cooking, travel and science in short, "
@@ -102,7 +102,7 @@ def run_prefix_bench(engine, system_tokens: int = 1000, users: int = 4, turns: i
     """Run both scenarios with prefix caching on (``engine``'s own setting forced on) and off
     (a second engine on the same model), print the table and ratios; returns the results
     keyed by scenario then caching flag."""
-    from llmd.daemon.engine import Engine
+    from llmd.daemon.core.engine import Engine
 
     cfg = engine.config
     engines = {

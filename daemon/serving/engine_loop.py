@@ -31,9 +31,9 @@ import time
 from collections import deque
 from typing import Callable
 
-from llmd.daemon.engine import Engine, RequestOutput
+from llmd.daemon.core.engine import Engine, RequestOutput
 from llmd.daemon.protocol import STATS_SCHEMA_VERSION, rle
-from llmd.daemon.request import RequestStatus, SamplingParams
+from llmd.daemon.core.request import RequestStatus, SamplingParams
 from llmd.models.errors import LlmdError
 
 log = logging.getLogger("llmd.engine_loop")

@@ -18,8 +18,8 @@ import random
 import time
 from collections.abc import Callable
 
-from llmd.daemon.bench_serve import percentile
-from llmd.daemon.request import SamplingParams
+from llmd.daemon.bench.serve import percentile
+from llmd.daemon.core.request import SamplingParams
 
 
 def run_scenario(engine, num_decoders: int, decode_tokens: int, long_prompt: int, period: int, seed: int = 0) -> dict:
@@ -56,7 +56,7 @@ def run_scenario(engine, num_decoders: int, decode_tokens: int, long_prompt: int
 def run_chunked_prefill_bench(engine, num_decoders: int = 4, decode_tokens: int = 32, long_prompt: int = 1024,
                               period: int = 8, echo: Callable[[str], None] = print) -> dict[bool, dict]:
     """Run the scenario with chunked prefill on and off; print ITL percentiles and the p99 ratio."""
-    from llmd.daemon.engine import Engine
+    from llmd.daemon.core.engine import Engine
 
     cfg = engine.config
     big = max(cfg.max_num_batched_tokens, long_prompt + num_decoders + 1)

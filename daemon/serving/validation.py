@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from llmd.daemon.request import SamplingParams
+from llmd.daemon.core.request import SamplingParams
 
 MAX_N = 16
 MAX_STOP = 16

@@ -21,7 +21,7 @@ def register(main, one_line_errors) -> None:
     @one_line_errors
     def top(socket_path, interval):
         """Live dashboard: KV block map, prefix-cache hit rate, throughput, requests (q quits)."""
-        from llmd.daemon.client import Client
+        from llmd.daemon.client.client import Client
         from llmd.daemon.protocol import check_socket_path, default_socket_path
 
         path = socket_path or default_socket_path()
