@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmd.kernels.metadata import AttentionMetadata
-from llmd.quant.kv import PagedKVCache
+from llmd.quant.kv import SCALE_FLOOR, PagedKVCache
 
 
 @dataclass
@@ -49,10 +49,24 @@ class _Gather:
             ordered (sequence, KV head, key position).
         bias: ``[N, 1, Q, L]`` float32 additive mask: 0 where the query at row ``q`` sees key
             ``l``, -inf elsewhere (keys past the sequence, before the window, after the query).
+        group: query heads per KV head; ``kv_heads``: KV heads.
     """
 
     rows: torch.Tensor
     bias: torch.Tensor
+    group: int
+    kv_heads: int
+    _scores_bias: dict = field(default_factory=dict, repr=False)
+
+    def scores_bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """The mask laid out like the scores, ``[N * kv_heads, group * Q, L]`` in ``dtype``
+        (built once per step, so ``baddbmm`` adds it inside the matmul)."""
+        b = self._scores_bias.get(dtype)
+        if b is None:
+            n, _, q, length = self.bias.shape
+            b = self.bias[:, :, None].expand(n, self.kv_heads, self.group, q, length).reshape(n * self.kv_heads, self.group * q, length)
+            b = self._scores_bias[dtype] = b.to(dtype)
+        return b
 
 
 @dataclass
@@ -62,6 +76,7 @@ class StepPlan:
     Attributes:
         decode_idx: ``[Bd]`` int64 flat token indices of the decode queries (query length 1),
             or None when the step has none.
+        decode_only: every query of the step is a decode (then ``decode_idx`` is ``0..T-1``).
         decode: the :class:`_Gather` of the decodes (``Q = 1``), or None.
         prefills: ``(token_start, query_len, gather)`` per prefill chunk, ``gather`` with ``N = 1``.
         workspace: output buffers of the gathers, matmuls and softmax, keyed by (role, shape,
@@ -73,6 +88,7 @@ class StepPlan:
     decode_idx: torch.Tensor | None
     decode: _Gather | None
     prefills: list[tuple[int, int, _Gather]]
+    decode_only: bool = False
     workspace: dict = field(default_factory=dict, repr=False)
 
     def buffer(self, role: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -96,7 +112,7 @@ def _key_rows(block_tables: torch.Tensor, first_pos: torch.Tensor, length: int, 
     return (slots[:, None, :] * kv_heads + heads[None, :, None]).reshape(-1)
 
 
-def build_plan(meta: AttentionMetadata, kv_heads: int, sliding_window: int | None) -> StepPlan:
+def build_plan(meta: AttentionMetadata, kv_heads: int, sliding_window: int | None, group: int = 1) -> StepPlan:
     """The step's :class:`StepPlan` (index math on the host, vector ops only per group of
     sequences; one Python iteration per prefill chunk)."""
     qlens = torch.tensor(meta.query_lens_cpu, dtype=torch.int64)
@@ -113,7 +129,7 @@ def build_plan(meta: AttentionMetadata, kv_heads: int, sliding_window: int | Non
         length = int((lens - first).max())
         pos = first[:, None] + torch.arange(length)[None, :]
         bias = torch.zeros(len(sel), 1, 1, length).masked_fill_((pos >= lens[:, None])[:, None, None, :], float("-inf"))
-        decode = _Gather(_key_rows(tables[sel], first, length, bs, kv_heads), bias)
+        decode = _Gather(_key_rows(tables[sel], first, length, bs, kv_heads), bias, group, kv_heads)
         decode_idx = starts[sel]
     prefills = []
     for b in torch.nonzero(~is_dec).flatten().tolist():
@@ -126,16 +142,16 @@ def build_plan(meta: AttentionMetadata, kv_heads: int, sliding_window: int | Non
             visible &= kpos > qpos - sliding_window
         bias = torch.zeros(q_len, seq_len - first).masked_fill_(~visible, float("-inf"))[None, None]
         rows = _key_rows(tables[b : b + 1], torch.tensor([first]), seq_len - first, bs, kv_heads)
-        prefills.append((int(starts[b]), q_len, _Gather(rows, bias)))
-    return StepPlan(decode_idx, decode, prefills)
+        prefills.append((int(starts[b]), q_len, _Gather(rows, bias, group, kv_heads)))
+    return StepPlan(decode_idx, decode, prefills, decode_only=not prefills)
 
 
-def get_plan(meta: AttentionMetadata, kv_heads: int, sliding_window: int | None) -> StepPlan:
+def get_plan(meta: AttentionMetadata, kv_heads: int, sliding_window: int | None, group: int = 1) -> StepPlan:
     """The plan cached on ``meta`` (built by the group's first layer, reused by the others)."""
-    key = ("cpu", kv_heads, sliding_window)
+    key = ("cpu", kv_heads, sliding_window, group)
     plan = meta.plans.get(key)
     if plan is None:
-        plan = meta.plans[key] = build_plan(meta, kv_heads, sliding_window)
+        plan = meta.plans[key] = build_plan(meta, kv_heads, sliding_window, group)
     return plan
 
 
@@ -171,38 +187,38 @@ def _gather_kv(plan: StepPlan, role: str, cache: PagedKVCache, rows: torch.Tenso
         return kv[0], kv[1], None, None
     sdt = torch.float64 if dtype == torch.float64 else torch.float32
     ks, vs = (cache.scales[i].view(-1).index_select(0, rows).view(-1, 1, length).to(sdt) for i in (0, 1))
-    return kv[0], kv[1], ks, vs
+    # masked keys may read never-written slots (scale 0): -inf · 0 would be NaN in the scores
+    return kv[0], kv[1], ks.clamp_min_(SCALE_FLOOR), vs
 
 
-def _attend(plan: StepPlan, role: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
-            k_scales: torch.Tensor | None, v_scales: torch.Tensor | None) -> torch.Tensor:
-    """``softmax(q (k·ks)^T + bias) (v·vs)`` per (sequence, KV head), in the plan's workspace.
+def _attend(plan: StepPlan, role: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: _Gather,
+            scale: float, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None) -> torch.Tensor:
+    """``softmax(scale · q (k·ks)^T + bias) (v·vs)`` per (sequence, KV head).
+
+    The scale and the mask ride in one ``baddbmm``; ``× ks`` after it leaves the mask as it is
+    (0 · s = 0, -inf · s = -inf for s > 0; gathered K scales are clamped to ``SCALE_FLOOR`` so
+    masked, never-written slots cannot give -inf · 0). The softmax upcasts bfloat16 scores to float32.
 
     Args:
-        q: ``[N * kv_heads, group * Q, head_dim]`` scaled queries, compute dtype.
+        q: ``[N * kv_heads, group * Q, head_dim]`` unscaled queries, compute dtype.
         k, v: ``[N * kv_heads, L, head_dim]`` compute dtype (codes for int8/fp8).
-        bias: ``[N, 1, Q, L]`` float32 (broadcast over KV heads and the group).
+        g: the gather (its mask, laid out like the scores).
         k_scales, v_scales: ``[N * kv_heads, 1, L]`` float32/float64 or None.
     Returns:
-        ``[N * kv_heads, group * Q, head_dim]`` in the compute dtype (a workspace buffer: the
-        caller copies it out before the next layer).
+        ``[N * kv_heads, group * Q, head_dim]`` in the compute dtype (a new tensor).
     """
-    n, _, qn, length = bias.shape
-    rows, gq = q.shape[0], q.shape[1]
+    rows, gq, length = q.shape[0], q.shape[1], k.shape[1]
     sdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    scores = torch.bmm(q, k.transpose(1, 2), out=plan.buffer(role + "s", (rows, gq, length), q.dtype))
-    if scores.dtype != sdt:
-        scores = plan.buffer(role + "s32", (rows, gq, length), sdt).copy_(scores)
+    scores = torch.baddbmm(g.scores_bias(q.dtype), q, k.transpose(1, 2), alpha=scale,
+                           out=plan.buffer(role + "s", (rows, gq, length), q.dtype))
     if k_scales is not None:
         scores.mul_(k_scales)
-    scores4 = scores.view(n, -1, qn, length)
-    scores4.add_(bias if bias.dtype == sdt else bias.to(sdt))
-    probs = torch.softmax(scores4, dim=-1, out=plan.buffer(role + "p", scores4.shape, sdt)).view(rows, gq, length)
+    probs = torch.softmax(scores, dim=-1, dtype=sdt, out=plan.buffer(role + "p", (rows, gq, length), sdt))
     if v_scales is not None:
         probs.mul_(v_scales)
     if probs.dtype != v.dtype:
         probs = plan.buffer(role + "p16", (rows, gq, length), v.dtype).copy_(probs)
-    return torch.bmm(probs, v, out=plan.buffer(role + "o", (rows, gq, v.shape[-1]), v.dtype))
+    return torch.bmm(probs, v)
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, meta: AttentionMetadata,
@@ -224,18 +240,23 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, 
     kv_heads = cache.data.shape[3]
     group = num_heads // kv_heads
     cdt = compute_dtype_for(query.dtype)
-    plan = get_plan(meta, kv_heads, sliding_window)
-    qs = query.to(cdt) * scale
+    plan = get_plan(meta, kv_heads, sliding_window, group)
+    q = query.to(cdt)
+    if plan.decode_only:  # the common CPU step: no index maps, no scatter
+        k, v, ks, vs = _gather_kv(plan, "d", cache, plan.decode.rows, plan.decode.bias.shape[-1], cdt)
+        o = _attend(plan, "d", q.reshape(t * kv_heads, group, head_dim), k, v, plan.decode, scale, ks, vs)
+        return o.view(t, num_heads, head_dim).to(query.dtype)
     out = torch.empty(t, num_heads, head_dim, dtype=cdt)
     if plan.decode is not None:
         nd = plan.decode_idx.shape[0]
         k, v, ks, vs = _gather_kv(plan, "d", cache, plan.decode.rows, plan.decode.bias.shape[-1], cdt)
-        qd = qs.index_select(0, plan.decode_idx).view(nd * kv_heads, group, head_dim)
-        o = _attend(plan, "d", qd, k, v, plan.decode.bias, ks, vs).view(nd, num_heads, head_dim)
+        qd = q.index_select(0, plan.decode_idx).view(nd * kv_heads, group, head_dim)
+        o = _attend(plan, "d", qd, k, v, plan.decode, scale, ks, vs).view(nd, num_heads, head_dim)
         out.index_copy_(0, plan.decode_idx, o)
     for start, q_len, g in plan.prefills:
         k, v, ks, vs = _gather_kv(plan, "p", cache, g.rows, g.bias.shape[-1], cdt)
-        qp = qs[start : start + q_len].view(q_len, kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        o = _attend(plan, "p", qp.reshape(kv_heads, group * q_len, head_dim), k, v, g.bias, ks, vs)
-        out[start : start + q_len] = o.view(kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
+        qp = q[start : start + q_len].reshape(q_len, kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        o = _attend(plan, "p", qp.reshape(kv_heads, group * q_len, head_dim), k, v, g, scale, ks, vs)
+        out[start : start + q_len] = o.view(kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(
+            q_len, num_heads, head_dim)
     return out.to(query.dtype)
