@@ -1,6 +1,7 @@
-"""Wire-level facts shared by the daemon and its clients (no torch, no aiohttp).
+"""Wire-level facts shared by the daemon, its clients and ``tui/`` (no torch, no aiohttp; a leaf).
 
-* where the socket lives (:func:`default_socket_path`, :func:`check_socket_path`);
+* where the socket and its lock files live (:func:`default_socket_path`, :func:`check_socket_path`,
+  :func:`lock_path`, :func:`spawn_lock_path`);
 * the OpenAI-style error body (:func:`error_body`);
 * Server-Sent Events framing (:func:`sse`, :data:`SSE_DONE`);
 * the ``GET /v1/stats`` schema, versioned by :data:`STATS_SCHEMA_VERSION` (bump it on any
@@ -38,6 +39,8 @@ from __future__ import annotations
 import json
 import os
 
+from llmd.models.paths import cache_dir
+
 STATS_SCHEMA_VERSION = 1
 SOCKET_NAME = "llmd.sock"
 # sun_path is 108 bytes on Linux (104 on macOS/BSD), including the terminating NUL.
@@ -46,18 +49,28 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 def default_socket_dir() -> str:
-    """``$XDG_RUNTIME_DIR/llmd`` when that variable is set, else ``~/.cache/llmd``
-    (``$XDG_CACHE_HOME/llmd`` when set)."""
+    """``$XDG_RUNTIME_DIR/llmd`` when that variable is set, else llmd's cache directory
+    (``$XDG_CACHE_HOME/llmd``, default ``~/.cache/llmd``)."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime:
         return os.path.join(runtime, "llmd")
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "llmd")
+    return cache_dir()
 
 
 def default_socket_path() -> str:
     """``LLMD_SOCKET`` if set, else ``<default_socket_dir()>/llmd.sock``."""
     return os.environ.get("LLMD_SOCKET") or os.path.join(default_socket_dir(), SOCKET_NAME)
+
+
+def lock_path(socket_path: str) -> str:
+    """The daemon's lock file, ``<socket>.lock``: ``flock``-ed from before the daemon loads its
+    model until its process exits (a second daemon on the path is refused while it is held)."""
+    return socket_path + ".lock"
+
+
+def spawn_lock_path(socket_path: str) -> str:
+    """``<socket>.spawn.lock``: held by a client while it starts a daemon on the path."""
+    return socket_path + ".spawn.lock"
 
 
 def check_socket_path(path: str) -> str | None:

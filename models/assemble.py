@@ -20,6 +20,7 @@ import tempfile
 from dataclasses import dataclass
 
 from llmd.models.errors import ModelNotFoundError
+from llmd.models.paths import cache_dir as llmd_cache_dir
 
 
 @dataclass(frozen=True)
@@ -47,12 +48,6 @@ def package_dir(name: str) -> str | None:
     if spec is None or not spec.submodule_search_locations:
         return None
     return list(spec.submodule_search_locations)[0]
-
-
-def models_cache_dir() -> str:
-    """``$XDG_CACHE_HOME/llmd/models`` (default ``~/.cache/llmd/models``)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "llmd", "models")
 
 
 def chunk_paths(model: ChunkedModel, hint: str) -> list[str]:
@@ -87,7 +82,7 @@ def assemble(model: ChunkedModel, hint: str, cache_dir: str | None = None) -> st
     Args:
         model: which chunks to join.
         hint: the install command, quoted in errors.
-        cache_dir: directory for the result (default :func:`models_cache_dir`).
+        cache_dir: directory for the result (default ``$XDG_CACHE_HOME/llmd/models``).
     Returns:
         Absolute path ``<cache_dir>/<filename>``.
     Raises:
@@ -95,7 +90,7 @@ def assemble(model: ChunkedModel, hint: str, cache_dir: str | None = None) -> st
     """
     chunks = chunk_paths(model, hint)
     total = sum(os.path.getsize(p) for p in chunks)
-    root = cache_dir or models_cache_dir()
+    root = cache_dir or llmd_cache_dir("models")
     target = os.path.join(root, model.filename)
     if os.path.isfile(target) and os.path.getsize(target) == total:
         return target

@@ -66,6 +66,12 @@ class ModelConfig:
         """Sliding window of layer ``i`` in tokens, or None (full attention)."""
         return self.sliding_window[i] if self.sliding_window else None
 
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Every layer's sliding window (tokens) or None, ``num_layers`` entries (all None
+        when the model has no sliding-window layers)."""
+        return self.sliding_window or (None,) * self.num_layers
+
     def layer_rope_theta(self, i: int) -> float:
         """RoPE base frequency of layer ``i``."""
         return self.rope_thetas[i] if self.rope_thetas else self.rope_theta

@@ -1,8 +1,9 @@
-"""Errors with one-line, user-facing messages.
+"""Errors with one-line, user-facing messages: the base class and the model-loading errors.
 
 Every error a user can cause (a missing model, a bad GGUF, a prompt that is too long)
 derives from :class:`LlmdError`; the CLI prints ``str(err)`` on one line and exits 1,
-the HTTP server answers 4xx with it.
+the HTTP server answers 4xx with it. The engine's request errors (with the field they name)
+live in ``llmd.daemon.core.errors``, which re-exports these.
 """
 
 
@@ -16,9 +17,3 @@ class ModelNotFoundError(LlmdError):
 
 class GGUFLoadError(LlmdError):
     """The GGUF file is unreadable, of an unsupported architecture, or its tensors do not map."""
-
-
-class ServerBusyError(LlmdError):
-    """The engine's waiting queue is full; retry after ``retry_after`` seconds (HTTP 429)."""
-
-    retry_after = 1

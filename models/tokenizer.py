@@ -15,12 +15,7 @@ import tempfile
 
 from llmd.models.config import ModelConfig
 from llmd.models.errors import LlmdError
-
-
-def cache_root() -> str:
-    """``$XDG_CACHE_HOME/llmd`` (default ``~/.cache/llmd``)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "llmd")
+from llmd.models.paths import cache_dir as default_cache_dir
 
 
 def gguf_identity(path: str, header_bytes: int) -> str:
@@ -88,7 +83,7 @@ def load_tokenizer(gguf_path: str, config: ModelConfig, header_bytes: int, cache
     from transformers import PreTrainedTokenizerFast  # not AutoTokenizer: it imports modeling_auto
 
     key = f"{gguf_identity(gguf_path, header_bytes)}-tf{transformers.__version__}"
-    root = os.path.join(cache_dir or cache_root(), "tokenizers")
+    root = os.path.join(cache_dir, "tokenizers") if cache_dir else default_cache_dir("tokenizers")
     target = os.path.join(root, key)
     if os.path.isdir(target):
         try:

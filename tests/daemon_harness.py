@@ -4,7 +4,7 @@ Two daemons per session, loaded in parallel (each ~20-30 s on 2 CPU cores):
 
 * ``llmd_daemon``: default settings (context 8192, 512 MiB pool), started with ``Popen``;
 * ``llmd_small_daemon``: context 2048, 128 MiB pool, drain timeout 1 s, started the way
-  ``llmd chat`` starts one (``chat.ensure_daemon``, called from two threads at once to
+  ``llmd chat`` starts one (``spawn.ensure_daemon``, called from two threads at once to
   exercise the spawn lock).
 
 Sockets live under ``tempfile.mkdtemp(prefix="llmd", dir="/tmp")`` (short paths; the
@@ -84,7 +84,7 @@ def _stop(d: Daemon, timeout: float = 30.0) -> None:
 
 
 def _start_small(small: Daemon, errors: list) -> None:
-    from llmd.daemon.client.chat import ensure_daemon
+    from llmd.daemon.client.spawn import ensure_daemon
 
     def one():
         try:

@@ -9,7 +9,7 @@ import pytest
 from llmd.daemon.core.request import SamplingParams
 from llmd.daemon.serving.api import engine_error
 from llmd.daemon.serving.validation import ApiError, parse_request
-from llmd.models.errors import LlmdError, ServerBusyError
+from llmd.daemon.core.errors import LlmdError, ServerBusyError
 
 
 def test_full_waiting_queue_is_429_and_the_engine_keeps_serving(make_engine):
@@ -61,27 +61,33 @@ def test_lone_surrogates_are_400_not_500():
 
 
 def test_oversized_text_is_rejected_before_tokenizing():
-    from llmd.daemon.serving.api import MAX_CHARS_PER_TOKEN, _check_prompt_size
+    from llmd.daemon.core.input_processor import MAX_CHARS_PER_TOKEN
+    from llmd.daemon.serving.api import check_size
 
-    _check_prompt_size("x" * (MAX_CHARS_PER_TOKEN * 100), 100)  # at the limit: left to the tokenizer
+    check_size("x" * (MAX_CHARS_PER_TOKEN * 100), 100, chat=False)  # at the limit: left to the tokenizer
     with pytest.raises(ApiError, match="characters") as ei:
-        _check_prompt_size("x" * (MAX_CHARS_PER_TOKEN * 100 + 1), 100)
-    assert ei.value.status == 400
+        check_size("x" * (MAX_CHARS_PER_TOKEN * 100 + 1), 100, chat=False)
+    assert ei.value.status == 400 and ei.value.param == "prompt"
     with pytest.raises(ApiError) as ei:
-        _check_prompt_size([{"role": "user", "content": "y" * 7000}], 100)
+        check_size([{"role": "user", "content": "y" * 7000}], 100, chat=True)
     assert ei.value.param == "messages"
 
 
 def test_engine_rejections_name_the_endpoints_prompt_field():
     """A chat request the engine rejects (no chat template, prompt too long) names ``messages``;
-    a completion names ``prompt``; a max_tokens problem names ``max_tokens``."""
+    a completion names ``prompt``; a max_tokens problem names ``max_tokens``: the field travels
+    in the error (``RequestError.param``), never guessed from its message."""
+    from llmd.daemon.core.errors import LlmdError, RequestError
     from llmd.daemon.serving.api import engine_error
-    from llmd.models.errors import LlmdError
 
     e = LlmdError("model gemma3-270m has no chat template; drop --chat / use /v1/completions")
     assert engine_error(e, chat=True).param == "messages"
     assert engine_error(e, chat=False).param == "prompt"
-    assert engine_error(LlmdError("max_tokens 9000 exceeds the context"), chat=True).param == "max_tokens"
+    too_long = RequestError("prompt has 9000 tokens but the context is 8192 tokens", "prompt")
+    assert engine_error(too_long, chat=True).param == "messages"
+    assert engine_error(RequestError("prompt (10 tokens) + max_tokens (9000) = 9010 exceeds", "max_tokens"),
+                        chat=True).param == "max_tokens"
+    assert engine_error(RequestError("the message names max_tokens", None), chat=False).param == "prompt"
 
 
 def test_deeply_nested_json_is_400_and_type_names_are_json_names():

@@ -83,7 +83,7 @@ def test_stop_waits_for_the_daemon_process_to_exit(tmp_path):
     """`llmd stop` returns only once the daemon's lock is released (process exit), not when its
     socket file disappears (the daemon removes it first): `llmd serve` can reclaim the path at
     once. A stand-in process holds ``<socket>.lock`` for 1.5 s after the socket file is gone."""
-    from llmd.daemon.client.chat import lock_held, pid_running, wait_for_daemon_exit
+    from llmd.daemon.client.spawn import lock_held, pid_running, wait_for_daemon_exit
 
     sock = str(tmp_path / "s.sock")
     holder = subprocess.Popen([sys.executable, "-c", f"""

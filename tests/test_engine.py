@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from llmd.daemon.core.request import SamplingParams
-from llmd.models.errors import LlmdError
+from llmd.daemon.core.errors import LlmdError
 
 
 def mixed_prompts(tokenizer) -> list[list[int]]:

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from llmd.daemon.cli.main import main
 from llmd.daemon.core.config import EngineConfig, cpu_has_native_bf16, default_threads
-from llmd.models.errors import LlmdError
+from llmd.daemon.core.errors import LlmdError
 
 
 def probes(monkeypatch, avx512_bf16: bool, amx: bool, mkldnn_bf16: bool = True) -> None:

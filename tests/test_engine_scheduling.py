@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from llmd.daemon.core.request import SamplingParams
-from llmd.models.errors import LlmdError
+from llmd.daemon.core.errors import LlmdError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

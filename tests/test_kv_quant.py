@@ -6,7 +6,7 @@ import torch
 from llmd.daemon.core.config import EngineConfig, parse_kv_scales
 from llmd.daemon.core.kv_size import kv_cache_bytes_per_token, kv_size_rows
 from llmd.kernels import reference
-from llmd.models.errors import LlmdError
+from llmd.daemon.core.errors import LlmdError
 from llmd.quant.kv import (
     KV_CACHE_FORMATS, PagedKVCache, compute_scales, dequantize, get_format, quantize, quantize_dequantize, round_half_even,
 )

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmd.daemon.core.engine import RequestOutput
+from types import SimpleNamespace
+
+from llmd.daemon.core.stats import FinishedRequestStats, IterationStats
 from llmd.daemon.serving.metrics import DaemonMetrics
 
 VLLM_NAMES = ["vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
@@ -69,12 +71,17 @@ def test_metrics_endpoint_counts_requests(llmd_daemon):
 
 def test_vllm_compat_names():
     m = DaemonMetrics("tiny", compat="vllm")
-    m.on_arrival("r-0", 10.0)
-    m.on_step(4)
-    m.on_output(RequestOutput("r-0", new_token_ids=[1]), 10.5)
-    m.on_output(RequestOutput("r-0", new_token_ids=[2], finished=True, finish_reason="stop"), 10.75)
-    m.refresh({"scheduler": {"running": 1, "waiting": 2}, "kv_cache": {"usage": 0.25},
-               "prefix_cache": {"queries": 8, "hits": 3}, "counters": {"num_preemptions": 1}})
+
+    def stats(running, waiting, usage):  # the fields of EngineStats that metrics read
+        return SimpleNamespace(scheduler=SimpleNamespace(running=running, waiting=waiting),
+                               kv_cache=SimpleNamespace(usage=usage), prefix_cache=SimpleNamespace(queries=8, hits=3),
+                               counters=SimpleNamespace(num_preemptions=1))
+
+    # a request arriving at 10.0: 4 prompt tokens, its first token at 10.5, the second (last) at 10.75
+    m.record(IterationStats(num_prompt_tokens=4, num_generation_tokens=1, time_to_first_tokens_s=[0.5]))
+    m.record(IterationStats(num_generation_tokens=1, inter_token_latencies_s=[0.25],
+                            finished=[FinishedRequestStats("r-0", "stop", 0.75)]))
+    m.refresh(stats(1, 2, 0.25))
     samples = parse(m.render().decode())
     for prefix in ("llmd:", "vllm:"):
         for name in VLLM_NAMES:
@@ -89,8 +96,7 @@ def test_vllm_compat_names():
         assert samples[(prefix + "inter_token_latency_seconds_sum", ())] == 0.25
         assert samples[(prefix + "e2e_request_latency_seconds_sum", ())] == 0.75
         assert samples[(prefix + "request_success_total", (("finished_reason", "stop"),))] == 1
-    m.refresh({"scheduler": {"running": 0, "waiting": 0}, "kv_cache": {"usage": 0.0},
-               "prefix_cache": {"queries": 8, "hits": 3}, "counters": {"num_preemptions": 1}})
+    m.refresh(stats(0, 0, 0.0))
     assert parse(m.render().decode())[("vllm:prefix_cache_hits_total", ())] == 3  # synced once, not re-added
     assert DaemonMetrics("a").registry is not DaemonMetrics("a").registry  # per-daemon registries
 

@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from llmd.daemon.core.request import SamplingParams
-from llmd.daemon.core.scheduler import ScheduledRequest, SchedulerOutput
+from llmd.daemon.core.outputs import ScheduledRequest, SchedulerOutput
 from llmd.models.llama import unpermute_qk
 
 

@@ -12,7 +12,8 @@ from test_scheduler import BIG, Harness, alone, blocks_for, make_req, prompt_of,
 
 from llmd.daemon.kv import KVCacheManager
 from llmd.daemon.core.request import Request, RequestStatus, SamplingParams
-from llmd.daemon.core.scheduler import QueueFullError, Scheduler
+from llmd.daemon.core.errors import QueueFullError
+from llmd.daemon.core.scheduler import Scheduler
 
 
 def with_priority(req: Request, priority: int) -> Request:

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from llmd.daemon.kv import KVCacheManager
 from llmd.daemon.core.request import Request, RequestStatus, SamplingParams
-from llmd.daemon.core.scheduler import Scheduler, SchedulerOutput
+from llmd.daemon.core.outputs import SchedulerOutput
+from llmd.daemon.core.scheduler import Scheduler
 
 BIG = 10**9
 

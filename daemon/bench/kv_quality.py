@@ -1,7 +1,7 @@
 """KV cache quality (cases Q1 and Q4): teacher-forced NLL and top-1 agreement per ``--kv-cache-dtype``.
 
 A fixed ~1,000-token text is fed in chunks of 64 tokens through the engine's own runner and
-paged cache: each chunk stores its K/V (quantized) first and attends to what it reads back
+paged cache (:meth:`Engine.teacher_forced_logits`): each chunk stores its K/V (quantized) first and attends to what it reads back
 (store-then-read), so the quantized cache is what is measured. For every KV dtype we report
 mean NLL of the next token, ΔNLL relative to the model-dtype cache, and top-1 agreement with
 the model-dtype run. :func:`hf_fake_quant_nll` is the independent reference: HF transformers
@@ -29,7 +29,6 @@ import torch
 
 from llmd.daemon.core.config import EngineConfig
 from llmd.daemon.core.engine import Engine
-from llmd.daemon.core.scheduler import ScheduledRequest, SchedulerOutput
 from llmd.quant.kv import SCALE_FLOOR, KVCacheFormat, get_format
 
 KV_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
@@ -48,61 +47,6 @@ class QualityRow:
     argmax: torch.Tensor = field(repr=False, default=None)
 
 
-@torch.inference_mode()
-def teacher_forced_logits(engine: Engine, ids: list[int], chunk: int = 64, cached_prefix: int = 0) -> torch.Tensor:
-    """Logits of every position of ``ids``, prefilled ``chunk`` tokens per step through the paged cache.
-
-    ``cached_prefix`` > 0 repeats case Q1 with the prefix served from the prefix cache: a first
-    request computes ``ids[:cached_prefix]`` and leaves its full blocks cached; the request for
-    all of ``ids`` then looks its prefix up as the scheduler does at admission, shares those
-    blocks (prefix cache hit) and computes only the rest, in the same chunk boundaries when
-    ``cached_prefix`` is a multiple of ``chunk``. The logits are the first request's followed by
-    the second's.
-
-    Returns:
-        ``[len(ids), vocab]`` float32 (CPU).
-    Raises:
-        RuntimeError: the pool cannot hold ``ids``, or (``cached_prefix``) prefix caching is off
-            or the lookup hit fewer than the prefix's full blocks.
-    """
-    mgr = engine.kv_manager
-    if not cached_prefix:
-        return _run_chunks(engine, "kv-quality", ids, 0, [], chunk)
-    if not mgr.enable_caching:
-        raise RuntimeError("cached_prefix needs prefix caching (enable_prefix_caching)")
-    head = _run_chunks(engine, "kv-quality-prefix", ids[:cached_prefix], 0, [], chunk, cache=True)
-    hit, blocks = mgr.get_computed_blocks("kv-quality", ids, len(ids))
-    want = cached_prefix // mgr.block_size * mgr.block_size
-    if hit != want:
-        raise RuntimeError(f"prefix cache hit {hit} tokens, expected {want}")
-    return torch.cat([head[:hit], _run_chunks(engine, "kv-quality", ids, hit, blocks, chunk)])
-
-
-def _run_chunks(engine: Engine, rid: str, ids: list[int], start: int, hit_blocks: list, chunk: int,
-                cache: bool = False) -> torch.Tensor:
-    """Logits ``[len(ids) - start, vocab]`` of positions ``start..``: ``start`` tokens are prefix
-    cache hits (``hit_blocks`` from ``get_computed_blocks``), the rest computed in ``chunk``s.
-    ``cache``: register the full blocks in the prefix cache before freeing them."""
-    runner, mgr = engine.runner, engine.kv_manager
-    if mgr.allocate_slots(rid, len(ids), start or None, hit_blocks if start else None) is None:
-        raise RuntimeError(f"KV pool too small for {len(ids)} tokens")
-    try:
-        tables = mgr.get_block_tables(rid)
-        out = []
-        for pos in range(start, len(ids), chunk):
-            piece = ids[pos : pos + chunk]
-            sched = SchedulerOutput()
-            sched.scheduled.append(ScheduledRequest(rid, piece, pos, tables, True, True))
-            input_ids, positions, meta, _ = runner.prepare_inputs(sched)
-            hidden = runner.model(input_ids, positions, runner.layer_caches, meta)
-            out.append(runner.model.compute_logits(hidden).float().cpu())
-        if cache:
-            mgr.cache_blocks(rid, ids, len(ids))
-        return torch.cat(out)
-    finally:
-        mgr.free(rid)
-
-
 def nll_and_argmax(logits: torch.Tensor, ids: list[int]) -> tuple[float, torch.Tensor]:
     """Mean NLL of ``ids[1:]`` under ``logits[:-1]`` ``[N, vocab]``, and the argmax ``[N - 1]``."""
     lp = torch.log_softmax(logits[:-1].float(), dim=-1)
@@ -114,10 +58,10 @@ def quality_row(model, tokenizer, ids: list[int], kv_cache_dtype: str, base: Qua
                 chunk: int = 64, cached_prefix: int = 0, **engine_kw) -> QualityRow:
     """Teacher-forced quality of one KV dtype on a loaded model, relative to ``base`` (the
     ``auto`` row; None = this run is the base). ``cached_prefix``: tokens served from the
-    prefix cache (:func:`teacher_forced_logits`). ``engine_kw``: EngineConfig fields (device,
+    prefix cache (:meth:`Engine.teacher_forced_logits`). ``engine_kw``: EngineConfig fields (device,
     dtype, attention_backend, kv_cache_memory, ...)."""
     engine = Engine(model, tokenizer, EngineConfig(kv_cache_dtype=kv_cache_dtype, **engine_kw))
-    nll, top = nll_and_argmax(teacher_forced_logits(engine, ids, chunk, cached_prefix), ids)
+    nll, top = nll_and_argmax(engine.teacher_forced_logits(ids, chunk, cached_prefix), ids)
     base_nll, base_top = (nll, top) if base is None else (base.nll, base.argmax)
     return QualityRow(kv_cache_dtype, engine.bytes_per_token, nll, 100 * (nll - base_nll) / base_nll,
                       (top == base_top).float().mean().item(), top)
@@ -195,6 +139,30 @@ def hf_fake_quant(hf_model, ids: list[int], kv_cache_dtype: str) -> tuple[float,
 def hf_fake_quant_nll(hf_model, ids: list[int], kv_cache_dtype: str) -> float:
     """Mean NLL of :func:`hf_fake_quant` (the independent reference of case Q4)."""
     return hf_fake_quant(hf_model, ids, kv_cache_dtype)[0]
+
+
+def hf_reference_table(engine: Engine, ids: list[int], rows: list[QualityRow]) -> list[str]:
+    """Lines of ``llmd bench kv-quality --hf-reference``: HF transformers' NLL on the same text
+    (the GGUF's dequantized float32 weights, cast to the engine's dtype) and, per quantized row,
+    llmd's ΔNLL beside HF's fake-quant ΔNLL (:func:`hf_fake_quant_nll`)."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    from llmd.models.registry import resolve_model
+
+    path = resolve_model(engine.config.model)
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                              dtype=torch.float32).eval()
+    hf = hf.to(engine.config.torch_dtype)  # float32 dequantized GGUF weights, cast as llmd's are
+    with torch.inference_mode():
+        base = nll_and_argmax(hf(torch.tensor([ids])).logits[0], ids)[0]
+    lines = [f"HF transformers fake-quant reference: NLL {base:.4f} ({engine.config.dtype})"]
+    for r in rows[1:]:
+        ref = 100 * (hf_fake_quant_nll(hf, ids, r.kv_cache_dtype) - base) / base
+        lines.append(f"{r.kv_cache_dtype:<10} ΔNLL llmd {r.delta_nll_pct:.3f}%  HF fake-quant {ref:.3f}%  "
+                     f"|diff| {abs(r.delta_nll_pct - ref):.3f} pp")
+    return lines
 
 
 def format_table(rows: list[QualityRow]) -> list[str]:

@@ -49,7 +49,7 @@ from llmd.daemon.bench.step_report import format_table
 from llmd.daemon.core.config import EngineConfig
 from llmd.daemon.core.request import Request, SamplingParams
 from llmd.daemon.core.scheduler import ScheduledRequest, SchedulerOutput
-from llmd.models.errors import LlmdError
+from llmd.daemon.core.errors import LlmdError
 
 
 

@@ -1,90 +1,187 @@
-"""``llmd bench prefix`` (and later bench commands), registered on the ``bench`` group of
-:mod:`llmd.daemon.cli.main`, which passes its shared helpers in so this module never imports it."""
+"""``llmd bench ...``: the benchmark commands (what they run lives in :mod:`llmd.daemon.bench`)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import click
 
+from llmd.daemon.cli.common import build_engine, engine_options, one_line_errors, socket_option, socket_path_of
+from llmd.daemon.core.errors import LlmdError
 
-def register(bench, engine_options, one_line_errors, build_engine) -> None:
-    """Add the commands of this module to the ``bench`` click group."""
 
-    @bench.command("prefix")
-    @click.option("--system-tokens", default=1000, show_default=True, type=int, help="System prompt length (tokens).")
-    @click.option("--users", default=4, show_default=True, type=int, help="Chats in the sequential scenario.")
-    @click.option("--turns", default=3, show_default=True, type=int, help="Turns per chat (history resent each turn).")
-    @click.option("--max-tokens", default=16, show_default=True, type=int, help="New tokens per request (greedy).")
-    @engine_options
-    @one_line_errors
-    def bench_prefix(system_tokens, users, turns, max_tokens, **engine_kw):
-        """Median TTFT and prompt tokens computed with prefix caching on vs off (same model, one run)."""
-        from llmd.daemon.bench.prefix import run_prefix_bench
+@click.group()
+def bench():
+    """Benchmarks that print side-by-side ratios measured in one run."""
 
-        engine = build_engine(**engine_kw)
-        run_prefix_bench(engine, system_tokens, users, turns, max_tokens, echo=click.echo)
 
-    @bench.command("hybrid")
-    @click.option("--seq-tokens", default=2048, show_default=True, type=int, help="Tokens per sequence (prompt + new).")
-    @click.option("--new-tokens", default=16, show_default=True, type=int, help="Greedy tokens generated per sequence.")
-    @click.option("--num-requests", default=None, type=int, help="Sequences (default: one more than the hybrid layout fits).")
-    @engine_options
-    @one_line_errors
-    def bench_hybrid(seq_tokens, new_tokens, num_requests, **engine_kw):
-        """Long sequences decoding at once in one KV budget: hybrid KV cache groups vs every layer
-        global (use a model with sliding-window layers: --model gemma3-270m)."""
-        from llmd.daemon.bench.hybrid import run_hybrid_bench
+@bench.command("throughput")
+@click.option("--num-requests", default=32, show_default=True, type=int)
+@click.option("--min-prompt", default=16, show_default=True, type=int)
+@click.option("--max-prompt", default=256, show_default=True, type=int)
+@click.option("--min-output", default=8, show_default=True, type=int)
+@click.option("--max-output", default=128, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=int)
+@engine_options
+@one_line_errors
+def bench_throughput(num_requests, min_prompt, max_prompt, min_output, max_output, seed, **engine_kw):
+    """Continuous vs static batching on the same seeded mixed-length requests."""
+    from llmd.daemon.bench.throughput import run_throughput_bench
 
-        engine = build_engine(**engine_kw)
-        run_hybrid_bench(engine, seq_tokens, new_tokens, num_requests, echo=click.echo)
+    engine = build_engine(**engine_kw)
+    run_throughput_bench(engine, num_requests, (min_prompt, max_prompt), (min_output, max_output), seed, echo=click.echo)
 
-    @bench.command("chunked-prefill")
-    @click.option("--num-decoders", default=4, show_default=True, type=int, help="Requests decoding throughout.")
-    @click.option("--decode-tokens", default=32, show_default=True, type=int, help="Greedy tokens each decoder generates.")
-    @click.option("--long-prompt", default=1024, show_default=True, type=int, help="Tokens of each periodic long prompt.")
-    @click.option("--period", default=8, show_default=True, type=int, help="A long prompt every this many decoded tokens.")
-    @engine_options
-    @one_line_errors
-    def bench_chunked_prefill(num_decoders, decode_tokens, long_prompt, period, **engine_kw):
-        """ITL of decoding requests while long prompts arrive: chunked prefill on vs off (one run)."""
-        from llmd.daemon.bench.chunked import run_chunked_prefill_bench
 
-        engine = build_engine(**engine_kw)
-        run_chunked_prefill_bench(engine, num_decoders, decode_tokens, long_prompt, period, echo=click.echo)
+@bench.command("kv-quality")
+@click.option("--chunk", default=64, show_default=True, type=int, help="Teacher-forcing chunk (tokens); store-then-read.")
+@click.option("--hf-reference", is_flag=True, help="Also run HF transformers with fake-quantized K/V (loads the HF model, in --dtype).")
+@click.option("--cached-prefix", default=0, show_default=True, type=int,
+              help="Serve this many leading tokens from the prefix cache (a first request computes them); 0 = off.")
+@engine_options
+@one_line_errors
+def bench_kv_quality(chunk, hf_reference, cached_prefix, kv_cache_dtype, **engine_kw):
+    """Teacher-forced ΔNLL and top-1 agreement per KV dtype on a fixed ~1,000-token text (cases Q1/Q4)."""
+    from llmd.daemon.bench.kv_quality import KV_DTYPES, format_table, hf_reference_table, kv_quality
+    from llmd.daemon.bench.kv_quality_text import QUALITY_TEXT
 
-    def int_list(ctx, param, value):
-        try:
-            out = [int(x) for x in value.split(",") if x.strip()]
-        except ValueError:
-            raise click.BadParameter(f"comma-separated integers expected, got {value!r}") from None
-        if not out or min(out) < 1:
-            raise click.BadParameter(f"positive integers expected, got {value!r}")
-        return out
+    kv_scales = engine_kw.pop("kv_scales", None)  # for the quantized rows (the first engine is auto)
+    if kv_scales is not None:  # fail before the weights load
+        from llmd.daemon.core.config import EngineConfig
 
-    def name_list(ctx, param, value):
-        return [x.strip() for x in value.split(",") if x.strip()]
+        EngineConfig(device=engine_kw.get("device") or "cpu", kv_cache_dtype="int8", kv_scales=kv_scales).resolve()
+    if cached_prefix < 0:
+        raise LlmdError(f"--cached-prefix must be >= 0 tokens, got {cached_prefix}")
+    engine = build_engine(**engine_kw)
+    ids = engine.input_processor.tokenize(QUALITY_TEXT)
+    kw = {k: getattr(engine.config, k) for k in ("device", "dtype", "block_size", "kv_cache_memory", "attention_backend", "threads")}
+    t0 = time.monotonic()
+    if not 0 <= cached_prefix < len(ids):
+        raise LlmdError(f"--cached-prefix must be in [0, {len(ids)}) tokens, got {cached_prefix}")
+    if cached_prefix and not engine.config.enable_prefix_caching:
+        raise LlmdError("--cached-prefix needs prefix caching (drop --no-prefix-caching)")
+    rows = kv_quality(engine.runner.model, engine.tokenizer, ids, KV_DTYPES, chunk, cached_prefix, kv_scales, **kw)
+    served = f", first {cached_prefix // engine.config.block_size * engine.config.block_size} from the prefix cache" if cached_prefix else ""
+    served += f", static KV scales k={kv_scales[0]:g} v={kv_scales[1]:g}" if kv_scales else ""
+    click.echo(f"{engine.model_config.name}: {len(ids)} tokens{served}, chunks of {chunk}, {engine.config.dtype} weights, "
+               f"attention {engine.config.attention_backend} ({time.monotonic() - t0:.0f} s)")
+    for line in format_table(rows):
+        click.echo(line)
+    if hf_reference:
+        for line in hf_reference_table(engine, ids, rows):
+            click.echo(line)
 
-    # bench step takes --dtype / --attention-backend as lists, sizes the KV pool itself and
-    # bypasses the scheduler, so those engine options are left off (the rest apply as usual)
-    not_for_step = {"dtype", "attention_backend", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
-                    "max_model_len", "enable_prefix_caching", "prefix_cache_seed", "max_prefill_chunk", "max_num_waiting"}
 
-    def step_engine_options(fn):
-        fn = engine_options(fn)
-        fn.__click_params__ = [p for p in fn.__click_params__ if p.name not in not_for_step]
-        return fn
+@bench.command("kernels")
+@click.option("--block-n", default=64, show_default=True, type=int, help="Tokens per K/V tile in the decode kernel.")
+@one_line_errors
+def bench_kernels(block_n):
+    """Paged decode attention (bf16/int8/fp8 KV) vs torch SDPA and a d2d copy on the Llama-3-8B shape (CUDA)."""
+    import torch
 
-    @bench.command("step")
-    @click.option("--batch", default="1,8,32,64", show_default=True, callback=int_list, help="Batch sizes (decoding sequences), comma-separated.")
-    @click.option("--context", default="256,1024", show_default=True, callback=int_list, help="Tokens cached per sequence, comma-separated.")
-    @click.option("--dtype", "dtypes", default="float32,bfloat16", show_default=True, callback=name_list, help="Model dtypes, comma-separated (weights loaded once each).")
-    @click.option("--attention-backend", "backends", default="torch,cpu", show_default=True, callback=name_list, help="Attention backends, comma-separated (torch = the reference).")
-    @click.option("--reps", default=5, show_default=True, type=click.IntRange(min=1), help="Timed repetitions per component (median; after one warm-up).")
-    @click.option("--bandwidth-mib", default=512, show_default=True, type=click.IntRange(min=1), help="Tensor size of the read-bandwidth measurement (MiB).")
-    @step_engine_options
-    @one_line_errors
-    def bench_step(batch, context, dtypes, backends, reps, bandwidth_mib, **engine_kw):
-        """Per-step time of decode steps split into preparation, linears, lm_head, attention and
-        sampling, beside the linears-only and KV-read floors (the KV pool is sized to fit)."""
-        from llmd.daemon.bench.step import run_step_bench
+    if not torch.cuda.is_available():
+        raise LlmdError("llmd bench kernels needs a CUDA device (see benchmarks/gpu_kernels.sh)")
+    from llmd.kernels.bench import run_kernel_bench
 
-        run_step_bench(engine_kw, dtypes, backends, batch, context, reps, bandwidth_mib, echo=click.echo)
+    run_kernel_bench(click.echo, block_n=block_n)
+
+
+@bench.command("prefix")
+@click.option("--system-tokens", default=1000, show_default=True, type=int, help="System prompt length (tokens).")
+@click.option("--users", default=4, show_default=True, type=int, help="Chats in the sequential scenario.")
+@click.option("--turns", default=3, show_default=True, type=int, help="Turns per chat (history resent each turn).")
+@click.option("--max-tokens", default=16, show_default=True, type=int, help="New tokens per request (greedy).")
+@engine_options
+@one_line_errors
+def bench_prefix(system_tokens, users, turns, max_tokens, **engine_kw):
+    """Median TTFT and prompt tokens computed with prefix caching on vs off (same model, one run)."""
+    from llmd.daemon.bench.prefix import run_prefix_bench
+
+    engine = build_engine(**engine_kw)
+    run_prefix_bench(engine, system_tokens, users, turns, max_tokens, echo=click.echo)
+
+@bench.command("hybrid")
+@click.option("--seq-tokens", default=2048, show_default=True, type=int, help="Tokens per sequence (prompt + new).")
+@click.option("--new-tokens", default=16, show_default=True, type=int, help="Greedy tokens generated per sequence.")
+@click.option("--num-requests", default=None, type=int, help="Sequences (default: one more than the hybrid layout fits).")
+@engine_options
+@one_line_errors
+def bench_hybrid(seq_tokens, new_tokens, num_requests, **engine_kw):
+    """Long sequences decoding at once in one KV budget: hybrid KV cache groups vs every layer
+    global (use a model with sliding-window layers: --model gemma3-270m)."""
+    from llmd.daemon.bench.hybrid import run_hybrid_bench
+
+    engine = build_engine(**engine_kw)
+    run_hybrid_bench(engine, seq_tokens, new_tokens, num_requests, echo=click.echo)
+
+@bench.command("chunked-prefill")
+@click.option("--num-decoders", default=4, show_default=True, type=int, help="Requests decoding throughout.")
+@click.option("--decode-tokens", default=32, show_default=True, type=int, help="Greedy tokens each decoder generates.")
+@click.option("--long-prompt", default=1024, show_default=True, type=int, help="Tokens of each periodic long prompt.")
+@click.option("--period", default=8, show_default=True, type=int, help="A long prompt every this many decoded tokens.")
+@engine_options
+@one_line_errors
+def bench_chunked_prefill(num_decoders, decode_tokens, long_prompt, period, **engine_kw):
+    """ITL of decoding requests while long prompts arrive: chunked prefill on vs off (one run)."""
+    from llmd.daemon.bench.chunked import run_chunked_prefill_bench
+
+    engine = build_engine(**engine_kw)
+    run_chunked_prefill_bench(engine, num_decoders, decode_tokens, long_prompt, period, echo=click.echo)
+
+def int_list(ctx, param, value):
+    try:
+        out = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"comma-separated integers expected, got {value!r}") from None
+    if not out or min(out) < 1:
+        raise click.BadParameter(f"positive integers expected, got {value!r}")
+    return out
+
+def name_list(ctx, param, value):
+    return [x.strip() for x in value.split(",") if x.strip()]
+
+# bench step takes --dtype / --attention-backend as lists, sizes the KV pool itself and
+# bypasses the scheduler, so those engine options are left off (the rest apply as usual)
+not_for_step = {"dtype", "attention_backend", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
+                "max_model_len", "enable_prefix_caching", "prefix_cache_seed", "max_prefill_chunk", "max_num_waiting"}
+
+def step_engine_options(fn):
+    fn = engine_options(fn)
+    fn.__click_params__ = [p for p in fn.__click_params__ if p.name not in not_for_step]
+    return fn
+
+@bench.command("step")
+@click.option("--batch", default="1,8,32,64", show_default=True, callback=int_list, help="Batch sizes (decoding sequences), comma-separated.")
+@click.option("--context", default="256,1024", show_default=True, callback=int_list, help="Tokens cached per sequence, comma-separated.")
+@click.option("--dtype", "dtypes", default="float32,bfloat16", show_default=True, callback=name_list, help="Model dtypes, comma-separated (weights loaded once each).")
+@click.option("--attention-backend", "backends", default="torch,cpu", show_default=True, callback=name_list, help="Attention backends, comma-separated (torch = the reference).")
+@click.option("--reps", default=5, show_default=True, type=click.IntRange(min=1), help="Timed repetitions per component (median; after one warm-up).")
+@click.option("--bandwidth-mib", default=512, show_default=True, type=click.IntRange(min=1), help="Tensor size of the read-bandwidth measurement (MiB).")
+@step_engine_options
+@one_line_errors
+def bench_step(batch, context, dtypes, backends, reps, bandwidth_mib, **engine_kw):
+    """Per-step time of decode steps split into preparation, linears, lm_head, attention and
+    sampling, beside the linears-only and KV-read floors (the KV pool is sized to fit)."""
+    from llmd.daemon.bench.step import run_step_bench
+
+    run_step_bench(engine_kw, dtypes, backends, batch, context, reps, bandwidth_mib, echo=click.echo)
+
+
+@bench.command("serve")
+@socket_option
+@click.option("--num-requests", default=64, show_default=True, type=int)
+@click.option("--rate", default=4.0, show_default=True, type=float, help="Poisson arrival rate, requests/s.")
+@click.option("--min-prompt", default=16, show_default=True, type=int)
+@click.option("--max-prompt", default=256, show_default=True, type=int)
+@click.option("--min-output", default=8, show_default=True, type=int)
+@click.option("--max-output", default=128, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=int)
+@one_line_errors
+def bench_serve(socket_path, num_requests, rate, min_prompt, max_prompt, min_output, max_output, seed):
+    """Open-loop load on a running daemon: throughput, TTFT, TPOT, ITL p50/p99."""
+    from llmd.daemon.bench.serve import run_serve_bench
+
+    if rate <= 0 or num_requests < 1:
+        raise LlmdError("--rate must be > 0 and --num-requests >= 1")
+    asyncio.run(run_serve_bench(socket_path_of(socket_path), num_requests, rate, (min_prompt, max_prompt),
+                                (min_output, max_output), seed, echo=click.echo))

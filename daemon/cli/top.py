@@ -1,6 +1,5 @@
 """``llmd top``: the live dashboard of a running daemon (the Textual app lives in ``tui/``).
 
-:func:`register` adds the command to the click group (as ``cli_daemon.register`` does).
 Textual is imported only when the command runs, so other commands start as fast as before.
 """
 
@@ -8,28 +7,25 @@ from __future__ import annotations
 
 import click
 
-from llmd.models.errors import LlmdError
+from llmd.daemon.cli.common import one_line_errors, socket_option, socket_path_of
+from llmd.daemon.core.errors import LlmdError
 
 
-def register(main, one_line_errors) -> None:
-    """Add ``llmd top`` to ``main``."""
+@click.command()
+@socket_option
+@click.option("--interval", default=1.0, show_default=True, type=float, help="Seconds between stats polls.")
+@one_line_errors
+def top(socket_path, interval):
+    """Live dashboard: KV block map, prefix-cache hit rate, throughput, requests (q quits)."""
+    from llmd.daemon.client.client import Client
+    from llmd.daemon.protocol import check_socket_path
 
-    @main.command()
-    @click.option("--socket", "socket_path", default=None,
-                  help="Daemon socket (default: $LLMD_SOCKET, else $XDG_RUNTIME_DIR/llmd/llmd.sock, else ~/.cache/llmd/llmd.sock).")
-    @click.option("--interval", default=1.0, show_default=True, type=float, help="Seconds between stats polls.")
-    @one_line_errors
-    def top(socket_path, interval):
-        """Live dashboard: KV block map, prefix-cache hit rate, throughput, requests (q quits)."""
-        from llmd.daemon.client.client import Client
-        from llmd.daemon.protocol import check_socket_path, default_socket_path
+    path = socket_path_of(socket_path)
+    problem = check_socket_path(path)
+    if problem:
+        raise LlmdError(problem)
+    if not 0.05 <= interval <= 3600:
+        raise LlmdError(f"--interval must be in [0.05, 3600] seconds, got {interval:g}")
+    from llmd.tui.app import TopApp
 
-        path = socket_path or default_socket_path()
-        problem = check_socket_path(path)
-        if problem:
-            raise LlmdError(problem)
-        if not 0.05 <= interval <= 3600:
-            raise LlmdError(f"--interval must be in [0.05, 3600] seconds, got {interval:g}")
-        from llmd.tui.app import TopApp
-
-        TopApp(Client(path, timeout=max(5.0, 3 * interval)), interval=interval).run()
+    TopApp(Client(path, timeout=max(5.0, 3 * interval)), interval=interval).run()

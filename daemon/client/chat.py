@@ -1,9 +1,9 @@
 """``llmd chat``: a streaming REPL over the daemon (or an in-process engine).
 
-No daemon on the socket → one is started in the background (``llmd serve``, its own
-session, logging to ``~/.cache/llmd/daemon.log``) under a lock (``<socket>.spawn.lock``)
-so two chats never both spawn one, and the chat shows progress until ``/health`` answers.
-That daemon keeps running after the chat exits; ``llmd stop`` ends it.
+A backend streams replies (``stream_chat``) and answers ``/stats`` (``stats_line``):
+:class:`DaemonBackend` talks to a daemon that :func:`llmd.daemon.client.spawn.ensure_daemon`
+found or started; ``llmd chat --no-daemon`` brings its own over an in-process engine
+(``llmd.daemon.cli.chat``). Both format ``/stats`` with :func:`stats_line`.
 
 REPL: ``/reset``, ``/system TEXT``, ``/stats``, ``/exit``; a line ending in ``\\`` continues
 on the next line; Ctrl-C cancels the reply being streamed (closing the connection makes
@@ -12,169 +12,22 @@ the daemon abort it) and returns to the prompt; Ctrl-D exits.
 
 from __future__ import annotations
 
-import fcntl
-import os
-import subprocess
 import sys
-import time
 from typing import Iterator
 
 import click
 
 from llmd.daemon.client.client import Client
-from llmd.models.errors import LlmdError
-
-STARTUP_TIMEOUT_S = 300.0
-
 
 REPL_COMMANDS = ("/reset", "/system TEXT", "/stats", "/exit")
 
 
-def default_log_path() -> str:
-    from llmd.models.tokenizer import cache_root
-
-    return os.path.join(cache_root(), "daemon.log")
-
-
-def engine_args(engine_kw: dict) -> list[str]:
-    """Engine options as ``llmd serve`` arguments (None values dropped, flags as bare switches)."""
-    args = []
-    for k, v in engine_kw.items():
-        if v is None or v is False:
-            continue
-        args.append("--" + k.replace("_", "-"))
-        if v is not True:
-            args.append(",".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v))
-    return args
-
-
-def lock_held(path: str) -> bool:
-    """Whether another process holds the ``flock`` on ``path`` (a daemon's ``<socket>.lock``
-    is held from before it loads the model until the process exits)."""
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except OSError:
-        return True
-    finally:
-        os.close(fd)
-
-
-def pid_running(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie (an exited child not yet reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: fall back to signal 0
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-
-
-def wait_for_daemon_exit(socket_path: str, timeout: float, pid: int | None = None) -> bool:
-    """Wait until the daemon on ``socket_path`` has exited: its socket file is gone (removed
-    first, on shutdown), its ``<socket>.lock`` is released (so a new ``llmd serve`` on the path
-    can start at once) and, given its ``pid`` (``/health``), the process is gone (its memory
-    returned). Returns False after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while (os.path.exists(socket_path) or lock_held(socket_path + ".lock")
-           or (pid is not None and pid_running(pid))):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def _tail(path: str, n: int = 5, start: int = 0) -> str:
-    """The last ``n`` lines of ``path`` after byte offset ``start``."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(start)
-            return "".join(f.read().decode(errors="replace").splitlines(True)[-n:]).strip()
-    except OSError:
-        return ""
-
-
-def ensure_daemon(socket_path: str, serve_args: list[str], log_path: str | None = None,
-                  timeout: float = STARTUP_TIMEOUT_S, echo=lambda m, nl=True: click.echo(m, err=True, nl=nl),
-                  env: dict | None = None, live_progress: bool | None = None) -> Client:
-    """Return a client of a healthy daemon on ``socket_path``, starting one if needed.
-
-    ``env`` is the spawned daemon's environment (default: this process's). ``live_progress``:
-    redraw one progress line with ``\r`` (default: when stderr is a terminal; otherwise a plain
-    line every 10 s, readable in logs and pipes).
-
-    Raises:
-        LlmdError: the daemon could not start (its log's last lines are in the message) or
-            did not answer ``/health`` within ``timeout`` seconds.
-    """
-    client = Client(socket_path)
-    if client.health():
-        return client
-    log_path = log_path or default_log_path()
-    os.makedirs(os.path.dirname(os.path.abspath(socket_path)), mode=0o700, exist_ok=True)
-    lock_fd = os.open(socket_path + ".spawn.lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX)  # a second chat waits here, then finds the daemon
-        if client.health():
-            return client
-        os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
-        with open(log_path, "ab") as log:
-            log_start = log.tell()  # the log is appended to: progress shows this daemon's lines only
-            cmd = [sys.executable, "-c", "from llmd.daemon.cli.main import main; main()", "serve", "--socket", socket_path, *serve_args]
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-                                    cwd="/", env=env)
-        echo(f"llmd: starting a daemon (pid {proc.pid}, log {log_path}); it keeps running after this chat, `llmd stop` ends it")
-        t0, next_line = time.monotonic(), 0.0
-        live = sys.stderr.isatty() if live_progress is None else live_progress
-        while not client.health():
-            elapsed = time.monotonic() - t0
-            if proc.poll() is not None and not lock_held(socket_path + ".lock"):
-                raise LlmdError(f"the daemon exited with code {proc.returncode}; see {log_path}: {_tail(log_path, 3, log_start)}")
-            if elapsed > timeout:
-                raise LlmdError(f"the daemon did not answer within {timeout:.0f} s; see {log_path}")
-            last = (_tail(log_path, 1, log_start).splitlines()[-1:] or [""])[0][:70]
-            if live:  # one line redrawn in place
-                echo(f"\rllmd: waiting for the daemon ({elapsed:4.0f} s) {last:<70}", nl=False)
-            elif elapsed >= next_line:  # a log or pipe: a plain line every 10 s
-                echo(f"llmd: waiting for the daemon ({elapsed:.0f} s) {last}")
-                next_line += 10
-            time.sleep(0.25)
-        echo(f"\rllmd: daemon ready after {time.monotonic() - t0:.1f} s{' ' * 70}" if live
-             else f"llmd: daemon ready after {time.monotonic() - t0:.1f} s")
-        return client
-    finally:
-        os.close(lock_fd)
-
-
-def check_running_daemon(client: Client, model: str | None, ignored: list[str],
-                         echo=lambda m: click.echo(m, err=True)) -> None:
-    """Before chatting with a daemon that was already running: its engine options are fixed.
-
-    Args:
-        model: the ``--model`` given on this command line (None = not given).
-        ignored: other engine options given on this command line (``--kv-cache-dtype`` ...).
-    Raises:
-        LlmdError: ``model`` is not one of the names the daemon serves (``/health`` ``model_ids``).
-    """
-    health = client.health() or {}
-    served = health.get("model_ids") or [health.get("model")]
-    stop = f"`llmd stop --socket {client.socket_path}`"
-    if model is not None and model not in served:
-        raise LlmdError(f"the daemon on {client.socket_path} serves {served[0]!r}, not {model!r}: stop it with "
-                        f"{stop}, or start another with --socket PATH")
-    if ignored:
-        verb = "applies" if len(ignored) == 1 else "apply"
-        echo(f"llmd: a daemon already runs on {client.socket_path}; {', '.join(ignored)} {verb} only when "
-             f"`llmd chat` starts one ({stop} first)")
+def stats_line(stats: dict) -> str:
+    """``/stats``: one line of a ``/v1/stats`` payload (KV usage, prefix-cache hits, queue, aborts)."""
+    kv, pc, sc = stats["kv_cache"], stats["prefix_cache"], stats["scheduler"]
+    return (f"KV {kv['usage']:.1%} ({kv['used']}/{kv['total']} blocks), prefix cache hits {pc['hits']}/{pc['queries']} "
+            f"tokens, {sc['running']} running, {sc['waiting']} waiting, "
+            f"aborted {stats['counters']['requests_finished']['abort']}")
 
 
 class DaemonBackend:
@@ -192,34 +45,7 @@ class DaemonBackend:
                     yield text
 
     def stats_line(self) -> str:
-        st = self.client.stats()
-        kv, pc, sc = st["kv_cache"], st["prefix_cache"], st["scheduler"]
-        return (f"KV {kv['usage']:.1%} ({kv['used']}/{kv['total']} blocks), prefix cache hits {pc['hits']}/{pc['queries']} tokens, "
-                f"{sc['running']} running, {sc['waiting']} waiting, aborted {st['counters']['requests_finished']['abort']}")
-
-
-class LocalBackend:
-    """Runs the engine in this process (``--no-daemon``)."""
-
-    def __init__(self, engine):
-        self.engine = engine
-
-    def stream_chat(self, messages: list[dict], params: dict) -> Iterator[str]:
-        from llmd.daemon.core.request import SamplingParams
-
-        eng = self.engine
-        rid = eng.add_request(eng.tokenizer.apply_chat(messages), SamplingParams(**params))
-        try:
-            while eng.has_unfinished_requests():
-                for out in eng.step():
-                    if out.new_text:
-                        yield out.new_text
-        finally:
-            eng.abort(rid)
-
-    def stats_line(self) -> str:
-        kv = self.engine.kv_manager
-        return f"KV {kv.usage:.1%} ({kv.num_used_blocks}/{kv.num_usable_blocks} blocks) (in-process engine)"
+        return stats_line(self.client.stats())
 
 
 def _read_message() -> str:

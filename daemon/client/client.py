@@ -16,7 +16,7 @@ import socket
 from typing import AsyncIterator, Iterator
 
 from llmd.daemon.protocol import default_socket_path
-from llmd.models.errors import LlmdError
+from llmd.daemon.core.errors import LlmdError
 
 
 class DaemonUnavailable(LlmdError):

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmd.models.errors import LlmdError
+from llmd.daemon.core.errors import LlmdError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 DTYPE_CHOICES = ("auto", *DTYPES)

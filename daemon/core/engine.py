@@ -1,9 +1,14 @@
-"""The engine: ``add_request`` / ``abort`` / ``step``, in-process.
+"""The engine: ``add_request`` / ``abort`` / ``step`` / ``make_stats``, in-process.
 
 One step is schedule → run → postprocess (nano-vllm ``llm_engine.py``, vLLM v1
 ``EngineCore.step``): the scheduler picks requests, the runner computes logits and samples,
 the scheduler appends tokens and frees finished requests, and the detokenizer turns new
 tokens into safe text (stop strings end a request here).
+
+The engine owns its inputs' one path to tokens (:class:`InputProcessor`), the parent ↔ child
+ids of parallel-sampling requests (:class:`ParallelRequests`) and its statistics: the
+counters and per-step events of :mod:`.stats`, which :meth:`Engine.make_stats` and
+:meth:`Engine.take_iteration_stats` hand out (the daemon's engine loop publishes them).
 """
 
 from __future__ import annotations
@@ -11,49 +16,27 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from dataclasses import dataclass, field
+import time
 
 import torch
 
 from llmd.daemon.core.config import CUDA_KV_CACHE_FRACTION, DEFAULT_KV_CACHE_MEMORY_CPU, DTYPES, EngineConfig
 from llmd.daemon.core.detokenizer import IncrementalDetokenizer
-from llmd.daemon.kv import KVCacheManager, make_kv_cache_groups
-from llmd.daemon.core.kv_size import group_summary, kv_block_bytes, kv_cache_bytes_per_token
-from llmd.daemon.core.request import Request, RequestStatus, SamplingParams
+from llmd.daemon.core.errors import LlmdError, RequestError, ServerBusyError
+from llmd.daemon.core.input_processor import InputProcessor, Prompt
+from llmd.daemon.core.kv_size import group_summary, kv_cache_block_bytes, kv_cache_bytes_per_token
 from llmd.daemon.core.model_runner import ModelRunner
-from llmd.daemon.core.sampler import TokenLogprobs
-from llmd.daemon.core.scheduler import QueueFullError, Scheduler, SchedulerOutput
+from llmd.daemon.core.outputs import RequestOutput, SchedulerOutput, TokenLogprobs
+from llmd.daemon.core.parallel import ParallelRequests, sampling_rows
+from llmd.daemon.core.request import Request, RequestStatus, SamplingParams
+from llmd.daemon.core.scheduler import Scheduler
+from llmd.daemon.core.stats import (EngineCounters, EngineStats, FinishedRequestStats, IterationStats, KVCacheGroupStats,
+                                    KVCacheStats, PrefixCacheStats, RateWindow, RequestStats, SchedulerStats)
+from llmd.daemon.kv import KVCacheManager, make_kv_cache_groups
 from llmd.models.config import ModelConfig
-from llmd.models.errors import LlmdError, ServerBusyError
 from llmd.models.tokenizer import Tokenizer
 
 log = logging.getLogger("llmd.engine")
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request (a streaming delta).
-
-    Attributes:
-        request_id: the request.
-        new_token_ids: tokens generated this step.
-        new_text: text released this step (UTF-8 safe, stop strings withheld).
-        logprobs: per new token, :class:`TokenLogprobs` or None.
-        finished: True on the request's last output.
-        finish_reason: "stop", "length", "abort" or None.
-        num_prompt_tokens, num_output_tokens: token counts so far.
-        num_cached_tokens: prompt tokens served from the prefix cache.
-    """
-
-    request_id: str
-    new_token_ids: list[int] = field(default_factory=list)
-    new_text: str = ""
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
 
 
 def num_kv_blocks(memory: int, block_size: int, block_bytes: int) -> int:
@@ -74,6 +57,13 @@ class Engine:
         model: loaded llmd model (``model.config`` is its :class:`ModelConfig`).
         tokenizer: its :class:`Tokenizer`.
         config: :class:`EngineConfig` (resolved here).
+
+    Attributes:
+        input_processor: the prompt → token ids path and its length checks.
+        parallel: parent ↔ child ids of the requests added with a ``parent_id``.
+        counters: :class:`EngineCounters` since the engine was built.
+        log_stats: keep per-step events (:meth:`take_iteration_stats`) for a consumer such as
+            the daemon's metrics (off by default: nobody would take them).
     """
 
     def __init__(self, model, tokenizer: Tokenizer, config: EngineConfig):
@@ -89,13 +79,10 @@ class Engine:
         cfg = self.model_config
         self.max_model_len = min(config.max_model_len or cfg.max_position, cfg.max_position)
         self.bytes_per_token = kv_cache_bytes_per_token(cfg, self.config.kv_cache_dtype, kv_dtype)
-        self.kv_cache_groups = make_kv_cache_groups(cfg.sliding_window or (None,) * cfg.num_layers,
+        self.kv_cache_groups = make_kv_cache_groups(cfg.layer_windows,
                                                     hybrid=not self.config.disable_hybrid_kv_cache_manager)
-        from llmd.quant.kv import get_format
-
-        fmt = get_format(self.config.kv_cache_dtype)
-        self.block_bytes = kv_block_bytes(cfg, self.kv_cache_groups, config.block_size,
-                                          fmt.bytes_per_element(kv_dtype), fmt.scale_bytes)
+        self.block_bytes = kv_cache_block_bytes(cfg, self.kv_cache_groups, config.block_size,
+                                                self.config.kv_cache_dtype, kv_dtype)
         memory = config.kv_cache_memory
         if memory is None:
             if self.config.device.startswith("cuda"):
@@ -117,9 +104,15 @@ class Engine:
             max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
         )
+        self.input_processor = InputProcessor(tokenizer, cfg.vocab_size, self.max_model_len)
+        self.parallel = ParallelRequests()
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.last_scheduler_output: SchedulerOutput | None = None
         self._ids = itertools.count()
+        self.counters = EngineCounters()
+        self.rates = RateWindow(time.monotonic())
+        self.log_stats = False
+        self._iteration = IterationStats()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
@@ -173,72 +166,90 @@ class Engine:
         return f"{c.kv_cache_dtype} + {scales}; attention {c.attention_backend}"
 
     # ---- requests -----------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     cache_salt: str | None = None, priority: int = 0) -> str:
-        """Tokenize (if text), validate and queue a request; returns its id.
+        """Tokenize (text or chat messages, see :class:`InputProcessor`), validate and queue a
+        request; returns its id.
 
         Raises:
-            LlmdError: empty prompt, prompt longer than ``max_model_len``, prompt + max_tokens
-                beyond ``max_model_len``, a request that can never fit in the KV pool, or a
-                bad sampling parameter; :class:`ServerBusyError` when the waiting queue is full.
+            RequestError: empty prompt, prompt longer than ``max_model_len``, prompt +
+                max_tokens beyond ``max_model_len``, a request that can never fit in the KV
+                pool, or a bad sampling parameter (``param`` names the field);
+                :class:`ServerBusyError` when the waiting queue is full.
+            LlmdError: chat messages for a model without a chat template.
         """
         return self.add_parallel_request(prompt, params, [request_id or f"req-{next(self._ids)}"], cache_salt, priority)[0]
 
-    def add_parallel_request(self, prompt: str | list[int], params: SamplingParams | None, request_ids: list[str],
-                             cache_salt: str | None = None, priority: int = 0) -> list[str]:
+    def add_parallel_request(self, prompt: Prompt, params: SamplingParams | None, request_ids: list[str],
+                             cache_salt: str | None = None, priority: int = 0, parent_id: str | None = None) -> list[str]:
         """Queue ``len(request_ids)`` sequences of one prompt (parallel sampling, OpenAI ``n``).
 
         The prompt is prefilled once; the siblings then share its blocks by reference count
-        and sample with generators derived from (seed, sibling index, output position).
-        Raises LlmdError as :meth:`add_request`.
+        and sample with generators derived from (seed, sibling index, output position) (the
+        policy of :mod:`llmd.daemon.core.parallel`). With ``parent_id``, :attr:`parallel`
+        records the children under it (:meth:`abort` takes it; it must not be live already).
+        Raises as :meth:`add_request`; every refusal counts in ``counters.requests_rejected``.
         """
-        params = params or SamplingParams()
         try:
-            params.validate()
-        except ValueError as e:
-            raise LlmdError(str(e)) from None
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise LlmdError("the prompt is empty (0 tokens)")
-        if any(not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size for t in ids):
-            raise LlmdError(f"prompt token ids must be integers in [0, {self.model_config.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise LlmdError(f"prompt has {len(ids)} tokens but the context is {self.max_model_len} tokens (max-model-len), leaving no room to generate")
-        defaulted = params.max_tokens is None
-        if defaulted:
-            params.max_tokens = self.max_model_len - len(ids)
-        elif len(ids) + params.max_tokens > self.max_model_len:
-            raise LlmdError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {len(ids) + params.max_tokens} "
-                f"exceeds the context of {self.max_model_len} tokens"
-            )
+            return self._add(prompt, params or SamplingParams(), list(request_ids), cache_salt, priority, parent_id)
+        except LlmdError:
+            self.counters.requests_rejected += 1
+            raise
+
+    def _add(self, prompt: Prompt, params: SamplingParams, request_ids: list[str], cache_salt: str | None,
+             priority: int, parent_id: str | None) -> list[str]:
+        if parent_id is not None:
+            self.parallel.check_new(parent_id)
+        params.validate()
+        processed = self.input_processor.process(prompt, params)
+        ids = processed.token_ids
         eos = frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
         reqs = [Request(rid, list(ids), dataclasses.replace(params), eos_token_ids=eos, cache_salt=cache_salt,
                         sibling_index=i, priority=priority) for i, rid in enumerate(request_ids)]
         try:
             self.scheduler.add_request(reqs[0], reqs[1:])
-        except QueueFullError as e:
-            raise ServerBusyError(str(e)) from None
-        except ValueError as e:
-            hint = f" (max_tokens was not given, so it defaulted to the remaining context, {params.max_tokens})" if defaulted else ""
-            raise LlmdError(str(e) + hint) from None
+        except RequestError as e:
+            if processed.max_tokens_defaulted and not isinstance(e, ServerBusyError):
+                raise e.with_hint(" (max_tokens was not given, so it defaulted to the remaining context, "
+                                  f"{params.max_tokens})") from None
+            raise
+        if parent_id is not None:
+            self.parallel.add(parent_id, request_ids)
         for rid in request_ids:
             self.detokenizers[rid] = IncrementalDetokenizer(self.tokenizer.hf, ids, params.stop)
-        return list(request_ids)
+        return request_ids
 
     def reset_prefix_cache(self) -> int:
         """Drop cached blocks that are free (blocks in use stay); returns how many."""
         return self.kv_manager.reset_prefix_cache()
 
     def abort(self, request_id: str) -> bool:
-        """Abort a request and free its blocks; returns False if it was not live."""
-        live = request_id in self.scheduler.requests
-        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-        self.detokenizers.pop(request_id, None)
-        return live
+        """Abort a request (a parent id: all its live sequences) and free its blocks; returns
+        False if nothing was live."""
+        return bool(self.abort_requests(self.parallel.members(request_id)))
+
+    def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Abort these sequences; returns the final ``finish_reason="abort"`` output of each one
+        that was live."""
+        outputs = []
+        for rid in request_ids:
+            req = self.scheduler.requests.get(rid)
+            if req is None:
+                continue
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+            self.detokenizers.pop(rid, None)
+            self._finished(req, "abort")
+            outputs.append(RequestOutput(request_id=rid, finished=True, finish_reason="abort", index=req.sibling_index,
+                                         num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens))
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        """The live sequences by id (read only)."""
+        return self.scheduler.requests
 
     # ---- one iteration ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -249,18 +260,15 @@ class Engine:
         if not sched:
             return []
         reqs = {s.request_id: self.scheduler.requests[s.request_id] for s in sched.scheduled}
-        sampling, rows = [], []
-        for row, s in enumerate([s for s in sched.scheduled if s.sample]):
-            leader = reqs[s.request_id]
-            for r in (leader, *leader.followers):  # followers fork now: same logits row
-                sampling.append(r)
-                rows.append(row)
+        sampling, rows = sampling_rows(sched.scheduled, reqs)  # followers fork now: their leader's row
+        previous_token_times = [r.last_token_time for r in sampling]
         result = self.runner.execute(sched, sampling, rows)
         sampled, logprobs = {}, {}
         if result is not None:
             for req, tok, lp in zip(sampling, result.sampled_token_ids, result.logprobs):
                 sampled[req.request_id], logprobs[req.request_id] = tok, lp
         self.scheduler.update_from_output(sched, sampled)
+        self._record_step(sched.num_prefill_tokens, sampling, previous_token_times)
         outputs = []
         for req in sampling:
             outputs.append(self._postprocess(req, sampled[req.request_id], logprobs[req.request_id]))
@@ -276,6 +284,7 @@ class Engine:
             if detok.stop_matched is None:
                 text += detok.finish()
             del self.detokenizers[req.request_id]
+            self._finished(req, req.status.finish_reason)
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=[token],
@@ -286,7 +295,120 @@ class Engine:
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens,
+            index=req.sibling_index,
         )
+
+    # ---- statistics (engine thread) -------------------------------------------------
+    def _record_step(self, num_prompt_tokens: int, sampling: list[Request], previous_token_times: list) -> None:
+        """Count one step: prefill tokens computed, one token per sampling request, and (with
+        :attr:`log_stats`) each one's first-token or inter-token latency."""
+        self.counters.prompt_tokens += num_prompt_tokens
+        self.counters.generation_tokens += len(sampling)
+        self.rates.add(time.monotonic(), num_prompt_tokens, len(sampling))
+        if not self.log_stats:
+            return
+        it = self._iteration
+        it.num_prompt_tokens += num_prompt_tokens
+        it.num_generation_tokens += len(sampling)
+        for req, previous in zip(sampling, previous_token_times):
+            if previous is None:
+                it.time_to_first_tokens_s.append(req.first_token_time - req.arrival_time)
+            else:
+                it.inter_token_latencies_s.append(req.last_token_time - previous)
+
+    def _finished(self, req: Request, reason: str | None) -> None:
+        reason = reason or "abort"
+        self.counters.requests_finished[reason] += 1
+        self.parallel.finished(req.request_id)
+        if self.log_stats:
+            self._iteration.finished.append(
+                FinishedRequestStats(req.request_id, reason, time.monotonic() - req.arrival_time))
+
+    def take_iteration_stats(self) -> IterationStats:
+        """The events since the last call (empty unless :attr:`log_stats`)."""
+        it, self._iteration = self._iteration, IterationStats()
+        return it
+
+    def make_stats(self) -> EngineStats:
+        """A snapshot of the KV cache, prefix cache, scheduler, live requests and counters
+        (O(blocks + live requests))."""
+        now = time.monotonic()
+        kv, sched = self.kv_manager, self.scheduler
+        cached_free = kv.block_pool.num_cached_free_blocks
+        total, used, free = kv.num_usable_blocks, kv.num_used_blocks, kv.num_free_blocks - cached_free
+        groups = [KVCacheGroupStats(g.name, g.sliding_window, list(g.layer_ids), total, n, free, n / max(1, total))
+                  for g, n in zip(kv.groups, kv.num_used_blocks_per_group())]
+        requests = [RequestStats(
+            id=req.request_id, state="running" if req.status == RequestStatus.RUNNING else "waiting",
+            prompt_tokens=req.num_prompt_tokens, cached_tokens=req.num_cached_tokens,
+            generated_tokens=req.num_output_tokens, blocks=kv.num_blocks_held(req.request_id),
+            block_table=kv.get_block_table(req.request_id), block_tables=kv.get_block_tables(req.request_id),
+            ttft_s=None if req.first_token_time is None else req.first_token_time - req.arrival_time,
+            age_s=now - req.arrival_time, preemptions=req.num_preemptions, priority=req.priority,
+        ) for req in [*sched.running, *sched.waiting]]
+        counters = self.counters.copy()
+        counters.num_preemptions = sched.num_preemptions
+        c = self.config
+        prompt_rate, generation_rate = self.rates.rates(now)
+        return EngineStats(
+            kv_cache_dtype=c.dtype if c.kv_cache_dtype == "auto" else c.kv_cache_dtype,
+            kv_cache=KVCacheStats(kv.block_size, kv.num_blocks, total, used, cached_free, free, self.bytes_per_token,
+                                  self.num_blocks * self.block_bytes, kv.usage, groups, kv.block_pool.block_states()),
+            prefix_cache=PrefixCacheStats(kv.prefix_cache_queries, kv.prefix_cache_hits, kv.enable_caching,
+                                          kv.block_pool.num_evictions),
+            scheduler=SchedulerStats(len(sched.running), len(sched.waiting),
+                                     sum(1 for r in sched.waiting if r.num_preemptions)),
+            prompt_tokens_per_s=prompt_rate, generation_tokens_per_s=generation_rate,
+            counters=counters, requests=requests,
+        )
+
+    # ---- teacher forcing (``llmd bench kv-quality``) ----------------------------------
+    def teacher_forced_logits(self, ids: list[int], chunk: int = 64, cached_prefix: int = 0) -> torch.Tensor:
+        """Logits of every position of ``ids``, prefilled ``chunk`` tokens per step through the
+        paged cache (store-then-read), outside the scheduler (nothing else may be running).
+
+        ``cached_prefix`` > 0 serves the prefix from the prefix cache: a first sequence computes
+        ``ids[:cached_prefix]`` and leaves its full blocks cached; the sequence of all of ``ids``
+        then looks its prefix up as the scheduler does at admission, shares those blocks
+        (prefix cache hit) and computes only the rest, in the same chunk boundaries when
+        ``cached_prefix`` is a multiple of ``chunk``. The logits are the first sequence's
+        followed by the second's.
+
+        Returns:
+            ``[len(ids), vocab]`` float32 (CPU).
+        Raises:
+            RuntimeError: the pool cannot hold ``ids``, or (``cached_prefix``) prefix caching is
+                off or the lookup hit fewer than the prefix's full blocks.
+        """
+        mgr = self.kv_manager
+        if not cached_prefix:
+            return self._teacher_forced_chunks("kv-quality", ids, 0, [], chunk)
+        if not mgr.enable_caching:
+            raise RuntimeError("cached_prefix needs prefix caching (enable_prefix_caching)")
+        head = self._teacher_forced_chunks("kv-quality-prefix", ids[:cached_prefix], 0, [], chunk, cache=True)
+        hit, blocks = mgr.get_computed_blocks("kv-quality", ids, len(ids))
+        want = cached_prefix // mgr.block_size * mgr.block_size
+        if hit != want:
+            raise RuntimeError(f"prefix cache hit {hit} tokens, expected {want}")
+        return torch.cat([head[:hit], self._teacher_forced_chunks("kv-quality", ids, hit, blocks, chunk)])
+
+    def _teacher_forced_chunks(self, rid: str, ids: list[int], start: int, hit_blocks: list, chunk: int,
+                               cache: bool = False) -> torch.Tensor:
+        """Logits ``[len(ids) - start, vocab]`` of positions ``start..``: ``start`` tokens are
+        prefix cache hits (``hit_blocks`` from ``get_computed_blocks``), the rest computed in
+        ``chunk``s. ``cache``: register the full blocks in the prefix cache before freeing them."""
+        mgr = self.kv_manager
+        if mgr.allocate_slots(rid, len(ids), start or None, hit_blocks if start else None) is None:
+            raise RuntimeError(f"KV pool too small for {len(ids)} tokens")
+        try:
+            tables = mgr.get_block_tables(rid)
+            out = [self.runner.prefill_logits(rid, ids[pos : pos + chunk], pos, tables)
+                   for pos in range(start, len(ids), chunk)]
+            if cache:
+                mgr.cache_blocks(rid, ids, len(ids))
+            return torch.cat(out)
+        finally:
+            mgr.free(rid)
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:
         """Run prompts to completion (tests, benchmarks). Returns per prompt a dict with

@@ -19,7 +19,7 @@ from itertools import accumulate, chain
 import numpy as np
 import torch
 
-from llmd.daemon.core.scheduler import SchedulerOutput
+from llmd.daemon.core.outputs import SchedulerOutput
 from llmd.kernels import AttentionMetadata
 
 

@@ -21,8 +21,10 @@ from llmd.daemon.kv.groups import KVCacheGroupSpec, make_kv_cache_groups
 from llmd.models.config import ModelConfig
 from llmd.quant.kv import get_format
 
-#: (name, bytes per element, scale bytes per (token, KV head) for each of K and V)
-KV_FORMATS = [("float32", 4, 0), ("bf16/fp16", 2, 0), ("fp8", 1, 4), ("int8", 1, 4)]
+#: ``llmd kv-size`` rows: (name, ``--kv-cache-dtype``, model dtype); bytes come from the formats
+#: of :mod:`llmd.quant.kv` (``bytes_per_element``, ``scale_bytes``), never a table of their own
+KV_SIZE_ROWS = [("float32", "auto", torch.float32), ("bf16/fp16", "auto", torch.bfloat16),
+                ("fp8", "fp8_e4m3", torch.float32), ("int8", "int8", torch.float32)]
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,13 @@ def kv_block_bytes(cfg: ModelConfig, groups: list[KVCacheGroupSpec], block_size:
     return block_size * kv_bytes_per_token(cfg, element_bytes, scale_bytes, group_size)
 
 
+def kv_cache_block_bytes(cfg: ModelConfig, groups: list[KVCacheGroupSpec], block_size: int, kv_cache_dtype: str,
+                         model_dtype: torch.dtype) -> int:
+    """Bytes of one block of the cache ``--kv-cache-dtype`` allocates (scales included)."""
+    fmt = get_format(kv_cache_dtype)
+    return kv_block_bytes(cfg, groups, block_size, fmt.bytes_per_element(model_dtype), fmt.scale_bytes)
+
+
 def blocks_per_sequence(groups: list[KVCacheGroupSpec], num_tokens: int, block_size: int, chunk_size: int) -> int:
     """Most blocks one ``num_tokens``-token sequence holds at once, over all groups."""
     return sum(g.max_blocks(num_tokens, block_size, chunk_size) for g in groups)
@@ -71,20 +80,21 @@ def blocks_per_sequence(groups: list[KVCacheGroupSpec], num_tokens: int, block_s
 
 def kv_size_rows(cfg: ModelConfig, context: int, memory: int, block_size: int, hybrid: bool = True,
                  chunk_size: int = 1) -> list[KVSizeRow]:
-    """Capacity of a ``memory``-byte KV cache for each format in :data:`KV_FORMATS`.
+    """Capacity of a ``memory``-byte KV cache for each row of :data:`KV_SIZE_ROWS`.
 
     Args:
         context: tokens per sequence; memory: bytes; block_size: tokens per block.
         hybrid: group sliding-window layers apart (False: every layer keeps every token).
         chunk_size: prefill chunk in tokens for the window bound (1 = decode).
     """
-    groups = make_kv_cache_groups(cfg.sliding_window or (None,) * cfg.num_layers, hybrid)
+    groups = make_kv_cache_groups(cfg.layer_windows, hybrid)
     per_seq = blocks_per_sequence(groups, context, block_size, chunk_size)
     rows = []
-    for name, elem, scale in KV_FORMATS:
-        block = kv_block_bytes(cfg, groups, block_size, elem, scale)
+    for name, kv_cache_dtype, model_dtype in KV_SIZE_ROWS:
+        block = kv_cache_block_bytes(cfg, groups, block_size, kv_cache_dtype, model_dtype)
         blocks = memory // block
-        rows.append(KVSizeRow(name, kv_bytes_per_token(cfg, elem, scale), block * per_seq, blocks, blocks / per_seq))
+        per_token = kv_cache_bytes_per_token(cfg, kv_cache_dtype, model_dtype)
+        rows.append(KVSizeRow(name, per_token, block * per_seq, blocks, blocks / per_seq))
     return rows
 
 

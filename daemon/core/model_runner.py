@@ -17,7 +17,7 @@ from llmd.daemon.core.input_batch import InputBatch
 from llmd.daemon.kv import KVCacheGroupSpec, layer_placement, make_kv_cache_groups
 from llmd.daemon.core.request import Request
 from llmd.daemon.core.sampler import Sampler, SamplerOutput
-from llmd.daemon.core.scheduler import SchedulerOutput
+from llmd.daemon.core.outputs import ScheduledRequest, SchedulerOutput
 from llmd.kernels import AttentionMetadata
 from llmd.models.config import ModelConfig
 from llmd.quant.kv import PagedKVCache, get_format
@@ -60,7 +60,7 @@ class ModelRunner:
         self.config: ModelConfig = model.config
         self.block_size = block_size
         self.device = torch.device(device)
-        self.groups = kv_cache_groups or make_kv_cache_groups((None,) * self.config.num_layers)
+        self.groups = kv_cache_groups or make_kv_cache_groups((None,) * self.config.num_layers)  # all global
         group_size, placement = layer_placement(self.groups)
         self.layer_group = [placement[i][0] for i in range(self.config.num_layers)]
         shape = kv_cache_shape(self.config, num_blocks, block_size)
@@ -124,6 +124,19 @@ class ModelRunner:
             hidden = hidden[first : last + 1]
         else:
             hidden = hidden[torch.tensor(logits_indices, device=hidden.device)]
+        return self.model.compute_logits(hidden).float().cpu()
+
+    @torch.inference_mode()
+    def prefill_logits(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
+                       block_tables: list[list[int]]) -> torch.Tensor:
+        """Teacher forcing: run one sequence's chunk at positions ``num_computed_tokens..`` (its
+        K/V stored first, then read back: store-then-read) and return the logits of *every*
+        position, ``[len(token_ids), vocab]`` float32 on CPU. ``block_tables`` (one per KV cache
+        group) must cover the chunk; nothing is sampled."""
+        step = SchedulerOutput([ScheduledRequest(request_id, list(token_ids), num_computed_tokens, block_tables,
+                                                 sample=True, is_prefill=True)])
+        input_ids, positions, meta, _ = self.prepare_inputs(step)
+        hidden = self.model(input_ids, positions, self.layer_caches, meta)
         return self.model.compute_logits(hidden).float().cpu()
 
     def execute(self, out: SchedulerOutput, requests: Sequence[Request],

@@ -12,6 +12,8 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
+from llmd.daemon.core.errors import RequestError
+
 
 class RequestStatus(enum.IntEnum):
     """Lifecycle of a request; every value >= FINISHED_STOPPED is terminal."""
@@ -83,27 +85,28 @@ class SamplingParams:
             self.seed = secrets.randbits(63)
 
     def validate(self) -> None:
-        """Check ranges; raises ``ValueError`` naming the offending field."""
+        """Check ranges; raises :class:`~llmd.daemon.core.errors.RequestError` (a ``ValueError``)
+        naming the offending field in its message and its ``param``."""
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}", "temperature")
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k}")
+            raise RequestError(f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k}", "top_k")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise RequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}", "repetition_penalty")
         if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+            raise RequestError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}", "frequency_penalty")
         if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+            raise RequestError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}", "presence_penalty")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
-            raise ValueError("stop strings must be non-empty strings")
+            raise RequestError("stop strings must be non-empty strings", "stop")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+            raise RequestError(f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs")
 
     @property
     def greedy(self) -> bool:
@@ -124,6 +127,7 @@ class Request:
         status: :class:`RequestStatus`.
         arrival_time: ``time.monotonic()`` at creation (seconds).
         first_token_time: monotonic time of the first generated token, for TTFT.
+        last_token_time: monotonic time of the latest generated token, for inter-token latency.
         cache_salt: optional prefix-cache salt (requests with different salts never share KV).
         num_cached_tokens: prompt tokens served from the prefix cache at admission.
         sibling_index: index among the ``n`` sequences of a parallel-sampling request (its
@@ -143,6 +147,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    last_token_time: float | None = None
     stop_reason: int | str | None = None
     cache_salt: str | None = None
     num_cached_tokens: int = 0
@@ -183,6 +188,7 @@ class Request:
         return self.status.is_finished
 
     def append_output_token(self, token_id: int) -> None:
+        self.last_token_time = time.monotonic()
         if self.first_token_time is None:
-            self.first_token_time = time.monotonic()
+            self.first_token_time = self.last_token_time
         self.output_token_ids.append(token_id)

@@ -27,31 +27,16 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
+from llmd.daemon.core.outputs import TokenLogprobs
 from llmd.daemon.core.request import Request, SamplingParams
 
 __all__ = ["Sampler", "SamplerOutput", "TokenLogprobs", "apply_penalties", "filter_candidates", "is_plain_greedy",
            "row_seed"]
-
-
-@dataclass
-class TokenLogprobs:
-    """Logprobs for one sampled token, from the raw (unprocessed) model distribution.
-
-    Attributes:
-        token_id: the sampled token.
-        logprob: natural-log probability of ``token_id`` under ``log_softmax(raw logits)``.
-        top: the ``sampling_params.logprobs`` most likely ``(token_id, logprob)`` pairs,
-            sorted by logprob descending (empty when ``logprobs == 0``).
-    """
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass

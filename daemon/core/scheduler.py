@@ -17,77 +17,20 @@ Every step (Orca, Yu et al. OSDI'22; vLLM v1 ``vllm/v1/core/sched/scheduler.py``
 
 A request that could never fit alone (its peak blocks over all KV cache groups above the
 pool) is rejected up front, and the waiting queue is bounded (``max_num_waiting``). The
-scheduler returns plain data and never touches tensors.
+siblings of a parallel-sampling request wait, fork and inherit by the policy of
+:mod:`llmd.daemon.core.parallel`. The scheduler returns plain data (:mod:`.outputs`) and never
+touches tensors.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
-from llmd.daemon.kv import KVCacheManager
+from llmd.daemon.core.errors import QueueFullError, RequestError
+from llmd.daemon.core.outputs import ScheduledRequest, SchedulerOutput
+from llmd.daemon.core.parallel import attach_followers, drop_follower, fork_followers, promote_heir
 from llmd.daemon.core.request import Request, RequestStatus
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step.
-
-    Attributes:
-        request_id: the request.
-        token_ids: the tokens to compute this step (``num_new_tokens`` of them).
-        num_computed_tokens: tokens already in the KV cache before this step (= first position).
-        block_tables: per KV cache group, block ids covering at least
-            ``num_computed_tokens + len(token_ids)`` tokens (0 = null block where a sliding
-            window dropped a block).
-        sample: True when this step reaches the end of the request's known tokens, so a new
-            token is sampled from the last position's logits.
-        is_prefill: True while the prompt is not fully computed.
-    """
-
-    request_id: str
-    token_ids: list[int]
-    num_computed_tokens: int
-    block_tables: list[list[int]]
-    sample: bool
-    is_prefill: bool
-
-    @property
-    def block_table(self) -> list[int]:
-        """The first group's block table (the only one for full-attention-only models)."""
-        return self.block_tables[0]
-
-    @property
-    def num_new_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass
-class SchedulerOutput:
-    """What runs in one step: requests in batch order and the total token count."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    #: copy-on-write (src, dst) block pairs to copy before the forward (parallel sampling)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def num_prefills(self) -> int:
-        return sum(s.is_prefill for s in self.scheduled)
-
-    @property
-    def num_decodes(self) -> int:
-        return sum(not s.is_prefill for s in self.scheduled)
-
-    def __bool__(self) -> bool:
-        return bool(self.scheduled)
-
-
-class QueueFullError(ValueError):
-    """The waiting queue is at ``max_num_waiting``; the caller should retry later (HTTP 429)."""
+from llmd.daemon.kv import KVCacheManager
 
 
 class Scheduler:
@@ -142,25 +85,26 @@ class Scheduler:
 
         Raises:
             QueueFullError: the waiting queue is full.
-            ValueError: an id is already live, or one sequence can never fit in the KV pool
-                (or ``n`` in ``max_num_seqs``), even alone.
+            RequestError: an id is already live, or one sequence can never fit in the KV pool
+                (``param`` "max_tokens"), or ``n`` exceeds ``max_num_seqs`` (``param`` "n").
         """
         group = [req, *followers]
         for r in group:
             if r.request_id in self.requests or sum(x.request_id == r.request_id for x in group) > 1:
-                raise ValueError(f"request id {r.request_id!r} is already in use")
+                raise RequestError(f"request id {r.request_id!r} is already in use")
         needed = self.peak_blocks(req)
         if needed > self.kv.num_usable_blocks:
-            raise ValueError(
+            raise RequestError(
                 f"request needs {needed} KV blocks ({self.max_tokens_of(req)} tokens of prompt + max_tokens) "
-                f"but the pool has only {self.kv.num_usable_blocks}; lower max_tokens or raise --kv-cache-memory"
+                f"but the pool has only {self.kv.num_usable_blocks}; lower max_tokens or raise --kv-cache-memory",
+                "max_tokens",
             )
         if len(group) > self.max_num_seqs:
-            raise ValueError(f"n = {len(group)} sequences exceed --max-num-seqs {self.max_num_seqs}")
+            raise RequestError(f"n = {len(group)} sequences exceed --max-num-seqs {self.max_num_seqs}", "n")
         if self.max_num_waiting is not None and len(self.waiting) >= self.max_num_waiting:
             n = self.max_num_waiting
             raise QueueFullError(f"the waiting queue is full ({n} request{'' if n == 1 else 's'}); retry later")
-        req.followers = list(followers)
+        attach_followers(req, followers)
         for r in group:
             self.requests[r.request_id] = r
         self._enqueue(req)
@@ -172,19 +116,17 @@ class Scheduler:
             return
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+            heir = promote_heir(req)  # a leader still prefilling: the next sibling starts over
+            if heir is not None:
+                self.waiting.appendleft(heir)
         else:
-            for leader in [*self.waiting, *self.running]:
-                if req in leader.followers:  # a follower that never forked
-                    leader.followers.remove(req)
+            drop_follower(req, [*self.waiting, *self.running])  # a follower that never forked
             if req in self.waiting:
                 i = self.waiting.index(req)
                 del self.waiting[i]
-                if req.followers:  # promote the next sibling; it prefills the prompt instead
-                    heir, heir.followers = req.followers[0], req.followers[1:]
+                heir = promote_heir(req)  # the next sibling prefills the prompt instead
+                if heir is not None:
                     self.waiting.insert(i, heir)
-        if req.followers and req.status == RequestStatus.RUNNING:
-            heir, heir.followers = req.followers[0], req.followers[1:]
-            self.waiting.appendleft(heir)
         req.followers = []
         req.status = status
         self.kv.free(request_id)
@@ -274,13 +216,9 @@ class Scheduler:
 
     def _fork_followers(self, leader: Request) -> list[Request]:
         """The leader computed the prompt: its waiting siblings share its blocks and run."""
-        followers, leader.followers = leader.followers, []
-        for f in followers:
-            self.kv.fork(leader.request_id, f.request_id)
-            f.num_computed_tokens, f.num_cached_tokens = leader.num_computed_tokens, leader.num_cached_tokens
-            f.status = RequestStatus.RUNNING
-            self.running.append(f)
-        return followers
+        forked = fork_followers(leader, self.kv)
+        self.running.extend(forked)
+        return forked
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance ``num_computed_tokens``, append sampled tokens, finish requests that hit

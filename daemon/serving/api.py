@@ -31,11 +31,12 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from llmd.daemon.serving.engine_loop import EngineLoop
+from llmd.daemon.core.errors import LlmdError, ServerBusyError
+from llmd.daemon.core.input_processor import check_prompt_size
 from llmd.daemon.protocol import SSE_DONE, error_body, sse, stats_with_cells
+from llmd.daemon.serving.engine_loop import EngineLoop
 from llmd.daemon.serving.responses import ResponseBuilder
 from llmd.daemon.serving.validation import ApiError, check_utf8, parse_request
-from llmd.models.errors import LlmdError, ServerBusyError
 
 log = logging.getLogger("llmd.server")
 MAX_BODY_BYTES = 8 * 2**20
@@ -92,31 +93,25 @@ async def read_json(request: web.Request):
         raise ApiError("the request body is JSON nested too deeply") from None
 
 
-#: characters per token no real prompt exceeds; text longer than this × the context cannot fit
-MAX_CHARS_PER_TOKEN = 64
-
-
-def _check_prompt_size(prompt, max_model_len: int) -> None:
-    """Reject text that cannot fit the context before tokenizing it (tokenizing runs on the
-    engine thread, and megabytes of text would stall every stream for seconds)."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-        n = sum(len(m["content"]) for m in prompt)
-    else:
-        n = len(prompt) if isinstance(prompt, str) else 0
-    limit = MAX_CHARS_PER_TOKEN * max_model_len
-    if n > limit:
-        raise ApiError(f"prompt has {n} characters, more than any prompt that fits the context of {max_model_len} "
-                       f"tokens (limit {limit} characters)", "messages" if isinstance(prompt, list) else "prompt", 400)
-
-
 def engine_error(e: LlmdError, chat: bool = False) -> ApiError:
-    """Map an engine rejection to a 400 naming the field (max_tokens, else the prompt's:
-    ``messages`` for chat, ``prompt`` for completions), or a full waiting queue to a 429 with
-    ``Retry-After``."""
-    msg = str(e)
+    """Map an engine rejection to its HTTP error: a full waiting queue → 429 with
+    ``Retry-After``; anything else → 400 naming the field the error carries (its ``param``),
+    the endpoint's prompt field (``messages`` for chat, ``prompt`` for completions) when it
+    carries none or the prompt."""
     if isinstance(e, ServerBusyError):
-        return ApiError(msg, None, 429, {"Retry-After": str(e.retry_after)})
-    return ApiError(msg, "max_tokens" if "max_tokens" in msg else ("messages" if chat else "prompt"))
+        return ApiError(str(e), None, 429, {"Retry-After": str(e.retry_after)})
+    param = getattr(e, "param", None)
+    if param in (None, "prompt", "messages"):
+        param = "messages" if chat else "prompt"
+    return ApiError(str(e), param)
+
+
+def check_size(prompt, max_model_len: int, chat: bool) -> None:
+    """:func:`check_prompt_size` (text too long for the context, refused untokenized) as an ApiError."""
+    try:
+        check_prompt_size(prompt, max_model_len)
+    except LlmdError as e:
+        raise engine_error(e, chat) from None
 
 
 # ---- generation ---------------------------------------------------------------------
@@ -133,7 +128,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     if st.draining:
         raise ApiError("the daemon is shutting down", None, 503)
     parsed = parse_request(await read_json(request), chat, st.model_ids, st.vocab_size)
-    _check_prompt_size(parsed.prompt, st.max_model_len)
+    check_size(parsed.prompt, st.max_model_len, chat)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
@@ -141,7 +136,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     def sink(out):  # engine thread → event loop
         loop.call_soon_threadsafe(queue.put_nowait, out)
 
-    fut = st.engine_loop.submit(rid, parsed.prompt, parsed.child_params(), sink, chat=chat, cache_salt=parsed.cache_salt,
+    fut = st.engine_loop.submit(rid, parsed.prompt, parsed.params, parsed.n, sink, cache_salt=parsed.cache_salt,
                                 priority=parsed.priority)
     done = False
     try:
@@ -164,7 +159,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             remaining = len(children)
             while remaining:
                 out = await queue.get()
-                builder.absorb(int(out.request_id.rsplit("-", 1)[1]), out)
+                builder.absorb(out.index, out)
                 remaining -= out.finished
         done = True
         if parsed.stream:
@@ -186,7 +181,7 @@ async def _stream(request: web.Request, builder: ResponseBuilder, queue: asyncio
     while remaining:
         out = await queue.get()
         remaining -= out.finished
-        chunk = builder.delta_chunk(int(out.request_id.rsplit("-", 1)[1]), out, usage)
+        chunk = builder.delta_chunk(out.index, out, usage)
         if chunk is not None:
             await resp.write(sse(chunk))
     if usage:
@@ -231,7 +226,7 @@ async def metrics(request: web.Request) -> web.Response:
     st = request.app[STATE]
     if st.metrics is None:
         raise ApiError("metrics are not enabled on this daemon", None, 404)
-    st.metrics.refresh(st.engine_loop.snapshot())
+    st.metrics.refresh(st.engine_loop.stats())
     return web.Response(body=st.metrics.render(), headers={"Content-Type": st.metrics.content_type})
 
 
@@ -254,15 +249,18 @@ async def tokenize(request: web.Request) -> web.Response:
     body = await read_json(request)
     if not isinstance(body, dict) or not isinstance(body.get("prompt", body.get("messages")), (str, list)):
         raise ApiError("send {\"prompt\": text} or {\"messages\": [...]}", "prompt")
-    tok = st.engine_loop.engine.tokenizer
-    if "messages" in body:
-        parsed = parse_request({"messages": body["messages"]}, True, st.model_ids, st.vocab_size)
-        ids = tok.apply_chat(parsed.prompt)
+    chat = "messages" in body
+    if chat:
+        prompt = parse_request({"messages": body["messages"]}, True, st.model_ids, st.vocab_size).prompt
     else:
         if not isinstance(body["prompt"], str):
             raise ApiError("prompt must be a string", "prompt")
-        _check_prompt_size(body["prompt"], st.max_model_len)
-        ids = tok.encode(check_utf8(body["prompt"], "prompt"))
+        check_size(body["prompt"], st.max_model_len, chat=False)
+        prompt = check_utf8(body["prompt"], "prompt")
+    try:
+        ids = await asyncio.wrap_future(st.engine_loop.tokenize(prompt))  # on the engine thread, as every prompt
+    except LlmdError as e:
+        raise engine_error(e, chat) from None
     return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": st.max_model_len})
 
 

@@ -29,9 +29,9 @@ from aiohttp import web
 
 from llmd.daemon.serving.engine_loop import EngineLoop
 from llmd.daemon.serving.metrics import DaemonMetrics
-from llmd.daemon.protocol import check_socket_path, default_socket_dir
+from llmd.daemon.protocol import check_socket_path, default_socket_dir, lock_path
 from llmd.daemon.serving.api import ServerState, make_app
-from llmd.models.errors import LlmdError
+from llmd.daemon.core.errors import LlmdError
 
 log = logging.getLogger("llmd.serve")
 
@@ -70,7 +70,7 @@ def claim_socket(path: str) -> int:
     if err:
         raise LlmdError(err)
     prepare_socket_dir(path)
-    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(lock_path(path), os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:

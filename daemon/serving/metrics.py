@@ -6,8 +6,7 @@ The vLLM metric set under an ``llmd:`` prefix, every series labelled ``model_nam
   ``num_requests_waiting`` (sequences), ``kv_cache_usage_perc`` (fraction 0..1 of usable
   KV blocks in use, despite the name; vLLM's convention);
 * counters: ``prompt_tokens_total`` (prefill tokens computed), ``generation_tokens_total``
-  (tokens generated), ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (tokens;
-  0 until prefix caching lands), ``num_preemptions_total``, ``request_success_total``
+  (tokens generated), ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (tokens), ``num_preemptions_total``, ``request_success_total``
   (finished sequences, label ``finished_reason``: stop / length / abort);
 * histograms (seconds): ``time_to_first_token_seconds`` (engine arrival → first token),
   ``inter_token_latency_seconds`` (between consecutive tokens of a sequence),
@@ -18,17 +17,21 @@ The vLLM metric set under an ``llmd:`` prefix, every series labelled ``model_nam
 tools read llmd unchanged. Each daemon gets its own :class:`CollectorRegistry` (never the
 process-global one), so in-process servers and tests do not collide.
 
-Threading: the ``on_*`` hooks run on the engine thread (:class:`EngineLoop`), before the
-request's output reaches its client; :meth:`DaemonMetrics.refresh` and
-:meth:`DaemonMetrics.render` run on the event loop. prometheus-client's metric objects are
-thread-safe; the per-request timing dicts are touched by the engine thread only.
+Metrics count nothing themselves: they read what the engine made (:mod:`llmd.daemon.core.stats`).
+:meth:`DaemonMetrics.record` takes each step's :class:`IterationStats` (tokens, latencies,
+finished sequences) on the engine thread, from the :class:`EngineLoop`, before the step's
+outputs reach their clients; :meth:`DaemonMetrics.refresh` sets the gauges (and the counters
+the engine keeps cumulatively) from the latest :class:`EngineStats` on each scrape, and
+:meth:`DaemonMetrics.render` runs on the event loop. prometheus-client's metric objects are
+thread-safe.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from llmd.models.errors import LlmdError
+from llmd.daemon.core.errors import LlmdError
+from llmd.daemon.core.stats import FINISH_REASONS
 
 COMPAT_PREFIXES = {"vllm": "vllm:"}
 PREFIX = "llmd:"
@@ -53,7 +56,6 @@ SPECS = [
     (Histogram, "inter_token_latency_seconds", "Inter-token latency in seconds.", ITL_BUCKETS),
     (Histogram, "e2e_request_latency_seconds", "End-to-end request latency in seconds.", E2E_BUCKETS),
 ]
-FINISH_REASONS = ("stop", "length", "abort")
 
 
 class DaemonMetrics:
@@ -83,8 +85,6 @@ class DaemonMetrics:
             success = Counter(prefix + "request_success", "Count of finished sequences.",
                               ["model_name", "finished_reason"], registry=self.registry)
             self._success.append({r: success.labels(model_name, r) for r in FINISH_REASONS})
-        self._arrival: dict[str, float] = {}  # request id -> engine arrival (monotonic s)
-        self._last_token: dict[str, float] = {}  # request id -> time of its latest token (monotonic s)
         self._synced = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
 
     # ---- fan-out over prefixes ----------------------------------------------------------
@@ -101,49 +101,33 @@ class DaemonMetrics:
             m.set(value)
 
     # ---- engine thread ------------------------------------------------------------------
-    def on_arrival(self, request_id: str, now: float) -> None:
-        """A sequence entered the engine at monotonic time ``now`` (seconds)."""
-        self._arrival[request_id] = now
-
-    def on_step(self, num_prompt_tokens: int) -> None:
-        """One engine step computed ``num_prompt_tokens`` prefill tokens."""
-        if num_prompt_tokens:
-            self._inc("prompt_tokens", num_prompt_tokens)
-
-    def on_output(self, out, now: float) -> None:
-        """A :class:`RequestOutput` is about to be delivered (``now``: monotonic seconds)."""
-        rid, n = out.request_id, len(out.new_token_ids)
-        if n:
-            self._inc("generation_tokens", n)
-            last = self._last_token.get(rid)
-            if last is None:
-                start = self._arrival.get(rid)
-                if start is not None:
-                    self._observe("time_to_first_token_seconds", now - start)
-            else:
-                self._observe("inter_token_latency_seconds", now - last)
-            self._last_token[rid] = now
-        if out.finished:
-            self._last_token.pop(rid, None)
-            start = self._arrival.pop(rid, None)
-            if start is not None:
-                self._observe("e2e_request_latency_seconds", now - start)
-            reason = out.finish_reason if out.finish_reason in FINISH_REASONS else "abort"
+    def record(self, it) -> None:
+        """One or more engine steps' :class:`~llmd.daemon.core.stats.IterationStats` (seconds)."""
+        if it.num_prompt_tokens:
+            self._inc("prompt_tokens", it.num_prompt_tokens)
+        if it.num_generation_tokens:
+            self._inc("generation_tokens", it.num_generation_tokens)
+        for t in it.time_to_first_tokens_s:
+            self._observe("time_to_first_token_seconds", t)
+        for t in it.inter_token_latencies_s:
+            self._observe("inter_token_latency_seconds", t)
+        for f in it.finished:
+            self._observe("e2e_request_latency_seconds", f.e2e_latency_s)
+            reason = f.finish_reason if f.finish_reason in FINISH_REASONS else "abort"
             for per_prefix in self._success:
                 per_prefix[reason].inc()
 
     # ---- event loop (scrape) ------------------------------------------------------------
-    def refresh(self, snapshot: dict) -> None:
-        """Set the gauges (and the snapshot-sourced counters) from a ``/v1/stats`` snapshot."""
-        if not snapshot:
+    def refresh(self, stats) -> None:
+        """Set the gauges (and sync the engine's cumulative prefix-cache and preemption
+        counters) from the latest :class:`~llmd.daemon.core.stats.EngineStats`."""
+        if stats is None:
             return
-        sched = snapshot["scheduler"]
-        self._set("num_requests_running", sched["running"])
-        self._set("num_requests_waiting", sched["waiting"])
-        self._set("kv_cache_usage_perc", min(1.0, max(0.0, float(snapshot["kv_cache"]["usage"]))))
-        totals = {"prefix_cache_queries": snapshot["prefix_cache"]["queries"],
-                  "prefix_cache_hits": snapshot["prefix_cache"]["hits"],
-                  "num_preemptions": snapshot["counters"].get("num_preemptions", 0)}
+        self._set("num_requests_running", stats.scheduler.running)
+        self._set("num_requests_waiting", stats.scheduler.waiting)
+        self._set("kv_cache_usage_perc", min(1.0, max(0.0, float(stats.kv_cache.usage))))
+        totals = {"prefix_cache_queries": stats.prefix_cache.queries, "prefix_cache_hits": stats.prefix_cache.hits,
+                  "num_preemptions": stats.counters.num_preemptions}
         for name, total in totals.items():
             delta = total - self._synced[name]
             if delta > 0:  # counters only go up; the snapshot may lag, never rewind

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from llmd.daemon.core.engine import RequestOutput
+from llmd.daemon.core.outputs import RequestOutput
 
 
 @dataclass

@@ -44,7 +44,8 @@ class ParsedRequest:
         params: sampling parameters shared by the ``n`` sequences.
         cache_salt: optional prefix-cache salt (requests with different salts share no KV).
         priority: scheduling priority, lower first (vLLM's convention); default 0.
-        n: independent sequences.
+        n: independent sequences of the prompt, all with ``params`` (and its seed): sequence
+            ``i`` draws from generators derived from (seed, i, output position) (``sampler.row_seed``).
         stream, include_usage: SSE streaming and a final usage chunk.
         logprobs: top logprobs per token (0 = only the chosen token), None = no logprobs.
     """
@@ -59,11 +60,6 @@ class ParsedRequest:
     tokens_as_ids: bool = False
     cache_salt: str | None = None
     priority: int = 0
-
-    def child_params(self) -> list[SamplingParams]:
-        """Per-sequence params, all with the request's seed: sibling ``i`` draws from
-        generators derived from (seed, i, output position) (see ``sampler.row_seed``)."""
-        return [SamplingParams(**vars(self.params)) for _ in range(self.n)]
 
 
 def json_type(v) -> str:

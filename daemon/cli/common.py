@@ -1,0 +1,135 @@
+"""What every ``llmd`` command shares: one-line errors, the engine and socket options, engine building.
+
+User errors (:class:`LlmdError`) print one line ``llmd: error: ...`` and exit 1, never a
+traceback (:func:`one_line_errors`); click's own usage errors are made one line by the group
+in :mod:`llmd.daemon.cli.main`. Option values are checked before any weights load.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+
+import click
+
+from llmd.daemon.core.errors import LlmdError
+
+
+def one_line_errors(fn):
+    """Turn LlmdError (and Ctrl-C) into a one-line message and a non-zero exit code."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except LlmdError as e:
+            click.echo(f"llmd: error: {e}", err=True)
+            sys.exit(1)
+        except KeyboardInterrupt:
+            click.echo("llmd: interrupted", err=True)
+            sys.exit(130)
+
+    return wrapper
+
+
+def parse_bytes_option(ctx, param, value):
+    if value is None:
+        return None
+    from llmd.daemon.core.config import parse_bytes
+
+    try:
+        return parse_bytes(value)
+    except LlmdError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def parse_kv_scales_option(ctx, param, value):
+    if value is None:
+        return None
+    from llmd.daemon.core.config import parse_kv_scales
+
+    try:
+        return parse_kv_scales(value)
+    except LlmdError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+model_option = click.option("--model", "-m", default="smollm2-135m", show_default=True, help="GGUF path or known model name.")
+
+socket_option = click.option("--socket", "socket_path", default=None,
+                             help="Daemon socket (default: $LLMD_SOCKET, else $XDG_RUNTIME_DIR/llmd/llmd.sock, "
+                                  "else ~/.cache/llmd/llmd.sock).")
+
+
+def engine_options(fn):
+    """Options shared by every command that builds an engine (the fields of ``EngineConfig``)."""
+    opts = [
+        model_option,
+        click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16", "float64"]), default="auto",
+                     show_default=True,
+                     help="Weights/activations dtype; auto = bfloat16 on CUDA and on CPUs with native bf16 "
+                          "(AVX512-BF16/AMX), else float32; float64: CPU reference runs."),
+        click.option("--threads", default=None, type=int,
+                     help="torch CPU threads (default: $OMP_NUM_THREADS if set, else the cores this process may use; "
+                          "two processes sharing the cores: split them, e.g. --threads 1 each on 2 cores)."),
+        click.option("--device", default=None, help="cpu or cuda (default: cuda if available)."),
+        click.option("--block-size", default=16, show_default=True, type=int, help="Tokens per KV block."),
+        click.option("--kv-cache-memory", default=None, callback=parse_bytes_option,
+                     help="KV cache size, e.g. 512MiB (default: 512MiB on CPU, 80% of free memory on CUDA)."),
+        click.option("--max-num-seqs", default=32, show_default=True, type=int, help="Sequences running at once at most."),
+        click.option("--max-num-batched-tokens", default=None, type=int,
+                     help="Token budget per step (default: 256 on CPU, 4096 on CUDA)."),
+        click.option("--max-model-len", default=None, type=int, help="Context cap in tokens (default: the model's)."),
+        click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8_e4m3", "fp8_e5m2", "int8"]), default="auto",
+                     show_default=True,
+                     help="KV cache storage: auto = model dtype; 8-bit formats keep float32 scales per (token, KV head)."),
+        click.option("--kv-scales", default=None, callback=parse_kv_scales_option,
+                     help="Static per-tensor KV scales k,v (vLLM convention: stored = x / scale); default: dynamic."),
+        click.option("--attention-backend", type=click.Choice(["cpu", "torch", "triton"]), default=None,
+                     help="Attention ops: cpu (fast batched CPU path), torch (the pure-torch reference), triton "
+                          "(default: triton on CUDA, cpu on CPU; torch with --dtype float64)."),
+        click.option("--disable-hybrid-kv-cache-manager", is_flag=True, default=False,
+                     help="Keep every block of sliding-window layers (one full-attention KV cache group), as vLLM's flag."),
+        click.option("--enable-prefix-caching/--no-prefix-caching", default=True, show_default=True,
+                     help="Reuse the KV of cached full blocks across requests (block-chain hashes)."),
+        click.option("--prefix-cache-seed", default=None, type=int,
+                     help="Seed of the block-hash chain root (default: random per daemon; for tests)."),
+        click.option("--max-prefill-chunk", default=None, type=int,
+                     help="Prefill tokens of one request per step (default: the token budget)."),
+        click.option("--max-num-waiting", default=1024, show_default=True, type=int,
+                     help="Waiting requests at most; beyond it HTTP 429 with Retry-After."),
+    ]
+    for o in reversed(opts):
+        fn = o(fn)
+    return fn
+
+
+def build_engine(**kw):
+    """An :class:`Engine` from engine options, with the loading and loaded lines on stderr
+    (settings are validated before the weights load)."""
+    from llmd.daemon.core.config import EngineConfig
+    from llmd.daemon.core.engine import Engine
+
+    config = EngineConfig(**kw).resolve()  # bad settings fail before the weights load
+    click.echo(f"llmd: loading {kw['model']} ({config.dtype}, {config.threads} thread{'' if config.threads == 1 else 's'}) ...",
+               err=True)
+    t0 = time.monotonic()
+    engine = Engine.from_config(config)
+    click.echo(f"llmd: loaded {engine.model_config.name} in {time.monotonic() - t0:.1f} s; {engine.runtime_summary()}; "
+               f"{engine.capacity_summary()}", err=True)
+    return engine
+
+
+def socket_path_of(socket_path: str | None) -> str:
+    """``--socket``, else the default socket path (``protocol.default_socket_path``)."""
+    from llmd.daemon.protocol import default_socket_path
+
+    return socket_path or default_socket_path()
+
+
+def client_for(socket_path: str | None, timeout: float = 10.0):
+    """A :class:`~llmd.daemon.client.Client` of the daemon on ``--socket`` (or the default)."""
+    from llmd.daemon.client.client import Client
+
+    return Client(socket_path_of(socket_path), timeout=timeout)

@@ -1,0 +1,86 @@
+"""``llmd generate`` and ``llmd kv-size``: the model without a daemon."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import click
+
+from llmd.daemon.cli.common import build_engine, engine_options, model_option, one_line_errors, parse_bytes_option
+from llmd.daemon.core.errors import LlmdError
+
+
+@click.command()
+@click.argument("prompt")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template as a user message.")
+@click.option("--max-tokens", default=None, type=int, help="New tokens at most (default: the remaining context).")
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
+@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--top-k", default=0, show_default=True, type=int, help="0 = off.")
+@click.option("--seed", default=None, type=int, help="Sampling seed (default: random).")
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@engine_options
+@one_line_errors
+def generate(prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, **engine_kw):
+    """Generate a completion for PROMPT with llmd's own engine, streaming text to stdout."""
+    from llmd.daemon.core.request import SamplingParams
+
+    if max_tokens is not None and max_tokens < 1:
+        raise LlmdError(f"--max-tokens must be >= 1, got {max_tokens}")
+    if not prompt:
+        raise LlmdError("PROMPT is empty")
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                            stop=list(stop))
+    try:  # before the weights load
+        params.validate()
+    except ValueError as e:
+        raise LlmdError("--" + str(e).replace("_", "-")) from None  # "--top-p must be in (0, 1], got 2.0"
+    if chat:  # fail before loading the weights (the GGUF header read is cached for the load)
+        from llmd.models.gguf_loader import load_config
+        from llmd.models.registry import resolve_model
+
+        cfg = load_config(resolve_model(engine_kw["model"]))
+        if not cfg.chat_template:
+            raise LlmdError(f"model {cfg.name} has no chat template (a base model); drop --chat")
+    engine = build_engine(**engine_kw)
+    engine.add_request([{"role": "user", "content": prompt}] if chat else prompt, params)
+    t0 = time.monotonic()
+    n, reason = 0, None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            n += len(out.new_token_ids)
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+            reason = out.finish_reason
+    sys.stdout.write("\n")
+    dt = time.monotonic() - t0
+    click.echo(f"llmd: {n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s), finish_reason={reason}", err=True)
+
+
+@click.command("kv-size")
+@model_option
+@click.option("--context", default=None, type=int, help="Tokens per sequence (default: the model's context length).")
+@click.option("--memory", default="512MiB", show_default=True, callback=parse_bytes_option, help="KV cache budget.")
+@click.option("--block-size", default=16, show_default=True, type=int)
+@one_line_errors
+def kv_size(model, context, memory, block_size):
+    """KV cache bytes per token and sequences that fit, per cache dtype (GGUF metadata only)."""
+    from llmd.daemon.core.kv_size import group_summary, kv_size_rows
+    from llmd.daemon.kv import make_kv_cache_groups
+    from llmd.models.gguf_loader import load_config
+    from llmd.models.registry import resolve_model
+
+    cfg = load_config(resolve_model(model))
+    context = context or cfg.max_position
+    click.echo(f"{cfg.name}: {cfg.num_layers} layers, {cfg.num_kv_heads} KV heads x {cfg.head_dim} dims; "
+               f"context {context} tokens; memory {memory} B ({memory / 2**20:.0f} MiB)")
+    windows = cfg.layer_windows
+    layouts = ([(True, "")] if all(w is None for w in windows)
+               else [(True, " (hybrid KV cache groups)"), (False, " (every layer global)")])
+    for hybrid, title in layouts:
+        click.echo(group_summary(make_kv_cache_groups(windows, hybrid), block_size) + title)
+        click.echo(f"{'kv dtype':<12}{'B/token':>12}{'B/sequence':>16}{'blocks':>10}{'sequences':>12}")
+        for r in kv_size_rows(cfg, context, memory, block_size, hybrid):
+            click.echo(f"{r.name:<12}{r.bytes_per_token:>12,.0f}{r.bytes_per_sequence:>16,.0f}{r.num_blocks:>10}"
+                       f"{r.sequences:>12.2f}")

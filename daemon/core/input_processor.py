@@ -1,0 +1,125 @@
+"""The one path from a prompt (text, token ids or chat messages) to token ids, with its checks.
+
+Everything that turns user input into tokens goes through here: the engine's
+``add_request`` (and so the engine loop, ``llmd generate`` and ``llmd chat --no-daemon``),
+the server's ``POST /tokenize`` (through the engine loop) and ``llmd bench kv-quality``.
+
+* :func:`check_prompt_size`: text that cannot fit the context is refused *before* it is
+  tokenized (the server calls it on the event loop: megabytes of text tokenized on the
+  engine thread would stall every stream for seconds);
+* :meth:`InputProcessor.tokenize`: text → ``tokenizer.encode`` (BOS per the GGUF), chat
+  messages → the model's chat template, token ids → checked against the vocabulary;
+* :meth:`InputProcessor.process`: the above plus the length rules: an empty prompt, a prompt
+  that leaves no room to generate, or prompt + ``max_tokens`` beyond ``max_model_len`` are
+  refused (never clamped); a missing ``max_tokens`` becomes the remaining context.
+
+Every refusal is a :class:`~llmd.daemon.core.errors.RequestError` whose ``param`` names the
+field: ``"prompt"`` (``"messages"`` for a message list) or ``"max_tokens"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmd.daemon.core.errors import RequestError
+from llmd.daemon.core.request import SamplingParams
+
+#: characters per token no real prompt exceeds; text longer than this × the context cannot fit
+MAX_CHARS_PER_TOKEN = 64
+
+Prompt = str | list[int] | list[dict]
+
+
+def is_chat(prompt) -> bool:
+    """Whether ``prompt`` is a list of chat messages (``{"role", "content"}`` dicts)."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+
+
+def prompt_field(prompt) -> str:
+    """The request field a prompt came in: ``messages`` for chat messages, else ``prompt``."""
+    return "messages" if is_chat(prompt) else "prompt"
+
+
+def check_prompt_size(prompt, max_model_len: int) -> None:
+    """Refuse text (or messages) longer than ``MAX_CHARS_PER_TOKEN`` × the context, untokenized.
+
+    Raises:
+        RequestError: naming the characters, the context and the limit.
+    """
+    if is_chat(prompt):
+        n = sum(len(m["content"]) for m in prompt)
+    else:
+        n = len(prompt) if isinstance(prompt, str) else 0
+    limit = MAX_CHARS_PER_TOKEN * max_model_len
+    if n > limit:
+        raise RequestError(f"prompt has {n} characters, more than any prompt that fits the context of {max_model_len} "
+                           f"tokens (limit {limit} characters)", prompt_field(prompt))
+
+
+@dataclass
+class ProcessedPrompt:
+    """A prompt ready for the scheduler.
+
+    Attributes:
+        token_ids: the prompt's tokens.
+        max_tokens_defaulted: True when ``max_tokens`` was not given and became the remaining
+            context (the engine adds a hint to a later capacity error).
+    """
+
+    token_ids: list[int]
+    max_tokens_defaulted: bool
+
+
+class InputProcessor:
+    """Tokenizes prompts for one engine and applies its context rules.
+
+    Args:
+        tokenizer: the model's :class:`~llmd.models.tokenizer.Tokenizer`.
+        vocab_size: token ids must lie in ``[0, vocab_size)``.
+        max_model_len: the engine's context (prompt + output tokens).
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """Token ids of text, chat messages (the model's template) or token ids (checked).
+
+        Raises:
+            LlmdError: a model without a chat template was given messages.
+            RequestError: token ids outside the vocabulary.
+        """
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if is_chat(prompt):
+            return self.tokenizer.apply_chat(prompt)
+        ids = list(prompt)
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
+            raise RequestError(f"prompt token ids must be integers in [0, {self.vocab_size})", "prompt")
+        return ids
+
+    def process(self, prompt: Prompt, params: SamplingParams) -> ProcessedPrompt:
+        """:meth:`tokenize` and the length rules; resolves ``params.max_tokens`` in place when
+        it is None (the remaining context).
+
+        Raises:
+            RequestError: an empty prompt, one that leaves no room to generate, or prompt +
+                ``max_tokens`` beyond the context (``param`` "max_tokens").
+        """
+        field = prompt_field(prompt)
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise RequestError("the prompt is empty (0 tokens)", field)
+        n, context = len(ids), self.max_model_len
+        if n >= context:
+            raise RequestError(f"prompt has {n} tokens but the context is {context} tokens (max-model-len), "
+                               "leaving no room to generate", field)
+        defaulted = params.max_tokens is None
+        if defaulted:
+            params.max_tokens = context - n
+        elif n + params.max_tokens > context:
+            raise RequestError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
+                               f"exceeds the context of {context} tokens", "max_tokens")
+        return ProcessedPrompt(ids, defaulted)

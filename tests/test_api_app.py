@@ -1,0 +1,204 @@
+"""The HTTP app in-process: aiohttp's test client on ``make_app`` over a real :class:`EngineLoop`
+and a tiny random-GGUF engine (``tiny_engine``), so route logic is tested in milliseconds
+(the subprocess daemons of ``test_server_api.py`` test the real model and process)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from tiny_engine import tiny_engine
+
+from llmd.daemon.protocol import STATS_SCHEMA_VERSION
+from llmd.daemon.serving.api import ServerState, make_app
+from llmd.daemon.serving.engine_loop import EngineLoop
+from llmd.daemon.serving.metrics import DaemonMetrics
+
+
+@pytest.fixture(scope="module")
+def engine_loop(tmp_path_factory):
+    """One engine loop for the module: at most 2 sequences running and 1 waiting."""
+    engine = tiny_engine(tmp_path_factory.mktemp("tiny") / "tiny.gguf", max_num_seqs=2, max_num_waiting=1)
+    loop = EngineLoop(engine, "tiny", metrics=DaemonMetrics("tiny")).start()
+    yield loop
+    loop.stop()
+
+
+def run(engine_loop, scenario):
+    """Run ``scenario(client)`` against a fresh app on ``engine_loop``."""
+
+    async def main():
+        eng = engine_loop.engine
+        state = ServerState(engine_loop=engine_loop, model_id="tiny", model_ids=("tiny", "tiny-alias"),
+                            vocab_size=eng.model_config.vocab_size, max_model_len=eng.max_model_len,
+                            shutdown=asyncio.Event(), metrics=engine_loop.metrics)
+        async with TestClient(TestServer(make_app(state))) as client:
+            return await scenario(client)
+
+    return asyncio.run(main())
+
+
+async def sse_events(resp) -> list:
+    """The decoded ``data:`` events of a stream, ``"[DONE]"`` kept as the string."""
+    events = []
+    async for line in resp.content:
+        line = line.strip()
+        if line.startswith(b"data:"):
+            data = line[5:].strip()
+            events.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+    return events
+
+
+def test_completion_n_choices_and_stream_equal_non_stream(engine_loop):
+    """n = 2 greedy: two choices with their index; the stream carries each choice's index,
+    joins to the same texts, ends with usage then ``[DONE]``."""
+    body = {"prompt": "hello", "max_tokens": 6, "temperature": 0, "n": 2}
+
+    async def scenario(client):
+        resp = await client.post("/v1/completions", json=body)
+        assert resp.status == 200
+        full = await resp.json()
+        resp = await client.post("/v1/completions", json={**body, "stream": True,
+                                                          "stream_options": {"include_usage": True}})
+        assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+        return full, await sse_events(resp)
+
+    full, events = run(engine_loop, scenario)
+    assert [c["index"] for c in full["choices"]] == [0, 1]
+    assert all(c["finish_reason"] == "length" and len(c["text"]) == 6 for c in full["choices"])
+    assert full["usage"] == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
+    assert events[-1] == "[DONE]" and events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 12
+    texts = {0: "", 1: ""}
+    for ev in events[:-2]:
+        for ch in ev["choices"]:
+            texts[ch["index"]] += ch["text"]
+    assert texts == {0: full["choices"][0]["text"], 1: full["choices"][1]["text"]}
+
+
+def test_errors_carry_their_field(engine_loop):
+    """Validation and engine rejections name the field: the engine's errors carry it."""
+    cases = [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),  # validation
+        ("/v1/completions", {"prompt": "x" * 500, "max_tokens": 20}, "max_tokens"),  # engine: beyond the context
+        ("/v1/completions", {"prompt": "x" * 600}, "prompt"),  # engine: no room to generate
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * 600}]}, "messages"),
+        ("/v1/completions", {"prompt": "hi", "n": 3, "max_tokens": 2}, "n"),  # engine: n > --max-num-seqs 2
+        ("/v1/completions", {"prompt": "hi", "model": "other"}, "model"),
+        ("/v1/completions", {"prompt": "x" * (64 * 512 + 1)}, "prompt"),  # refused before tokenizing
+    ]
+
+    async def scenario(client):
+        out = []
+        for path, body, _ in cases:
+            resp = await client.post(path, json=body)
+            out.append((resp.status, await resp.json()))
+        resp = await client.post("/v1/completions", data=b"{not json")
+        out.append((resp.status, await resp.json()))
+        return out
+
+    results = run(engine_loop, scenario)
+    for (path, body, param), (status, err) in zip(cases, results):
+        assert status == 400, (body, err)
+        assert err["error"]["param"] == param, (body, err)
+        assert err["error"]["type"] == "invalid_request_error" and err["error"]["code"] == 400
+    assert results[-1][0] == 400 and "not valid JSON" in results[-1][1]["error"]["message"]
+    assert engine_loop.engine.kv_manager.num_used_blocks == 0  # rejected requests hold nothing
+
+
+def test_full_queue_is_429_with_retry_after(engine_loop):
+    """2 running + 1 waiting fill the engine; a fourth request then gets 429 + Retry-After, and
+    the others are answered."""
+
+    async def scenario(client):
+        async def one(i):
+            resp = await client.post("/v1/completions", json={"prompt": f"r{i}", "max_tokens": 400, "temperature": 0})
+            return resp.status, resp.headers.get("Retry-After"), await resp.json()
+
+        async def until(key, n):
+            for _ in range(500):
+                if (await (await client.get("/v1/stats")).json())["scheduler"][key] == n:
+                    return
+                await asyncio.sleep(0.01)
+            raise AssertionError(f"never {n} {key}")
+
+        others = []
+        for i, (key, n) in enumerate((("running", 1), ("running", 2), ("waiting", 1))):
+            others.append(asyncio.ensure_future(one(i)))  # one at a time: the queue holds only one
+            await until(key, n)
+        busy = await one(3)
+        return busy, await asyncio.gather(*others)
+
+    busy, others = run(engine_loop, scenario)
+    assert busy[0] == 429 and busy[1] == "1" and "waiting queue is full" in busy[2]["error"]["message"]
+    assert [s for s, _, _ in others] == [200, 200, 200]
+    assert all(len(r["choices"][0]["text"]) == 400 for _, _, r in others)
+
+
+def test_tokenize_stats_health_models_metrics_abort(engine_loop):
+    async def scenario(client):
+        out = {}
+        resp = await client.post("/tokenize", json={"prompt": "abc"})
+        out["tokenize"] = await resp.json()
+        resp = await client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+        out["tokenize_chat"] = await resp.json()
+        await (await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                               "max_tokens": 3, "temperature": 0})).json()
+        for _ in range(500):  # the snapshot is republished once the engine thread is idle again
+            out["stats"] = await (await client.get("/v1/stats")).json()
+            if not out["stats"]["requests"]:
+                break
+            await asyncio.sleep(0.01)
+        for name, path in (("health", "/health"), ("models", "/v1/models"), ("cells", "/v1/stats?cells=4")):
+            out[name] = await (await client.get(path)).json()
+        resp = await client.get("/metrics")
+        out["metrics"] = (resp.status, await resp.text())
+        resp = await client.delete("/v1/requests/no-such-request")
+        out["abort"] = (resp.status, await resp.json())
+        out["reset"] = await (await client.post("/v1/cache/reset")).json()
+        return out
+
+    out = run(engine_loop, scenario)
+    assert out["tokenize"] == {"tokens": [97, 98, 99], "count": 3, "max_model_len": 512}
+    assert out["tokenize_chat"]["tokens"] == [ord(c) for c in "user: hi\nassistant: "]
+    assert out["health"]["status"] == "ok" and out["health"]["model_ids"] == ["tiny", "tiny-alias"]
+    assert out["models"]["data"][0]["id"] == "tiny" and out["models"]["data"][0]["max_model_len"] == 512
+    st = out["stats"]
+    assert st["schema_version"] == STATS_SCHEMA_VERSION and st["model"] == "tiny"
+    assert st["counters"]["generation_tokens"] >= 3 and st["counters"]["requests_finished"]["length"] >= 1
+    assert st["scheduler"] == {"running": 0, "waiting": 0, "preempted": 0} and st["requests"] == []
+    assert st["kv_cache"]["used"] == 0 and st["block_map"]["encoding"] == "rle"
+    assert out["cells"]["block_map"]["encoding"] == "cells" and len(out["cells"]["block_map"]["cells"]) == 4
+    status, text = out["metrics"]
+    assert status == 200 and 'llmd:generation_tokens_total{model_name="tiny"}' in text
+    assert out["abort"][0] == 404 and out["abort"][1]["error"]["param"] == "request_id"
+    assert "reset" in out["reset"]
+
+
+def test_delete_by_parent_id_aborts_every_sequence(engine_loop):
+    """``DELETE /v1/requests/{id}`` with the response id aborts all n sequences: each stream
+    choice ends with ``finish_reason: "abort"``, then ``[DONE]``; no block stays held."""
+
+    async def scenario(client):
+        resp = await client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 400, "n": 2, "stream": True})
+        finish, rid, aborted = {}, None, None
+        async for line in resp.content:
+            line = line.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            ev = json.loads(line[5:])
+            if rid is None:
+                rid = ev["id"]
+                r = await client.delete(f"/v1/requests/{rid}")
+                aborted = (r.status, await r.json())
+            for ch in ev["choices"]:
+                if ch["finish_reason"]:
+                    finish[ch["index"]] = ch["finish_reason"]
+        return rid, aborted, finish
+
+    rid, aborted, finish = run(engine_loop, scenario)
+    assert aborted == (200, {"id": rid, "aborted": True})
+    assert finish == {0: "abort", 1: "abort"}
+    assert engine_loop.engine.kv_manager.num_used_blocks == 0 and rid not in engine_loop.engine.parallel
