@@ -5,19 +5,28 @@ import copy
 
 import pytest
 import torch
+from kv_quality_support import (  # noqa: F401
+    DNLL_MAX_PCT,
+    QUALITY_BACKEND,
+    TOP1_MIN,
+    engine_kw,
+    one_torch_thread,
+    quality_getter,
+    xfail_for,
+)
 
 from llmd.daemon.bench.kv_quality import KV_DTYPES, hf_fake_quant, quality_row
-from llmd.models.gguf_loader import load_model
 from llmd.daemon.bench.kv_quality_text import QUALITY_TEXT
-from kv_quality_support import (  # noqa: F401
-    DNLL_MAX_PCT, QUALITY_BACKEND, TOP1_MIN, engine_kw, one_torch_thread, quality_getter, xfail_for,
-)
 from llmd.daemon.core.request import SamplingParams
+from llmd.models.gguf_loader import load_model
 
-# Measured on this text (962 tokens), float32 on CPU, torch backend, ties-to-even rounding:
-#   int8      ΔNLL 0.098 %  top-1 97.19 %   HF fake-quant ΔNLL 0.041 %  (|diff| 0.057 pp)
-#   fp8_e4m3  ΔNLL 0.875 %  top-1 93.24 %   HF fake-quant ΔNLL 0.719 %  (|diff| 0.156 pp)
-#   fp8_e5m2  ΔNLL 1.260 %  top-1 86.16 %   HF fake-quant ΔNLL 1.020 %  (|diff| 0.241 pp)
+# Measured on this text (962 tokens), float32 on CPU, torch backend, ties-to-even rounding,
+# since Q/K/V and gate/up are fused at load time (issue 13; the fused matmuls round a few float32
+# ulps differently, which is a new realization of the rounding noise described below):
+#   int8      ΔNLL 0.023 %  top-1 97.50 %
+#   fp8_e4m3  ΔNLL 0.718 %  top-1 94.28 %   (before the fusion: 0.875 % / 93.24 %)
+#   fp8_e5m2  ΔNLL 1.038 %  top-1 86.06 %   (before: 1.260 % / 86.16 %)
+# Before the fusion, HF fake-quant gave ΔNLL 0.041 / 0.719 / 1.020 % for the three.
 # The fp8 misses are the formats' own rounding error, not a bug: llmd's codes equal torch's
 # cast bit for bit on identical inputs, and the float64 HF model with float64 fake-quant lands
 # in the same place. One run is one realization of chaotic rounding noise: 1e-6 relative K/V
@@ -28,10 +37,10 @@ from llmd.daemon.core.request import SamplingParams
 # with an independent implementation (whose float32 rounding differs by an ulp upstream) is
 # below the measure's noise floor for every quantized dtype in float32, so that agreement is
 # checked in float64 on both sides (test_q4_matches_hf_fake_quant_reference_float64: |Δ| 0.001,
-# 0.015, 0.000 pp). Strict xfails, so any change in the numbers (a fix, a regression, upstream
-# numerics) forces these marks to be revisited.
-TOP1_MISS = "fp8 rounding error on SmolLM2: top-1 e4m3 93.24 % (93.5 ± 0.3 % over jitter), e5m2 86.16 %"
-DNLL_MISS = "fp8_e4m3 ΔNLL 0.875 % vs 0.75 % (0.76 ± 0.15 % over jitter: the bound is the mean)"
+# 0.015, 0.000 pp). This realization of e4m3 lands just inside both bounds (94.28 % ≥ 94 %,
+# 0.718 % ≤ 0.75 %); e5m2's top-1 stays a strict xfail, so any change in the numbers (a fix, a
+# regression, upstream numerics) forces these marks to be revisited.
+TOP1_MISS = "fp8_e5m2 rounding error on SmolLM2: top-1 86.06 % (85-88 % over jitter) vs 90 %"
 
 
 
@@ -50,13 +59,13 @@ def quality(smollm2, smollm2_tokenizer):
     return ids, quality_getter(smollm2[0], smollm2_tokenizer, ids)
 
 
-@pytest.mark.parametrize("name", xfail_for(TOP1_MISS, "fp8_e4m3", "fp8_e5m2"))
+@pytest.mark.parametrize("name", xfail_for(TOP1_MISS, "fp8_e5m2"))
 def test_q1_teacher_forced_top1_agreement(quality, name):
     row = quality[1](name)
     assert row.top1 >= TOP1_MIN[name], row
 
 
-@pytest.mark.parametrize("name", xfail_for(DNLL_MISS, "fp8_e4m3"))
+@pytest.mark.parametrize("name", KV_DTYPES[1:])
 def test_q4_delta_nll_budget(quality, name):
     row = quality[1](name)
     assert row.delta_nll_pct <= DNLL_MAX_PCT[name], row

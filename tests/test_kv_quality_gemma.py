@@ -10,17 +10,18 @@ model loads (see tests/gemma_fixtures.py).
 """
 
 import pytest
+from kv_quality_support import DNLL_MAX_PCT, TOP1_MIN, one_torch_thread, quality_getter, xfail_for  # noqa: F401 (fixture)
 
 from llmd.daemon.bench.kv_quality import KV_DTYPES, hf_fake_quant
 from llmd.daemon.bench.kv_quality_text import QUALITY_TEXT
-from kv_quality_support import DNLL_MAX_PCT, TOP1_MIN, one_torch_thread, quality_getter, xfail_for  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # first tests here may load llmd's and HF's Gemma
 
-# Measured on this text (952 Gemma tokens), float32 on CPU, torch backend:
-#   int8      ΔNLL 1.040 %  top-1 94.43 %   HF fake-quant ΔNLL 1.194 %  (|diff| 0.154 pp)
-#   fp8_e4m3  ΔNLL 0.881 %  top-1 93.59 %   HF fake-quant ΔNLL 1.324 %  (|diff| 0.442 pp)
-#   fp8_e5m2  ΔNLL 4.984 %  top-1 89.38 %   HF fake-quant ΔNLL 4.311 %  (|diff| 0.673 pp)
+# Measured on this text (952 Gemma tokens), float32 on CPU, torch backend, since Q/K/V and
+# gate/up are fused at load time (issue 13: a new realization of the rounding noise below):
+#   int8      ΔNLL 1.175 %  top-1 94.74 %   (before the fusion 1.040 % / 94.43 %; HF fake-quant ΔNLL 1.194 %)
+#   fp8_e4m3  ΔNLL 0.659 %  top-1 93.48 %   (before 0.881 % / 93.59 %; HF 1.324 %)
+#   fp8_e5m2  ΔNLL 4.856 %  top-1 88.75 %   (before 4.984 % / 89.38 %; HF 4.311 %)
 # HF transformers' own Gemma3 with K/V fake-quantized from the spec lands in the same place, so
 # these are the formats under per-(token, KV head) amax scaling on this model, not llmd. The
 # loss is K's (HF, K alone: int8 ΔNLL 1.12 % top-1 94.1 %, e5m2 4.92 % 89.2 %; V alone: int8
@@ -33,9 +34,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # first tests here ma
 # sits at the mean and its top-1 bound just above it (a coin flip per realization), and the
 # 0.05 pp agreement with an independent implementation is far below the measure's noise. Strict
 # xfails, so any change in the numbers forces these marks to be revisited.
-TOP1_MISS = ("K rounding on Gemma 3 (per-(token, head) amax over 256 dims, K amax/rms 6-11): top-1 int8 94.43 %, "
-             "e4m3 93.59 %, e5m2 89.38 % (HF fake-quant: 93.80, 94.11, 88.43 %)")
-DNLL_MISS = ("K rounding on Gemma 3: ΔNLL int8 1.040 % vs 0.2 %, e4m3 0.881 % vs 0.75 %, e5m2 4.984 % vs 3 % "
+TOP1_MISS = ("K rounding on Gemma 3 (per-(token, head) amax over 256 dims, K amax/rms 6-11): top-1 int8 94.74 %, "
+             "e4m3 93.48 %, e5m2 88.75 % (HF fake-quant: 93.80, 94.11, 88.43 %)")
+DNLL_MISS = ("K rounding on Gemma 3: ΔNLL int8 1.175 % vs 0.2 %, e5m2 4.856 % vs 3 % (e4m3 0.659 % passes its 0.75 %) "
              "(HF fake-quant: 1.194, 1.324, 4.311 %)")
 
 
@@ -75,7 +76,7 @@ def test_q1_teacher_forced_top1_agreement(quality, name):
     assert row.top1 >= TOP1_MIN[name], row
 
 
-@pytest.mark.parametrize("name", xfail_for(DNLL_MISS, "int8", "fp8_e4m3", "fp8_e5m2"))
+@pytest.mark.parametrize("name", xfail_for(DNLL_MISS, "int8", "fp8_e5m2"))
 def test_q4_delta_nll_budget(quality, name):
     row = quality[1](name)
     assert row.delta_nll_pct <= DNLL_MAX_PCT[name], row
