@@ -30,8 +30,9 @@ class EngineConfig:
         block_size: tokens per KV block.
         kv_cache_memory: bytes for the KV cache; ``None`` = 512 MiB on CPU, 80 % of free
             memory on CUDA.
-        max_num_seqs: sequences running at once at most.
-        max_num_batched_tokens: token budget of one step (tokens); ``None`` = 256 on CPU,
+        max_num_seqs: sequences running at once at most (default 64: on the 2-core CPU the
+            mixed peer workload ran 1.21x faster than at 32, TTFT p50 0.64x, TPOT p50 1.36x).
+        max_num_batched_tokens: token budget of one step (tokens); ``None`` = 512 on CPU,
             4096 on CUDA.
         max_model_len: context cap (prompt + output tokens); ``None`` = the model's trained length.
         kv_cache_dtype: "auto" (model dtype), "int8", "fp8_e4m3", "fp8_e5m2" (``llmd.quant.kv``).
@@ -47,7 +48,7 @@ class EngineConfig:
             ``--no-prefix-caching``).
         prefix_cache_seed: seed of the block-hash chain root; ``None`` = random per daemon.
         max_prefill_chunk: prefill tokens of one request per step (tokens); ``None`` = the
-            token budget (256 on CPU; on CUDA the 4,096 budget, vLLM's range being 2,048-8,192).
+            token budget (512 on CPU; on CUDA the 4,096 budget, vLLM's range being 2,048-8,192).
         max_num_waiting: waiting requests at most before new ones get HTTP 429 (default 1,024).
         threads: torch intra-op threads, set once when the engine is built
             (``torch.set_num_threads``); ``None`` = ``$OMP_NUM_THREADS`` if set, else the cores
@@ -59,7 +60,7 @@ class EngineConfig:
     device: str | None = None
     block_size: int = 16
     kv_cache_memory: int | None = None
-    max_num_seqs: int = 32
+    max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     kv_cache_dtype: str = "auto"
@@ -91,7 +92,7 @@ class EngineConfig:
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
             raise LlmdError(f"--threads must be an integer >= 1, got {self.threads!r}")
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = 4096 if on_cuda else 256
+            self.max_num_batched_tokens = 4096 if on_cuda else 512
         if self.max_prefill_chunk is None:
             self.max_prefill_chunk = self.max_num_batched_tokens
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "max_num_waiting"):
@@ -103,7 +104,8 @@ class EngineConfig:
             raise LlmdError(f"--max-model-len must be >= 1, got {self.max_model_len}")
         self._resolve_kv_and_backend(on_cuda)
         if self.dtype == "float64" and (on_cuda or self.attention_backend != "torch"):
-            raise LlmdError("--dtype float64 is for CPU reference runs: it needs --device cpu and --attention-backend torch")
+            raise LlmdError("--dtype float64 is for CPU reference runs: it needs --device cpu and "
+                            "--attention-backend torch")
         return self
 
     def _resolve_kv_and_backend(self, on_cuda: bool) -> None:
@@ -113,7 +115,8 @@ class EngineConfig:
         from llmd.quant.kv import KV_CACHE_FORMATS
 
         if self.kv_cache_dtype not in KV_CACHE_FORMATS:
-            raise LlmdError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_FORMATS)}, got {self.kv_cache_dtype!r}")
+            raise LlmdError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_FORMATS)}, "
+                            f"got {self.kv_cache_dtype!r}")
         if self.kv_scales is not None:
             if self.kv_cache_dtype == "auto":
                 raise LlmdError("--kv-scales needs an 8-bit --kv-cache-dtype (int8, fp8_e4m3, fp8_e5m2)")
