@@ -1,7 +1,8 @@
 """Wire-level facts shared by the daemon, its clients and ``tui/`` (no torch, no aiohttp; a leaf).
 
-* where the socket and its lock files live (:func:`default_socket_path`, :func:`check_socket_path`,
-  :func:`lock_path`, :func:`spawn_lock_path`);
+* where the socket, its lock files and an auto-started daemon's log live
+  (:func:`default_socket_path`, :func:`check_socket_path`, :func:`lock_path`,
+  :func:`spawn_lock_path`, :func:`default_log_path`);
 * the OpenAI-style error body (:func:`error_body`);
 * Server-Sent Events framing (:func:`sse`, :data:`SSE_DONE`);
 * the ``GET /v1/stats`` schema, versioned by :data:`STATS_SCHEMA_VERSION` (bump it on any
@@ -60,6 +61,12 @@ def default_socket_dir() -> str:
 def default_socket_path() -> str:
     """``LLMD_SOCKET`` if set, else ``<default_socket_dir()>/llmd.sock``."""
     return os.environ.get("LLMD_SOCKET") or os.path.join(default_socket_dir(), SOCKET_NAME)
+
+
+def default_log_path() -> str:
+    """The log of a daemon a client starts in the background: ``$XDG_CACHE_HOME/llmd/daemon.log``
+    (default ``~/.cache/llmd/daemon.log``)."""
+    return cache_dir("daemon.log")
 
 
 def lock_path(socket_path: str) -> str:

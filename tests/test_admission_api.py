@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from llmd.daemon.core.errors import LlmdError, ServerBusyError
 from llmd.daemon.core.request import SamplingParams
 from llmd.daemon.serving.api import engine_error
 from llmd.daemon.serving.validation import ApiError, parse_request
-from llmd.daemon.core.errors import LlmdError, ServerBusyError
 
 
 def test_full_waiting_queue_is_429_and_the_engine_keeps_serving(make_engine):

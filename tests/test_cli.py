@@ -5,9 +5,9 @@ import subprocess
 import sys
 
 from click.testing import CliRunner
+from tiny_gguf import write_tiny_llama
 
 from llmd.daemon.cli.main import main
-from tiny_gguf import write_tiny_llama
 
 GENERATE_AND_LIST_MODULES = r"""
 import re, sys

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from llmd.daemon.core.detokenizer import IncrementalDetokenizer
 
+
 @pytest.fixture(scope="session")
 def tok(smollm2_tokenizer):
     """The real SmolLM2 HF tokenizer (built once per session by conftest)."""

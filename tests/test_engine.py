@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from llmd.daemon.core.request import SamplingParams
 from llmd.daemon.core.errors import LlmdError
+from llmd.daemon.core.request import SamplingParams
 
 
 def mixed_prompts(tokenizer) -> list[list[int]]:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmd.daemon.core.request import SamplingParams
 from llmd.daemon.core.errors import LlmdError
+from llmd.daemon.core.request import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -4,18 +4,17 @@ computation from the GGUF tensors; the slot map must tile every parameter; RoPE 
 fast forms equal the explicit HF formulas bit for bit."""
 
 import gguf
-import numpy as np
 import pytest
 import torch
+from gemma_fixtures import contiguous_meta
+from tiny_gguf import write_tiny_llama
 from torch.nn import functional as F
 
-from gemma_fixtures import contiguous_meta
 from llmd.models import llama
 from llmd.models.errors import GGUFLoadError
 from llmd.models.gguf_loader import load_model
 from llmd.models.layers import GemmaRMSNorm, RMSNorm, apply_rope, rope_tables
 from llmd.models.llama import unpermute_qk
-from tiny_gguf import write_tiny_llama
 
 SEPARATE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 

@@ -10,8 +10,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-
 from gemma_fixtures import GEMMA_GLOBAL_LAYERS, GEMMA_WINDOW, contiguous_meta
+
 from llmd.models.config import ModelConfig, read_config, sliding_layers
 from llmd.models.errors import LlmdError
 from llmd.models.gguf_loader import open_gguf

@@ -4,12 +4,12 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from tiny_gguf import write_tiny_llama
 
 from llmd.models.errors import GGUFLoadError, ModelNotFoundError
 from llmd.models.gguf_loader import load_config, load_model
 from llmd.models.llama import unpermute_qk
 from llmd.models.registry import resolve_model
-from tiny_gguf import write_tiny_llama
 
 Q = gguf.GGMLQuantizationType
 

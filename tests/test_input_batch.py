@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from llmd.daemon.core.input_batch import InputBatch
-from llmd.daemon.kv import make_kv_cache_groups
 from llmd.daemon.core.model_runner import ModelRunner
 from llmd.daemon.core.outputs import ScheduledRequest, SchedulerOutput
+from llmd.daemon.kv import make_kv_cache_groups
 
 
 def reference_inputs(out: SchedulerOutput, num_groups: int, bs: int):

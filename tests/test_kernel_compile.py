@@ -41,7 +41,6 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
-
 from covering import pairwise
 
 ARCHS = [80, 90]

@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from covering import pairwise  # noqa: E402
+
 from llmd.kernels import AttentionMetadata, ops, reference  # noqa: E402
 from llmd.quant.kv import PagedKVCache, get_format  # noqa: E402
 

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmd.daemon.kv import KVCacheManager, layer_placement, make_kv_cache_groups
 from llmd.daemon.core.kv_size import kv_size_rows
 from llmd.daemon.core.request import SamplingParams
+from llmd.daemon.kv import KVCacheManager, layer_placement, make_kv_cache_groups
 from llmd.models.config import ModelConfig
 
 GEMMA_WINDOWS = tuple(None if i % 6 == 5 else 512 for i in range(18))

@@ -4,11 +4,18 @@ import pytest
 import torch
 
 from llmd.daemon.core.config import EngineConfig, parse_kv_scales
+from llmd.daemon.core.errors import LlmdError
 from llmd.daemon.core.kv_size import kv_cache_bytes_per_token, kv_size_rows
 from llmd.kernels import reference
-from llmd.daemon.core.errors import LlmdError
 from llmd.quant.kv import (
-    KV_CACHE_FORMATS, PagedKVCache, compute_scales, dequantize, get_format, quantize, quantize_dequantize, round_half_even,
+    KV_CACHE_FORMATS,
+    PagedKVCache,
+    compute_scales,
+    dequantize,
+    get_format,
+    quantize,
+    quantize_dequantize,
+    round_half_even,
 )
 
 FORMATS = ["int8", "fp8_e4m3", "fp8_e5m2"]

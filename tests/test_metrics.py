@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from types import SimpleNamespace
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from llmd.daemon.core.stats import FinishedRequestStats, IterationStats
 from llmd.daemon.serving.metrics import DaemonMetrics

@@ -4,8 +4,8 @@ import gguf
 import numpy as np
 import torch
 
-from llmd.daemon.core.request import SamplingParams
 from llmd.daemon.core.outputs import ScheduledRequest, SchedulerOutput
+from llmd.daemon.core.request import SamplingParams
 from llmd.models.llama import unpermute_qk
 
 

@@ -10,10 +10,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from test_scheduler import BIG, Harness, alone, blocks_for, make_req, prompt_of, sched_ids
 
-from llmd.daemon.kv import KVCacheManager
-from llmd.daemon.core.request import Request, RequestStatus, SamplingParams
 from llmd.daemon.core.errors import QueueFullError
+from llmd.daemon.core.request import Request, RequestStatus, SamplingParams
 from llmd.daemon.core.scheduler import Scheduler
+from llmd.daemon.kv import KVCacheManager
 
 
 def with_priority(req: Request, priority: int) -> Request:

@@ -8,9 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from llmd.daemon.core.request import SamplingParams
 from llmd.daemon.kv import KVCacheManager
 from llmd.daemon.kv.prefix_cache import extra_keys, hash_block_tokens
-from llmd.daemon.core.request import SamplingParams
 
 GREEDY8 = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5)
 

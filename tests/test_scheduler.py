@@ -16,10 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmd.daemon.kv import KVCacheManager
-from llmd.daemon.core.request import Request, RequestStatus, SamplingParams
 from llmd.daemon.core.outputs import SchedulerOutput
+from llmd.daemon.core.request import Request, RequestStatus, SamplingParams
 from llmd.daemon.core.scheduler import Scheduler
+from llmd.daemon.kv import KVCacheManager
 
 BIG = 10**9
 

@@ -143,9 +143,9 @@ def test_a6_too_long_while_another_request_runs(llmd_small_daemon):
 
 
 def test_a7_logprobs_are_raw_model_distribution(llmd_daemon, hf_smollm2):
-    import torch
-
     from concurrent.futures import ThreadPoolExecutor
+
+    import torch
 
     c = llmd_daemon.client()
     prompt = c.tokenize("The quick brown fox")

@@ -21,8 +21,8 @@ from click.testing import CliRunner
 
 from llmd.daemon.cli.main import main as cli_main
 from llmd.daemon.client.client import AsyncClient
-from llmd.daemon.serving.lifecycle import claim_socket
 from llmd.daemon.core.errors import LlmdError
+from llmd.daemon.serving.lifecycle import claim_socket
 
 TOPICS = ["cats", "the sea", "Paris", "music", "trees", "rain", "bread", "stars", "trains", "snow",
           "chess", "coffee", "rivers", "books", "bees", "clocks"]

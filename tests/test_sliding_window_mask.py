@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before llmd.kernels.ops imports the Triton modules
 
 from gemma_fixtures import contiguous_meta  # noqa: E402
+
 from llmd import kernels  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

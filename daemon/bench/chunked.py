@@ -62,14 +62,15 @@ def run_chunked_prefill_bench(engine, num_decoders: int = 4, decode_tokens: int 
     big = max(cfg.max_num_batched_tokens, long_prompt + num_decoders + 1)
     configs = {True: cfg, False: dataclasses.replace(cfg, max_num_batched_tokens=big, max_prefill_chunk=big)}
     echo(f"{num_decoders} requests decoding {decode_tokens} greedy tokens; a {long_prompt}-token prompt arrives every "
-         f"{period} decoded tokens; chunked: budget {cfg.max_num_batched_tokens}, chunk {cfg.max_prefill_chunk}; unchunked: {big}; "
-         f"{cfg.device} {cfg.dtype}")
+         f"{period} decoded tokens; chunked: budget {cfg.max_num_batched_tokens}, chunk {cfg.max_prefill_chunk}; "
+         f"unchunked: {big}; {cfg.device} {cfg.dtype}")
     out = {}
     for on, c in configs.items():
         eng = Engine(engine.runner.model, engine.tokenizer, dataclasses.replace(c, enable_prefix_caching=False))
         r = run_scenario(eng, num_decoders, decode_tokens, long_prompt, period)
         out[on] = r
-        echo(f"chunked prefill {'on ' if on else 'off'}: ITL p50 {r['itl_p50_ms']:8.1f} ms  p99 {r['itl_p99_ms']:8.1f} ms  "
-             f"max {r['itl_max_ms']:8.1f} ms; {r['long_prompts']} long prompts, {r['steps']} steps, {r['seconds']:.0f} s")
+        echo(f"chunked prefill {'on ' if on else 'off'}: ITL p50 {r['itl_p50_ms']:8.1f} ms  "
+             f"p99 {r['itl_p99_ms']:8.1f} ms  max {r['itl_max_ms']:8.1f} ms; {r['long_prompts']} long prompts, "
+             f"{r['steps']} steps, {r['seconds']:.0f} s")
     echo(f"ITL p99 off / on: {out[False]['itl_p99_ms'] / max(1e-9, out[True]['itl_p99_ms']):.2f}x")
     return out

@@ -68,6 +68,7 @@ def run_hybrid_bench(engine, seq_tokens: int = 2048, new_tokens: int = 16, num_r
              f"{eng.num_blocks - 1} blocks of {eng.block_bytes} B, {per_seq} blocks per {seq_tokens}-token sequence "
              f"in decode ({fits[hybrid]} fit); {res['decoding']} sequences decoding at once, "
              f"{res['preemptions']} preemptions, {res['steps']} steps, {res['seconds']:.0f} s")
-    echo(f"hybrid / all-global sequences decoding at once: {out[True]['decoding'] / max(1, out[False]['decoding']):.2f}x "
+    ratio = out[True]["decoding"] / max(1, out[False]["decoding"])
+    echo(f"hybrid / all-global sequences decoding at once: {ratio:.2f}x "
          f"({out[True]['decoding']} vs {out[False]['decoding']})")
     return out

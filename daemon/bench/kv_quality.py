@@ -1,10 +1,10 @@
 """KV cache quality (cases Q1 and Q4): teacher-forced NLL and top-1 agreement per ``--kv-cache-dtype``.
 
 A fixed ~1,000-token text is fed in chunks of 64 tokens through the engine's own runner and
-paged cache (:meth:`Engine.teacher_forced_logits`): each chunk stores its K/V (quantized) first and attends to what it reads back
-(store-then-read), so the quantized cache is what is measured. For every KV dtype we report
-mean NLL of the next token, ΔNLL relative to the model-dtype cache, and top-1 agreement with
-the model-dtype run. :func:`hf_fake_quant_nll` is the independent reference: HF transformers
+paged cache (:meth:`Engine.teacher_forced_logits`): each chunk stores its K/V (quantized) first
+and attends to what it reads back (store-then-read), so the quantized cache is what is measured.
+For every KV dtype we report mean NLL of the next token, ΔNLL relative to the model-dtype cache,
+and top-1 agreement with the model-dtype run. :func:`hf_fake_quant_nll` is the independent reference: HF transformers
 with K/V fake-quantized inside attention by :func:`fake_quant_reference`, written from the spec
 with torch's own casts (not llmd's quantizer).
 
@@ -169,5 +169,6 @@ def format_table(rows: list[QualityRow]) -> list[str]:
     """Lines of the ``llmd bench kv-quality`` table."""
     lines = [f"{'kv dtype':<10}{'B/token':>9}{'mean NLL':>10}{'ΔNLL':>9}{'top-1 agree':>13}"]
     for r in rows:
-        lines.append(f"{r.kv_cache_dtype:<10}{r.bytes_per_token:>9,}{r.nll:>10.4f}{r.delta_nll_pct:>8.3f}%{100 * r.top1:>12.2f}%")
+        lines.append(f"{r.kv_cache_dtype:<10}{r.bytes_per_token:>9,}{r.nll:>10.4f}{r.delta_nll_pct:>8.3f}%"
+                     f"{100 * r.top1:>12.2f}%")
     return lines

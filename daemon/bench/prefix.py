@@ -121,8 +121,8 @@ def run_prefix_bench(engine, system_tokens: int = 1000, users: int = 4, turns: i
          f"token budget {cfg.max_num_batched_tokens}, {cfg.device} {cfg.dtype}, block size {cfg.block_size}")
     for name, by_flag in results.items():
         on, off = by_flag[True], by_flag[False]
-        echo(f"{name:<11} caching off: median TTFT {off.median_ttft:.3f} s, prompt tokens computed {off.prefill_tokens}")
-        echo(f"{name:<11} caching on:  median TTFT {on.median_ttft:.3f} s, prompt tokens computed {on.prefill_tokens}")
+        for label, r in (("caching off:", off), ("caching on: ", on)):
+            echo(f"{name:<11} {label} median TTFT {r.median_ttft:.3f} s, prompt tokens computed {r.prefill_tokens}")
         echo(f"{name:<11} median TTFT off / on: {off.median_ttft / on.median_ttft:.2f}x; "
              f"prompt tokens off / on: {off.prefill_tokens / max(1, on.prefill_tokens):.2f}x")
     kv = engines[True].kv_manager

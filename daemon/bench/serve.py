@@ -57,7 +57,8 @@ async def _one(ac: AsyncClient, prompt: list[int], max_tokens: int) -> Sample:
 
 
 async def run_serve_bench(socket_path: str, num_requests: int, rate: float, prompt_range: tuple[int, int],
-                          output_range: tuple[int, int], seed: int, vocab: tuple[int, int] = (100, 20000), echo=print) -> dict:
+                          output_range: tuple[int, int], seed: int, vocab: tuple[int, int] = (100, 20000),
+                          echo=print) -> dict:
     """Run the load and print a summary; returns the numbers (seconds, tokens/s)."""
     rng = random.Random(seed)
     work = [([rng.randrange(*vocab) for _ in range(rng.randint(*prompt_range))], rng.randint(*output_range))

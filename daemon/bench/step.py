@@ -47,10 +47,9 @@ import torch.nn.functional as F
 from llmd import kernels
 from llmd.daemon.bench.step_report import format_table
 from llmd.daemon.core.config import EngineConfig
-from llmd.daemon.core.request import Request, SamplingParams
-from llmd.daemon.core.scheduler import ScheduledRequest, SchedulerOutput
 from llmd.daemon.core.errors import LlmdError
-
+from llmd.daemon.core.outputs import ScheduledRequest, SchedulerOutput
+from llmd.daemon.core.request import Request, SamplingParams
 
 
 @dataclass
@@ -163,7 +162,8 @@ def decode_step(engine, batch: int, context: int, seed: int = 0) -> tuple[Schedu
         tables = [[0] * first_kept(g, context, bs) + [next(ids) for _ in range(n - first_kept(g, context, bs))]
                   for g in engine.kv_cache_groups]
         sched.append(ScheduledRequest(f"step-{b}", [tok], context, tables, sample=True, is_prefill=False))
-        reqs.append(Request(f"step-{b}", [tok] * context, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        reqs.append(Request(f"step-{b}", [tok] * context, params))
     return SchedulerOutput(scheduled=sched), reqs
 
 
@@ -236,17 +236,16 @@ def engine_for(model, config: EngineConfig, batch: int, context: int):
     (``config.kv_cache_memory`` is replaced; ``max_num_seqs`` and the token budget are raised
     to ``batch``), its cache filled with random K/V."""
     from llmd.daemon.core.engine import Engine
+    from llmd.daemon.core.kv_size import kv_cache_block_bytes
     from llmd.daemon.kv import make_kv_cache_groups
-    from llmd.daemon.core.kv_size import kv_block_bytes
-    from llmd.quant.kv import get_format
 
     cfg, dtype = model.config, next(model.parameters()).dtype
-    groups = make_kv_cache_groups(cfg.sliding_window or (None,) * cfg.num_layers, hybrid=not config.disable_hybrid_kv_cache_manager)
-    fmt = get_format(config.kv_cache_dtype)
-    block_bytes = kv_block_bytes(cfg, groups, config.block_size, fmt.bytes_per_element(dtype), fmt.scale_bytes)
+    groups = make_kv_cache_groups(cfg.layer_windows, hybrid=not config.disable_hybrid_kv_cache_manager)
+    block_bytes = kv_cache_block_bytes(cfg, groups, config.block_size, config.kv_cache_dtype, dtype)
     memory = (blocks_needed(groups, config.block_size, batch, context) + 1) * block_bytes
     sized = dataclasses.replace(config, kv_cache_memory=memory, max_num_seqs=max(batch, config.max_num_seqs),
-                                max_num_batched_tokens=max(batch, config.max_num_batched_tokens))  # the runner's buffers fit
+                                # the runner's buffers fit
+                                max_num_batched_tokens=max(batch, config.max_num_batched_tokens))
     engine = Engine(model, None, sized)  # no tokenizer: no requests are added
     fill_kv(engine.runner)
     return engine
@@ -270,7 +269,8 @@ def run_step_bench(engine_kw: dict, dtypes: list[str], backends: list[str], batc
     path = resolve_model(base.model)
     model_cfg = load_config(path)
     if max(contexts) + 1 > min(base.max_model_len or model_cfg.max_position, model_cfg.max_position):
-        raise LlmdError(f"--context {max(contexts)} + 1 decoded token exceeds the model's context of {model_cfg.max_position} tokens")
+        raise LlmdError(f"--context {max(contexts)} + 1 decoded token exceeds the model's context of "
+                        f"{model_cfg.max_position} tokens")
     bandwidth = read_bandwidth(dev, bandwidth_mib)
     load = open("/proc/loadavg").read().strip() if os.path.exists("/proc/loadavg") else "n/a"
     echo(f"llmd bench step: {os.path.basename(path)} on {dev}, {torch.get_num_threads()} threads; decode steps "
@@ -279,11 +279,13 @@ def run_step_bench(engine_kw: dict, dtypes: list[str], backends: list[str], batc
          f"median of {reps} reps; loadavg {load}")
     rows: list[StepTimes] = []
     for dname in dtypes:
-        cfg = EngineConfig(**{**engine_kw, "dtype": dname, "attention_backend": None, "kv_cache_memory": None}).resolve()
+        cfg = EngineConfig(**{**engine_kw, "dtype": dname, "attention_backend": None,
+                              "kv_cache_memory": None}).resolve()
         model, _ = load_model(path, cfg.torch_dtype, cfg.device)
         for be in backends:
             try:
-                bcfg = EngineConfig(**{**engine_kw, "dtype": cfg.dtype, "attention_backend": be, "kv_cache_memory": None}).resolve()
+                bcfg = EngineConfig(**{**engine_kw, "dtype": cfg.dtype, "attention_backend": be,
+                                       "kv_cache_memory": None}).resolve()
             except LlmdError as e:
                 echo(f"{cfg.dtype} {be}: skipped ({e})")
                 continue

@@ -31,8 +31,8 @@ def format_table(rows: list) -> list[str]:
         fr = [r.step / base.step, r.attention / base.attention] if base and r.backend != REFERENCE else None
         lines.append(f"{r.dtype:<9}{r.backend:<8}{r.batch:>6}{r.context:>6}" + "".join(num(v, 9) for v in vals)
                      + ("".join(num(v, 9) for v in fr) if fr else f"{'-':>9}{'-':>9}") + f"{100 * r.cpu_other:>9.0f}")
-    lines.append(f"targets (issue 13) at batch {TARGET_BATCH}, context {TARGET_CONTEXT}: attention <= {TARGET_ATTN}x its "
-                 f"KV-read floor; step <= {TARGET_STEP}x (linears + lm_head + KV-read floor)")
+    lines.append(f"targets (issue 13) at batch {TARGET_BATCH}, context {TARGET_CONTEXT}: attention <= {TARGET_ATTN}x "
+                 f"its KV-read floor; step <= {TARGET_STEP}x (linears + lm_head + KV-read floor)")
     hits = [r for r in rows if (r.batch, r.context) == (TARGET_BATCH, TARGET_CONTEXT)]
     for r in hits:
         a, s = r.attention / r.kv_floor, r.step / r.floor

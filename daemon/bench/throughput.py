@@ -75,7 +75,8 @@ def run_continuous(engine, workload) -> BenchResult:
     return BenchResult(tokens, time.perf_counter() - t0, steps)
 
 
-def run_throughput_bench(engine, num_requests: int, prompt_range, output_range, seed: int, echo: Callable[[str], None] = print):
+def run_throughput_bench(engine, num_requests: int, prompt_range, output_range, seed: int,
+                         echo: Callable[[str], None] = print):
     """Run static then continuous batching on the same workload and print both and their ratio.
 
     Returns:
@@ -89,8 +90,10 @@ def run_throughput_bench(engine, num_requests: int, prompt_range, output_range, 
     echo(f"workload: {num_requests} requests, prompts {prompt_range[0]}-{prompt_range[1]} tokens, "
          f"outputs {output_range[0]}-{output_range[1]} tokens, seed {seed}, max_num_seqs {engine.config.max_num_seqs}, "
          f"token budget {engine.config.max_num_batched_tokens}, {engine.config.device} {engine.config.dtype}")
-    echo(f"static batching:     {static.output_tokens} tokens in {static.seconds:.2f} s = {static.tokens_per_s:.1f} tok/s, "
-         f"{static.steps} steps, padding waste {static.padding_slots}/{total_slots} decode slots ({static.padding_slots / total_slots:.0%})")
-    echo(f"continuous batching: {cont.output_tokens} tokens in {cont.seconds:.2f} s = {cont.tokens_per_s:.1f} tok/s, {cont.steps} steps")
+    echo(f"static batching:     {static.output_tokens} tokens in {static.seconds:.2f} s = "
+         f"{static.tokens_per_s:.1f} tok/s, {static.steps} steps, padding waste {static.padding_slots}/{total_slots} "
+         f"decode slots ({static.padding_slots / total_slots:.0%})")
+    echo(f"continuous batching: {cont.output_tokens} tokens in {cont.seconds:.2f} s = {cont.tokens_per_s:.1f} tok/s, "
+         f"{cont.steps} steps")
     echo(f"continuous / static throughput: {cont.tokens_per_s / static.tokens_per_s:.2f}x")
     return static, cont

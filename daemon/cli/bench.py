@@ -30,12 +30,15 @@ def bench_throughput(num_requests, min_prompt, max_prompt, min_output, max_outpu
     from llmd.daemon.bench.throughput import run_throughput_bench
 
     engine = build_engine(**engine_kw)
-    run_throughput_bench(engine, num_requests, (min_prompt, max_prompt), (min_output, max_output), seed, echo=click.echo)
+    run_throughput_bench(engine, num_requests, (min_prompt, max_prompt), (min_output, max_output), seed,
+                         echo=click.echo)
 
 
 @bench.command("kv-quality")
-@click.option("--chunk", default=64, show_default=True, type=int, help="Teacher-forcing chunk (tokens); store-then-read.")
-@click.option("--hf-reference", is_flag=True, help="Also run HF transformers with fake-quantized K/V (loads the HF model, in --dtype).")
+@click.option("--chunk", default=64, show_default=True, type=int,
+              help="Teacher-forcing chunk (tokens); store-then-read.")
+@click.option("--hf-reference", is_flag=True,
+              help="Also run HF transformers with fake-quantized K/V (loads the HF model, in --dtype).")
 @click.option("--cached-prefix", default=0, show_default=True, type=int,
               help="Serve this many leading tokens from the prefix cache (a first request computes them); 0 = off.")
 @engine_options
@@ -54,17 +57,19 @@ def bench_kv_quality(chunk, hf_reference, cached_prefix, kv_cache_dtype, **engin
         raise LlmdError(f"--cached-prefix must be >= 0 tokens, got {cached_prefix}")
     engine = build_engine(**engine_kw)
     ids = engine.input_processor.tokenize(QUALITY_TEXT)
-    kw = {k: getattr(engine.config, k) for k in ("device", "dtype", "block_size", "kv_cache_memory", "attention_backend", "threads")}
+    kw = {k: getattr(engine.config, k)
+          for k in ("device", "dtype", "block_size", "kv_cache_memory", "attention_backend", "threads")}
     t0 = time.monotonic()
     if not 0 <= cached_prefix < len(ids):
         raise LlmdError(f"--cached-prefix must be in [0, {len(ids)}) tokens, got {cached_prefix}")
     if cached_prefix and not engine.config.enable_prefix_caching:
         raise LlmdError("--cached-prefix needs prefix caching (drop --no-prefix-caching)")
     rows = kv_quality(engine.runner.model, engine.tokenizer, ids, KV_DTYPES, chunk, cached_prefix, kv_scales, **kw)
-    served = f", first {cached_prefix // engine.config.block_size * engine.config.block_size} from the prefix cache" if cached_prefix else ""
+    bs = engine.config.block_size
+    served = f", first {cached_prefix // bs * bs} from the prefix cache" if cached_prefix else ""
     served += f", static KV scales k={kv_scales[0]:g} v={kv_scales[1]:g}" if kv_scales else ""
-    click.echo(f"{engine.model_config.name}: {len(ids)} tokens{served}, chunks of {chunk}, {engine.config.dtype} weights, "
-               f"attention {engine.config.attention_backend} ({time.monotonic() - t0:.0f} s)")
+    click.echo(f"{engine.model_config.name}: {len(ids)} tokens{served}, chunks of {chunk}, {engine.config.dtype} "
+               f"weights, attention {engine.config.attention_backend} ({time.monotonic() - t0:.0f} s)")
     for line in format_table(rows):
         click.echo(line)
     if hf_reference:
@@ -103,7 +108,8 @@ def bench_prefix(system_tokens, users, turns, max_tokens, **engine_kw):
 @bench.command("hybrid")
 @click.option("--seq-tokens", default=2048, show_default=True, type=int, help="Tokens per sequence (prompt + new).")
 @click.option("--new-tokens", default=16, show_default=True, type=int, help="Greedy tokens generated per sequence.")
-@click.option("--num-requests", default=None, type=int, help="Sequences (default: one more than the hybrid layout fits).")
+@click.option("--num-requests", default=None, type=int,
+              help="Sequences (default: one more than the hybrid layout fits).")
 @engine_options
 @one_line_errors
 def bench_hybrid(seq_tokens, new_tokens, num_requests, **engine_kw):
@@ -151,12 +157,18 @@ def step_engine_options(fn):
     return fn
 
 @bench.command("step")
-@click.option("--batch", default="1,8,32,64", show_default=True, callback=int_list, help="Batch sizes (decoding sequences), comma-separated.")
-@click.option("--context", default="256,1024", show_default=True, callback=int_list, help="Tokens cached per sequence, comma-separated.")
-@click.option("--dtype", "dtypes", default="float32,bfloat16", show_default=True, callback=name_list, help="Model dtypes, comma-separated (weights loaded once each).")
-@click.option("--attention-backend", "backends", default="torch,cpu", show_default=True, callback=name_list, help="Attention backends, comma-separated (torch = the reference).")
-@click.option("--reps", default=5, show_default=True, type=click.IntRange(min=1), help="Timed repetitions per component (median; after one warm-up).")
-@click.option("--bandwidth-mib", default=512, show_default=True, type=click.IntRange(min=1), help="Tensor size of the read-bandwidth measurement (MiB).")
+@click.option("--batch", default="1,8,32,64", show_default=True, callback=int_list,
+              help="Batch sizes (decoding sequences), comma-separated.")
+@click.option("--context", default="256,1024", show_default=True, callback=int_list,
+              help="Tokens cached per sequence, comma-separated.")
+@click.option("--dtype", "dtypes", default="float32,bfloat16", show_default=True, callback=name_list,
+              help="Model dtypes, comma-separated (weights loaded once each).")
+@click.option("--attention-backend", "backends", default="torch,cpu", show_default=True, callback=name_list,
+              help="Attention backends, comma-separated (torch = the reference).")
+@click.option("--reps", default=5, show_default=True, type=click.IntRange(min=1),
+              help="Timed repetitions per component (median; after one warm-up).")
+@click.option("--bandwidth-mib", default=512, show_default=True, type=click.IntRange(min=1),
+              help="Tensor size of the read-bandwidth measurement (MiB).")
 @step_engine_options
 @one_line_errors
 def bench_step(batch, context, dtypes, backends, reps, bandwidth_mib, **engine_kw):

@@ -8,7 +8,14 @@ from typing import Iterator
 import click
 from click.core import ParameterSource
 
-from llmd.daemon.cli.common import build_engine, client_for, engine_options, one_line_errors, socket_option, socket_path_of
+from llmd.daemon.cli.common import (
+    build_engine,
+    client_for,
+    engine_options,
+    one_line_errors,
+    socket_option,
+    socket_path_of,
+)
 
 
 class LocalBackend:
@@ -43,10 +50,12 @@ class LocalBackend:
 @click.option("--temperature", default=0.0, show_default=True, type=float,
               help="0 = greedy (the default: small models answer best greedy); e.g. 0.7 for varied replies.")
 @click.option("--top-p", default=1.0, show_default=True, type=float)
-@click.option("--max-tokens", default=None, type=int, help="New tokens per reply at most (default: the remaining context).")
+@click.option("--max-tokens", default=None, type=int,
+              help="New tokens per reply at most (default: the remaining context).")
 @click.option("--seed", default=None, type=int)
 @click.option("--no-daemon", is_flag=True, help="Run the engine in this process instead of talking to a daemon.")
-@click.option("--daemon-log", default=None, help="Log file of an auto-started daemon (default: ~/.cache/llmd/daemon.log).")
+@click.option("--daemon-log", default=None,
+              help="Log file of an auto-started daemon (default: ~/.cache/llmd/daemon.log).")
 @engine_options
 @one_line_errors
 def chat(socket_path, prompt, system, temperature, top_p, max_tokens, seed, no_daemon, daemon_log, **engine_kw):

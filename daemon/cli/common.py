@@ -55,7 +55,8 @@ def parse_kv_scales_option(ctx, param, value):
         raise click.BadParameter(str(e)) from None
 
 
-model_option = click.option("--model", "-m", default="smollm2-135m", show_default=True, help="GGUF path or known model name.")
+model_option = click.option("--model", "-m", default="smollm2-135m", show_default=True,
+                            help="GGUF path or known model name.")
 
 socket_option = click.option("--socket", "socket_path", default=None,
                              help="Daemon socket (default: $LLMD_SOCKET, else $XDG_RUNTIME_DIR/llmd/llmd.sock, "
@@ -66,8 +67,8 @@ def engine_options(fn):
     """Options shared by every command that builds an engine (the fields of ``EngineConfig``)."""
     opts = [
         model_option,
-        click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16", "float64"]), default="auto",
-                     show_default=True,
+        click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16", "float64"]),
+                     default="auto", show_default=True,
                      help="Weights/activations dtype; auto = bfloat16 on CUDA and on CPUs with native bf16 "
                           "(AVX512-BF16/AMX), else float32; float64: CPU reference runs."),
         click.option("--threads", default=None, type=int,
@@ -77,20 +78,23 @@ def engine_options(fn):
         click.option("--block-size", default=16, show_default=True, type=int, help="Tokens per KV block."),
         click.option("--kv-cache-memory", default=None, callback=parse_bytes_option,
                      help="KV cache size, e.g. 512MiB (default: 512MiB on CPU, 80% of free memory on CUDA)."),
-        click.option("--max-num-seqs", default=64, show_default=True, type=int, help="Sequences running at once at most."),
+        click.option("--max-num-seqs", default=64, show_default=True, type=int,
+                     help="Sequences running at once at most."),
         click.option("--max-num-batched-tokens", default=None, type=int,
                      help="Token budget per step (default: 512 on CPU, 4096 on CUDA)."),
         click.option("--max-model-len", default=None, type=int, help="Context cap in tokens (default: the model's)."),
         click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8_e4m3", "fp8_e5m2", "int8"]), default="auto",
                      show_default=True,
-                     help="KV cache storage: auto = model dtype; 8-bit formats keep float32 scales per (token, KV head)."),
+                     help="KV cache storage: auto = model dtype; 8-bit formats keep float32 scales per "
+                          "(token, KV head)."),
         click.option("--kv-scales", default=None, callback=parse_kv_scales_option,
                      help="Static per-tensor KV scales k,v (vLLM convention: stored = x / scale); default: dynamic."),
         click.option("--attention-backend", type=click.Choice(["cpu", "torch", "triton"]), default=None,
                      help="Attention ops: cpu (fast batched CPU path), torch (the pure-torch reference), triton "
                           "(default: triton on CUDA, cpu on CPU; torch with --dtype float64)."),
         click.option("--disable-hybrid-kv-cache-manager", is_flag=True, default=False,
-                     help="Keep every block of sliding-window layers (one full-attention KV cache group), as vLLM's flag."),
+                     help="Keep every block of sliding-window layers (one full-attention KV cache group), "
+                          "as vLLM's flag."),
         click.option("--enable-prefix-caching/--no-prefix-caching", default=True, show_default=True,
                      help="Reuse the KV of cached full blocks across requests (block-chain hashes)."),
         click.option("--prefix-cache-seed", default=None, type=int,
@@ -112,8 +116,8 @@ def build_engine(**kw):
     from llmd.daemon.core.engine import Engine
 
     config = EngineConfig(**kw).resolve()  # bad settings fail before the weights load
-    click.echo(f"llmd: loading {kw['model']} ({config.dtype}, {config.threads} thread{'' if config.threads == 1 else 's'}) ...",
-               err=True)
+    threads = f"{config.threads} thread{'' if config.threads == 1 else 's'}"
+    click.echo(f"llmd: loading {kw['model']} ({config.dtype}, {threads}) ...", err=True)
     t0 = time.monotonic()
     engine = Engine.from_config(config)
     click.echo(f"llmd: loaded {engine.model_config.name} in {time.monotonic() - t0:.1f} s; {engine.runtime_summary()}; "

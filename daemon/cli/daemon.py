@@ -8,7 +8,14 @@ import os
 
 import click
 
-from llmd.daemon.cli.common import build_engine, client_for, engine_options, one_line_errors, socket_option, socket_path_of
+from llmd.daemon.cli.common import (
+    build_engine,
+    client_for,
+    engine_options,
+    one_line_errors,
+    socket_option,
+    socket_path_of,
+)
 from llmd.daemon.core.errors import LlmdError
 
 

@@ -81,7 +81,8 @@ def run_chat(backend, params: dict, system: str | None = None, prompt: str | Non
             raise KeyboardInterrupt
         return
     messages = list(base)
-    click.echo(f"llmd chat: {', '.join(REPL_COMMANDS)}; end a line with \\ to continue; Ctrl-C cancels a reply, Ctrl-D exits", err=True)
+    click.echo(f"llmd chat: {', '.join(REPL_COMMANDS)}; end a line with \\ to continue; Ctrl-C cancels a reply, "
+               "Ctrl-D exits", err=True)
     while True:
         try:
             text = _read_message()

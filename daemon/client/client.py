@@ -15,8 +15,8 @@ import json
 import socket
 from typing import AsyncIterator, Iterator
 
-from llmd.daemon.protocol import default_socket_path
 from llmd.daemon.core.errors import LlmdError
+from llmd.daemon.protocol import default_socket_path
 
 
 class DaemonUnavailable(LlmdError):
@@ -64,7 +64,8 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
             s.connect(self.unix_path)
         except (FileNotFoundError, ConnectionRefusedError) as e:
             s.close()
-            raise DaemonUnavailable(f"no llmd daemon on {self.unix_path} ({e.strerror}); start one with `llmd serve`") from None
+            raise DaemonUnavailable(f"no llmd daemon on {self.unix_path} ({e.strerror}); "
+                                    "start one with `llmd serve`") from None
         except OSError:
             s.close()
             raise

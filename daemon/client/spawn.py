@@ -23,17 +23,11 @@ import click
 
 from llmd.daemon.client.client import Client
 from llmd.daemon.core.errors import LlmdError
-from llmd.daemon.protocol import lock_path, spawn_lock_path
-from llmd.models.paths import cache_dir
+from llmd.daemon.protocol import default_log_path, lock_path, spawn_lock_path
 
 STARTUP_TIMEOUT_S = 300.0
 #: how a client starts a daemon: the ``llmd`` console script's entry point, by name (not imported)
 SERVE_COMMAND = [sys.executable, "-c", "from llmd.daemon.cli.main import main; main()", "serve"]
-
-
-def default_log_path() -> str:
-    """``$XDG_CACHE_HOME/llmd/daemon.log`` (default ``~/.cache/llmd/daemon.log``)."""
-    return cache_dir("daemon.log")
 
 
 def engine_args(engine_kw: dict) -> list[str]:
@@ -132,13 +126,15 @@ def ensure_daemon(socket_path: str, serve_args: list[str], log_path: str | None 
             cmd = [*SERVE_COMMAND, "--socket", socket_path, *serve_args]
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
                                     cwd="/", env=env)
-        echo(f"llmd: starting a daemon (pid {proc.pid}, log {log_path}); it keeps running after this chat, `llmd stop` ends it")
+        echo(f"llmd: starting a daemon (pid {proc.pid}, log {log_path}); it keeps running after this chat, "
+             "`llmd stop` ends it")
         t0, next_line = time.monotonic(), 0.0
         live = sys.stderr.isatty() if live_progress is None else live_progress
         while not client.health():
             elapsed = time.monotonic() - t0
             if proc.poll() is not None and not lock_held(lock_path(socket_path)):
-                raise LlmdError(f"the daemon exited with code {proc.returncode}; see {log_path}: {_tail(log_path, 3, log_start)}")
+                raise LlmdError(f"the daemon exited with code {proc.returncode}; see {log_path}: "
+                                f"{_tail(log_path, 3, log_start)}")
             if elapsed > timeout:
                 raise LlmdError(f"the daemon did not answer within {timeout:.0f} s; see {log_path}")
             last = (_tail(log_path, 1, log_start).splitlines()[-1:] or [""])[0][:70]

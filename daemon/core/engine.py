@@ -30,8 +30,18 @@ from llmd.daemon.core.outputs import RequestOutput, SchedulerOutput, TokenLogpro
 from llmd.daemon.core.parallel import ParallelRequests, sampling_rows
 from llmd.daemon.core.request import Request, RequestStatus, SamplingParams
 from llmd.daemon.core.scheduler import Scheduler
-from llmd.daemon.core.stats import (EngineCounters, EngineStats, FinishedRequestStats, IterationStats, KVCacheGroupStats,
-                                    KVCacheStats, PrefixCacheStats, RateWindow, RequestStats, SchedulerStats)
+from llmd.daemon.core.stats import (
+    EngineCounters,
+    EngineStats,
+    FinishedRequestStats,
+    IterationStats,
+    KVCacheGroupStats,
+    KVCacheStats,
+    PrefixCacheStats,
+    RateWindow,
+    RequestStats,
+    SchedulerStats,
+)
 from llmd.daemon.kv import KVCacheManager, make_kv_cache_groups
 from llmd.models.config import ModelConfig
 from llmd.models.tokenizer import Tokenizer
@@ -93,11 +103,12 @@ class Engine:
         self.kv_cache_memory = memory
         self.kv_manager = KVCacheManager(
             self.num_blocks, config.block_size, self.kv_cache_groups, enable_caching=self.config.enable_prefix_caching,
-            prefix_cache_seed=self.config.prefix_cache_seed, model_id=f"{cfg.name}|{cfg.architecture}|{self.config.dtype}",
+            prefix_cache_seed=self.config.prefix_cache_seed,
+            model_id=f"{cfg.name}|{cfg.architecture}|{self.config.dtype}",
             kv_cache_dtype=f"{self.config.kv_cache_dtype}|{self.config.kv_scales}",
         )
-        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                                   self.config.max_prefill_chunk, self.config.max_num_waiting)
+        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, self.config.max_prefill_chunk, self.config.max_num_waiting)
         self.runner = ModelRunner(
             model, self.num_blocks, config.block_size, kv_dtype, self.config.device,
             self.config.kv_cache_dtype, self.config.kv_scales, self.config.attention_backend, self.kv_cache_groups,
@@ -156,13 +167,15 @@ class Engine:
             on_cuda = c.device.startswith("cuda")
             why = " (auto: CUDA)" if on_cuda else (" (auto: native bf16 on this CPU)" if cpu_has_native_bf16()
                                                    else " (auto: no native bf16 on this CPU)")
-        return f"dtype {c.dtype}{why}, attention {c.attention_backend}, {c.threads} thread{'' if c.threads == 1 else 's'}"
+        threads = f"{c.threads} thread{'' if c.threads == 1 else 's'}"
+        return f"dtype {c.dtype}{why}, attention {c.attention_backend}, {threads}"
 
     def _kv_dtype_label(self) -> str:
         c = self.config
         if c.kv_cache_dtype == "auto":
             return c.dtype
-        scales = f"static scales k={c.kv_scales[0]:g}, v={c.kv_scales[1]:g}" if c.kv_scales else "dynamic float32 scales"
+        scales = (f"static scales k={c.kv_scales[0]:g}, v={c.kv_scales[1]:g}" if c.kv_scales
+                  else "dynamic float32 scales")
         return f"{c.kv_cache_dtype} + {scales}; attention {c.attention_backend}"
 
     # ---- requests -----------------------------------------------------------------
@@ -178,10 +191,12 @@ class Engine:
                 :class:`ServerBusyError` when the waiting queue is full.
             LlmdError: chat messages for a model without a chat template.
         """
-        return self.add_parallel_request(prompt, params, [request_id or f"req-{next(self._ids)}"], cache_salt, priority)[0]
+        request_id = request_id or f"req-{next(self._ids)}"
+        return self.add_parallel_request(prompt, params, [request_id], cache_salt, priority)[0]
 
     def add_parallel_request(self, prompt: Prompt, params: SamplingParams | None, request_ids: list[str],
-                             cache_salt: str | None = None, priority: int = 0, parent_id: str | None = None) -> list[str]:
+                             cache_salt: str | None = None, priority: int = 0,
+                             parent_id: str | None = None) -> list[str]:
         """Queue ``len(request_ids)`` sequences of one prompt (parallel sampling, OpenAI ``n``).
 
         The prompt is prefilled once; the siblings then share its blocks by reference count
@@ -240,7 +255,8 @@ class Engine:
             self.detokenizers.pop(rid, None)
             self._finished(req, "abort")
             outputs.append(RequestOutput(request_id=rid, finished=True, finish_reason="abort", index=req.sibling_index,
-                                         num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens))
+                                         num_prompt_tokens=req.num_prompt_tokens,
+                                         num_output_tokens=req.num_output_tokens))
         return outputs
 
     def has_unfinished_requests(self) -> bool:

@@ -46,7 +46,8 @@ class KVSizeRow:
     sequences: float
 
 
-def kv_bytes_per_token(cfg: ModelConfig, element_bytes: int, scale_bytes: int = 0, num_layers: int | None = None) -> int:
+def kv_bytes_per_token(cfg: ModelConfig, element_bytes: int, scale_bytes: int = 0,
+                       num_layers: int | None = None) -> int:
     """2 · layers · kv_heads · (head_dim · element_bytes + scale_bytes), in bytes
     (``num_layers`` defaults to all of the model's layers)."""
     layers = cfg.num_layers if num_layers is None else num_layers

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 import torch
 
 from llmd.daemon.core.input_batch import InputBatch
-from llmd.daemon.kv import KVCacheGroupSpec, layer_placement, make_kv_cache_groups
+from llmd.daemon.core.outputs import ScheduledRequest, SchedulerOutput
 from llmd.daemon.core.request import Request
 from llmd.daemon.core.sampler import Sampler, SamplerOutput
-from llmd.daemon.core.outputs import ScheduledRequest, SchedulerOutput
+from llmd.daemon.kv import KVCacheGroupSpec, layer_placement, make_kv_cache_groups
 from llmd.kernels import AttentionMetadata
 from llmd.models.config import ModelConfig
 from llmd.quant.kv import PagedKVCache, get_format
@@ -82,7 +82,8 @@ class ModelRunner:
     def attention_backend(self, name: str) -> None:
         self.inputs.attention_backend = name
 
-    def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata | list[AttentionMetadata], list[int]]:
+    def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor,
+                                                            AttentionMetadata | list[AttentionMetadata], list[int]]:
         """Flatten a step into model inputs.
 
         Returns:

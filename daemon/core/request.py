@@ -100,7 +100,8 @@ class SamplingParams:
         if self.repetition_penalty <= 0:
             raise RequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}", "repetition_penalty")
         if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise RequestError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}", "frequency_penalty")
+            raise RequestError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+                               "frequency_penalty")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise RequestError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}", "presence_penalty")
         if any(not isinstance(s, str) or s == "" for s in self.stop):

@@ -45,8 +45,8 @@ class Scheduler:
         max_num_waiting: waiting requests at most (None: unbounded); preempted ones always re-enter.
     """
 
-    def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 max_prefill_chunk: int | None = None, max_num_waiting: int | None = None):
+    def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, max_prefill_chunk: int | None = None, max_num_waiting: int | None = None):
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -73,7 +73,8 @@ class Scheduler:
         """Insert into the waiting queue by priority (lower first): behind its equals, or in
         front of them (``front``, for preempted requests)."""
         p = req.priority
-        i = next((k for k, w in enumerate(self.waiting) if (w.priority >= p if front else w.priority > p)), len(self.waiting))
+        i = next((k for k, w in enumerate(self.waiting) if (w.priority >= p if front else w.priority > p)),
+                 len(self.waiting))
         self.waiting.insert(i, req)
 
     def add_request(self, req: Request, followers: list[Request] | tuple = ()) -> None:
@@ -166,7 +167,8 @@ class Scheduler:
         """Pick this step's requests (see the module docstring for the order and preemption)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and r.num_computed_tokens >= r.num_prompt_tokens]
+        decodes = [r for r in self.running
+                   if r.num_tokens - r.num_computed_tokens == 1 and r.num_computed_tokens >= r.num_prompt_tokens]
         decode_ids = {id(r) for r in decodes}
         chunks = [r for r in self.running if id(r) not in decode_ids]
         preempted = False

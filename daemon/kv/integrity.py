@@ -50,7 +50,8 @@ def check_integrity(manager: "KVCacheManager") -> None:
                 f"block {b.block_id} has ref_cnt {b.ref_cnt} but is in {holders[b.block_id]} tables"
             )
     for (g, h), b in pool.cached_block_hash_to_block.items():
-        assert b.block_hash == h and b.group == g and b.token_ids is not None, f"cache map entry of block {b.block_id} is stale"
+        assert b.block_hash == h and b.group == g and b.token_ids is not None, \
+            f"cache map entry of block {b.block_id} is stale"
     hashed = sum(1 for b in pool.blocks if b.block_hash is not None)
     assert hashed == len(pool.cached_block_hash_to_block), "a hashed block is missing from the cache map"
     used = sum(1 for b in pool.blocks[1:] if b.ref_cnt > 0)

@@ -59,7 +59,8 @@ class ServerState:
 STATE = web.AppKey("state", ServerState)
 
 
-def json_error(message: str, param: str | None = None, status: int = 400, type_: str = "invalid_request_error") -> web.Response:
+def json_error(message: str, param: str | None = None, status: int = 400,
+               type_: str = "invalid_request_error") -> web.Response:
     return web.json_response(error_body(message, param, type_, status), status=status)
 
 
@@ -203,7 +204,8 @@ async def health(request: web.Request) -> web.Response:
     st = request.app[STATE]
     snap = st.engine_loop.snapshot()
     return web.json_response({"status": "draining" if st.draining else "ok", "pid": os.getpid(),
-                              "model": st.model_id, "model_ids": list(st.model_ids), "uptime_s": snap.get("uptime_s", 0.0)})
+                              "model": st.model_id, "model_ids": list(st.model_ids),
+                              "uptime_s": snap.get("uptime_s", 0.0)})
 
 
 async def models(request: web.Request) -> web.Response:

@@ -161,7 +161,8 @@ class EngineLoop:
                 cmd = None
         if self.engine.has_unfinished_requests() and not self._stop.is_set():
             self._step()
-        if time.monotonic() - self._snapshot_time >= self.snapshot_interval or not self.engine.has_unfinished_requests():
+        stale = time.monotonic() - self._snapshot_time >= self.snapshot_interval
+        if stale or not self.engine.has_unfinished_requests():
             self._publish_snapshot()
 
     def _handle(self, cmd: tuple) -> None:
@@ -193,8 +194,9 @@ class EngineLoop:
 
     def _submit(self, parent_id, prompt, params, n, sink, cache_salt=None, priority=0):
         # one prompt, n sequences: prefilled once, then forked (parallel sampling)
-        children = self.engine.add_parallel_request(prompt, dataclasses.replace(params), child_request_ids(parent_id, n),
-                                                    cache_salt, priority, parent_id=parent_id)
+        children = self.engine.add_parallel_request(prompt, dataclasses.replace(params),
+                                                    child_request_ids(parent_id, n), cache_salt, priority,
+                                                    parent_id=parent_id)
         for rid in children:
             self._sinks[rid] = sink
         self.num_live += len(children)

@@ -27,11 +27,11 @@ import stat
 
 from aiohttp import web
 
-from llmd.daemon.serving.engine_loop import EngineLoop
-from llmd.daemon.serving.metrics import DaemonMetrics
+from llmd.daemon.core.errors import LlmdError
 from llmd.daemon.protocol import check_socket_path, default_socket_dir, lock_path
 from llmd.daemon.serving.api import ServerState, make_app
-from llmd.daemon.core.errors import LlmdError
+from llmd.daemon.serving.engine_loop import EngineLoop
+from llmd.daemon.serving.metrics import DaemonMetrics
 
 log = logging.getLogger("llmd.serve")
 
@@ -76,7 +76,8 @@ def claim_socket(path: str) -> int:
     except OSError as e:
         os.close(fd)
         if e.errno in (errno.EAGAIN, errno.EACCES):
-            raise LlmdError(f"another llmd daemon is already running (or starting) on {path}; stop it with `llmd stop`") from None
+            raise LlmdError(f"another llmd daemon is already running (or starting) on {path}; "
+                            "stop it with `llmd stop`") from None
         raise
     if os.path.lexists(path):
         if not stat.S_ISSOCK(os.lstat(path).st_mode):

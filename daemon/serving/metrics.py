@@ -6,7 +6,8 @@ The vLLM metric set under an ``llmd:`` prefix, every series labelled ``model_nam
   ``num_requests_waiting`` (sequences), ``kv_cache_usage_perc`` (fraction 0..1 of usable
   KV blocks in use, despite the name; vLLM's convention);
 * counters: ``prompt_tokens_total`` (prefill tokens computed), ``generation_tokens_total``
-  (tokens generated), ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (tokens), ``num_preemptions_total``, ``request_success_total``
+  (tokens generated), ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (tokens),
+  ``num_preemptions_total``, ``request_success_total``
   (finished sequences, label ``finished_reason``: stop / length / abort);
 * histograms (seconds): ``time_to_first_token_seconds`` (engine arrival → first token),
   ``inter_token_latency_seconds`` (between consecutive tokens of a sequence),

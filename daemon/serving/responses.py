@@ -28,7 +28,8 @@ class _Choice:
     finish_reason: str | None = None
     num_tokens: int = 0
     tok_offset: int = 0  # characters of token text so far (completions ``text_offset``)
-    lp: dict = field(default_factory=lambda: {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []})
+    lp: dict = field(default_factory=lambda: {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                              "text_offset": []})
     content: list = field(default_factory=list)
 
 
@@ -70,9 +71,8 @@ class ResponseBuilder:
             content = []
             for lp in entries:
                 tok = self.token_text(lp.token_id)
-                content.append({"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode()),
-                                "top_logprobs": [{"token": (t := self.token_text(i)), "logprob": v, "bytes": list(t.encode())}
-                                                 for i, v in lp.top]})
+                top = [{"token": (t := self.token_text(i)), "logprob": v, "bytes": list(t.encode())} for i, v in lp.top]
+                content.append({"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode()), "top_logprobs": top})
             choice.content += content
             return {"content": content}
         d = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}

@@ -141,7 +141,8 @@ def _prompt(body: dict, vocab_size: int) -> str | list[int]:
         if not p:
             raise ApiError("prompt is an empty token list; send at least one token id", "prompt")
         if all(isinstance(x, (str, list)) for x in p):
-            raise ApiError(f"prompt batches are not supported (got {len(p)} prompts); send one prompt per request", "prompt")
+            raise ApiError(f"prompt batches are not supported (got {len(p)} prompts); send one prompt per request",
+                           "prompt")
         return _token_ids(p, "prompt", vocab_size)
     if p is None:
         raise ApiError("prompt is required (a string or a list of token ids)", "prompt")
@@ -161,15 +162,18 @@ def _messages(body: dict) -> list[dict]:
         if role not in ROLES:
             raise ApiError(f"{where}.role must be one of {', '.join(ROLES)}, got {_short(role)}", f"{where}.role")
         if isinstance(content, list):  # [{"type": "text", "text": ...}]
-            if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str) for c in content):
-                raise ApiError(f"{where}.content parts must be {{type: 'text', text: str}} (no images)", f"{where}.content")
+            if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
+                       for c in content):
+                raise ApiError(f"{where}.content parts must be {{type: 'text', text: str}} (no images)",
+                               f"{where}.content")
             content = "".join(c["text"] for c in content)
         if not isinstance(content, str):
             raise ApiError(f"{where}.content must be a string or a list of text parts, got {json_type(content)}",
                            f"{where}.content")
         if not content:
             raise ApiError(f"{where}.content is empty", f"{where}.content")
-        out.append({"role": "system" if role == "developer" else role, "content": check_utf8(content, f"{where}.content")})
+        out.append({"role": "system" if role == "developer" else role,
+                    "content": check_utf8(content, f"{where}.content")})
     return out
 
 
@@ -201,7 +205,8 @@ def parse_request(body, chat: bool, model_ids: tuple[str, ...], vocab_size: int)
     field = "max_tokens"
     if mct is not None:
         if max_tokens is not None and max_tokens != mct:
-            raise ApiError(f"max_tokens ({max_tokens}) and max_completion_tokens ({mct}) disagree; send one", "max_tokens")
+            raise ApiError(f"max_tokens ({max_tokens}) and max_completion_tokens ({mct}) disagree; send one",
+                           "max_tokens")
         max_tokens, field = mct, "max_completion_tokens"
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(f"{field} must be an integer >= 1 (got {max_tokens}); omit it for the remaining context", field)
