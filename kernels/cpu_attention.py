@@ -64,7 +64,8 @@ class _Gather:
         b = self._scores_bias.get(dtype)
         if b is None:
             n, _, q, length = self.bias.shape
-            b = self.bias[:, :, None].expand(n, self.kv_heads, self.group, q, length).reshape(n * self.kv_heads, self.group * q, length)
+            b = self.bias[:, :, None].expand(n, self.kv_heads, self.group, q, length)
+            b = b.reshape(n * self.kv_heads, self.group * q, length)
             b = self._scores_bias[dtype] = b.to(dtype)
         return b
 

@@ -21,8 +21,14 @@ import triton
 import triton.language as tl
 
 from llmd.kernels.attend_tile import NEG, attend_tile
-from llmd.kernels.launch import (DECODE_BLOCK_N, Launch, cache_operands, capability_of, check_triton_config,
-                                 fp8_e4m3_in_software)
+from llmd.kernels.launch import (
+    DECODE_BLOCK_N,
+    Launch,
+    cache_operands,
+    capability_of,
+    check_triton_config,
+    fp8_e4m3_in_software,
+)
 from llmd.quant.kv import PagedKVCache
 
 

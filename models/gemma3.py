@@ -72,6 +72,7 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
     layer_tensors = LAYER_TENSORS
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings ``[T, hidden]`` × ``embedding_scale`` (scale rounded to float32, then to x's dtype, as HF does)."""
+        """Token embeddings ``[T, hidden]`` × ``embedding_scale`` (scale rounded to float32, then to x's dtype,
+        as HF does)."""
         x = self.embed_tokens(input_ids)
         return x * torch.tensor(self.config.embedding_scale, dtype=torch.float32, device=x.device).to(x.dtype)

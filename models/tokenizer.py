@@ -90,7 +90,8 @@ def load_tokenizer(gguf_path: str, config: ModelConfig, header_bytes: int, cache
             return Tokenizer(PreTrainedTokenizerFast.from_pretrained(target, local_files_only=True), config)
         except Exception:
             shutil.rmtree(target, ignore_errors=True)  # a corrupt cache entry is rebuilt
-    hf = PreTrainedTokenizerFast.from_pretrained(os.path.dirname(os.path.abspath(gguf_path)), gguf_file=os.path.basename(gguf_path), local_files_only=True)
+    hf = PreTrainedTokenizerFast.from_pretrained(os.path.dirname(os.path.abspath(gguf_path)),
+                                                 gguf_file=os.path.basename(gguf_path), local_files_only=True)
     os.makedirs(root, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=root, prefix=".tmp-")
     try:

@@ -61,7 +61,8 @@ class Daemon:
             if not st["requests"] and st["kv_cache"]["used"] == 0:
                 return st
             if time.monotonic() > deadline:
-                raise AssertionError(f"daemon not idle after {timeout} s: {st['requests']}, used {st['kv_cache']['used']}")
+                raise AssertionError(f"daemon not idle after {timeout} s: {st['requests']}, "
+                                     f"used {st['kv_cache']['used']}")
             time.sleep(0.05)
 
 

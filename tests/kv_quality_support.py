@@ -10,7 +10,8 @@ from llmd.daemon.bench.kv_quality import KV_DTYPES, quality_row
 
 def xfail_for(reason: str, *names: str) -> list:
     """The quantized KV dtypes as parameters, the ``names`` among them strict xfails for ``reason``."""
-    return [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=reason)) if n in names else n for n in KV_DTYPES[1:]]
+    mark = pytest.mark.xfail(strict=True, reason=reason)
+    return [pytest.param(n, marks=mark) if n in names else n for n in KV_DTYPES[1:]]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,8 @@ def quality_getter(model, tokenizer, ids: list[int], dtype: str = "float32"):
     def get(name):
         if name not in rows:
             base = None if name == "auto" else get("auto")
-            rows[name] = quality_row(model, tokenizer, ids, name, base, attention_backend=QUALITY_BACKEND, **engine_kw(dtype))
+            rows[name] = quality_row(model, tokenizer, ids, name, base, attention_backend=QUALITY_BACKEND,
+                                     **engine_kw(dtype))
         return rows[name]
 
     return get

@@ -31,7 +31,8 @@ def test_bench_step_tiny(tmp_path):
     for key, f in rows.items():
         t = dict(zip(COLS, map(float, f[4:15])))
         assert all(t[c] > 0 for c in ("prep", "linears", "lm_head", "attn", "sample", "step", "KV_MB", "KV_flr")), key
-        assert abs(t["KV_MB"] - 2 * 33 * 2 * 2 * 2 * 16 * 4 / 1e6) < 1e-4  # batch x tokens x layers x K,V x heads x dim x bytes
+        # batch x tokens x layers x K,V x heads x dim x bytes
+        assert abs(t["KV_MB"] - 2 * 33 * 2 * 2 * 2 * 16 * 4 / 1e6) < 1e-4
         parts = t["prep"] + t["linears"] + t["lm_head"] + t["attn"] + t["sample"]
         assert parts <= 2 * t["step"] + 20, (key, t)  # ms; the slack absorbs a preempted single repetition
     assert rows[("float32", "cpu", "2", "32")][15] != "-"  # fast / reference ratio printed

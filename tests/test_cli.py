@@ -26,7 +26,8 @@ def test_generate_chat_answers_paris_without_transformers_modeling():
     """`llmd generate ... --chat` in a fresh process: the answer names Paris, and no
     transformers modeling module was imported (the tokens come from llmd's own model)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-c", GENERATE_AND_LIST_MODULES], capture_output=True, text=True, env=env, timeout=300, cwd="/")
+    proc = subprocess.run([sys.executable, "-c", GENERATE_AND_LIST_MODULES], capture_output=True, text=True, env=env,
+                          timeout=300, cwd="/")
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "MODELING_MODULES=\n" in proc.stderr or proc.stderr.rstrip().endswith("MODELING_MODULES=")

@@ -92,12 +92,15 @@ def test_apply_threads_sets_torch_once():
 def test_cli_threads_and_dtype_options():
     runner = CliRunner()
     res = runner.invoke(main, ["generate", "hi", "--threads", "0"])
-    assert res.exit_code == 1 and res.output.strip().splitlines()[-1] == "llmd: error: --threads must be an integer >= 1, got 0"
+    assert res.exit_code == 1
+    assert res.output.strip().splitlines()[-1] == "llmd: error: --threads must be an integer >= 1, got 0"
     assert "Traceback" not in res.output and "loading" not in res.output  # before the weights load
     res = runner.invoke(main, ["generate", "hi", "--dtype", "fp4"])
     assert res.exit_code == 2 and "'fp4' is not one of 'auto'" in res.output
     res = runner.invoke(main, ["generate", "hi", "--attention-backend", "flash"])
     assert res.exit_code == 2 and "'cpu'" in res.output
-    for cmd in (["generate"], ["serve"], ["chat"], ["bench", "throughput"], ["bench", "kv-quality"], ["bench", "prefix"]):
+    commands = (["generate"], ["serve"], ["chat"], ["bench", "throughput"], ["bench", "kv-quality"],
+                ["bench", "prefix"])
+    for cmd in commands:
         text = runner.invoke(main, [*cmd, "--help"]).output
         assert "--threads" in text and "--dtype" in text and "auto" in text, cmd

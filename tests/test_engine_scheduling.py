@@ -277,7 +277,8 @@ def test_s4_batch_invariance(make_engine):
     prompt = rand_ids(48, seed=400)
     reqs = {}
     for i in range(8):
-        sp = greedy(16, logprobs=5) if i % 2 else SamplingParams(max_tokens=16, temperature=0.7, seed=i, ignore_eos=True)
+        sampled = SamplingParams(max_tokens=16, temperature=0.7, seed=i, ignore_eos=True)
+        sp = greedy(16, logprobs=5) if i % 2 else sampled
         reqs[f"u{i}"] = (rand_ids(lengths[i], seed=410 + i), sp)
         reqs[f"c{i}"] = (prompt, greedy(16, logprobs=5))
     eng = make_engine(max_num_batched_tokens=256)

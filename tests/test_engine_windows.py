@@ -141,7 +141,8 @@ def test_w3_engine_memory_bounded_and_exact(w3_runs):
     h, hlog, f, flog = w3_runs["hybrid"], w3_runs["h_log"], w3_runs["flat"], w3_runs["f_log"]
     kv = h.kv_manager
     assert [g.sliding_window for g in kv.groups] == [None] + [WINDOW] * 5
-    assert [(e["start"], e["n"]) for e in hlog if e["prefill"]] == [(i, min(256, W3_LEN - i)) for i in range(0, W3_LEN, 256)]
+    chunks = [(i, min(256, W3_LEN - i)) for i in range(0, W3_LEN, 256)]
+    assert [(e["start"], e["n"]) for e in hlog if e["prefill"]] == chunks
     assert sum(not e["prefill"] for e in hlog) == W3_NEW - 1
     for e in hlog:
         end = e["start"] + e["n"]

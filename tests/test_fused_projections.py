@@ -65,7 +65,8 @@ def test_fused_parameters_replace_separate_ones(tmp_path):
     attn, mlp = model.layers[1].self_attn, model.layers[1].mlp
     assert not any(hasattr(attn, s) for s in SEPARATE[:3]) and not any(hasattr(mlp, s) for s in SEPARATE[3:])
     q, kv, ffn = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    assert attn.qkv_proj.weight.shape == (q + 2 * kv, cfg.hidden_size) and mlp.gate_up_proj.weight.shape == (2 * ffn, cfg.hidden_size)
+    assert attn.qkv_proj.weight.shape == (q + 2 * kv, cfg.hidden_size)
+    assert mlp.gate_up_proj.weight.shape == (2 * ffn, cfg.hidden_size)
     wq = torch.from_numpy(unpermute_qk(written["blk.1.attn_q.weight"], cfg.num_heads))
     wk = torch.from_numpy(unpermute_qk(written["blk.1.attn_k.weight"], cfg.num_kv_heads))
     wv, wg, wu = (torch.from_numpy(written[f"blk.1.{n}.weight"]) for n in ("attn_v", "ffn_gate", "ffn_up"))

@@ -1,7 +1,8 @@
 """Gemma 3 270M: llmd's model and paged KV cache equal HF transformers (float32, same GGUF).
 
 The model is driven directly (``contiguous_meta`` over a KV cache tensor allocated here), not
-through the engine (one end-to-end engine test comes last). Prompts are prefixes of one BOS + 1,499 random-token sequence, so a single
+through the engine (one end-to-end engine test comes last). Prompts are prefixes of one BOS + 1,499
+random-token sequence, so a single
 HF forward (over the 1,500 tokens plus the 7 fed-back greedy tokens; causal, so a position's
 logits do not depend on later tokens) is the reference for every prompt length.
 """

@@ -14,7 +14,8 @@ from llmd.models.registry import resolve_model
 Q = gguf.GGMLQuantizationType
 
 
-@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K])
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K,
+                                   Q.Q6_K])
 def test_dequantization_matches_gguf_quants(tmp_path, qtype):
     # K-quants need rows that are multiples of 256 elements
     hidden = 256

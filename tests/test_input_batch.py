@@ -109,7 +109,8 @@ def test_a_small_step_after_a_large_one_sees_no_stale_entries():
     one = SchedulerOutput([ScheduledRequest("a", [9], 47, [[3, 9, 11, 13], [0, 0, 12, 14]], True, False)])
     step = batch.prepare(one)  # the single-token path
     check_equal(step, reference_inputs(one, 2, 16), 2)
-    assert step.metas[1].slot_mapping.tolist() == [12 * 16 + 15] and step.metas[1].block_tables.tolist() == [[0, 0, 12, 14]]
+    assert step.metas[1].slot_mapping.tolist() == [12 * 16 + 15]
+    assert step.metas[1].block_tables.tolist() == [[0, 0, 12, 14]]
 
 
 def test_runner_maps_each_layer_to_its_groups_metadata():

@@ -72,7 +72,8 @@ def make_batch(case: dict, seed: int):
     # where even int8 lands at ~2.1% vs the 2% budget, all from K rounding amplified by exp).
     q = torch.randn(sum(qlens), nkv * group, hd, generator=g) / kmag
     qsl = torch.tensor([0] + list(itertools.accumulate(qlens)), dtype=torch.int32)
-    meta = AttentionMetadata(torch.cat(slots), tables, qsl, torch.tensor(seq_lens, dtype=torch.int32), qlens, seq_lens, bs, "triton")
+    meta = AttentionMetadata(torch.cat(slots), tables, qsl, torch.tensor(seq_lens, dtype=torch.int32), qlens, seq_lens,
+                             bs, "triton")
     return meta, q, k, v, num_blocks
 
 
@@ -252,8 +253,8 @@ def test_split_merge_guards_empty_splits():
     ops.store_kv(k.to(DEV), v.to(DEV), cache, (torch.arange(300) + 16).to(DEV), "triton")
     q = torch.randn(2, 4, 64, generator=g)
     seq_lens = torch.tensor([0, 300], dtype=torch.int32)
-    meta = AttentionMetadata(torch.zeros(2, dtype=torch.long), table, torch.arange(3, dtype=torch.int32), seq_lens,
-                             [1, 1], [0, 300], 16, "triton")
+    AttentionMetadata(torch.zeros(2, dtype=torch.long), table, torch.arange(3, dtype=torch.int32), seq_lens,
+                      [1, 1], [0, 300], 16, "triton")
     for splits in (1, 5):
         out = paged_decode_attention(q.to(DEV), cache, table.to(DEV), seq_lens.to(DEV), 300, 0.125, 40,
                                      num_splits=splits).cpu()

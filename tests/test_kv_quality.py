@@ -107,7 +107,7 @@ def float64_quality(quality, smollm2_path, smollm2_tokenizer, hf_smollm2):
 
     def get(name):
         if name not in runs:
-            runs[name] = (get_llmd(name), hf_fake_quant(hf, ids, name))
+            runs[name] = (get_llmd(name), hf_fake_quant(hf, ids, name))  # noqa: F821 (deleted after the yield)
         return runs[name]
 
     yield get
@@ -126,9 +126,10 @@ def test_q4_matches_hf_fake_quant_reference_float64(float64_quality, name):
     assert (row.argmax == hf_row[1]).float().mean().item() >= 0.99
 
 
-FREE_PROMPTS = ["The history of Rome", "How do plants make food?", "Write a haiku about rain.", "List three prime numbers:",
-                "The best way to learn programming is", "Once upon a time, in a small village,", "Explain gravity to a child.",
-                "The recipe for pancakes:", "def add(a, b):", "My favourite season is"]
+FREE_PROMPTS = ["The history of Rome", "How do plants make food?", "Write a haiku about rain.",
+                "List three prime numbers:", "The best way to learn programming is",
+                "Once upon a time, in a small village,", "Explain gravity to a child.", "The recipe for pancakes:",
+                "def add(a, b):", "My favourite season is"]
 
 
 def repeated_8grams(toks: list[int]) -> int:

@@ -131,8 +131,8 @@ def test_float64_is_a_cpu_torch_backend_dtype(monkeypatch):
     table = torch.tensor([[3, 1, 2]], dtype=torch.int32)
     slots = (table[0, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs)
     reference.store_kv(k, v, cache, slots)
-    meta = AttentionMetadata(slots[-5:], table, torch.tensor([0, 5], dtype=torch.int32), torch.tensor([n], dtype=torch.int32),
-                             [5], [n], bs, "torch")
+    meta = AttentionMetadata(slots[-5:], table, torch.tensor([0, 5], dtype=torch.int32),
+                             torch.tensor([n], dtype=torch.int32), [5], [n], bs, "torch")
     out = ops.paged_attention(q, cache, meta, 0.125)
     assert out.dtype == torch.float64
     assert torch.equal(out, reference.attention_one_seq(q, k, v, 0.125, compute_dtype=torch.float64))

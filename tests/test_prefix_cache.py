@@ -117,7 +117,8 @@ def test_parallel_sampling_shares_the_prompt(make_engine):
                 toks[o.request_id] += o.new_token_ids
             live = engine.kv_manager.request_ids()
             if len(live) == 4:
-                refs.append([engine.kv_manager.block_pool.blocks[b].ref_cnt for b in engine.kv_manager.get_block_table(live[0])[:2]])
+                table = engine.kv_manager.get_block_table(live[0])[:2]
+                refs.append([engine.kv_manager.block_pool.blocks[b].ref_cnt for b in table])
             engine.kv_manager.check_integrity()
         return [toks[i] for i in ids], refs, copies, prompt_computed
 

@@ -139,12 +139,14 @@ class Harness:
         assert out.total_num_scheduled_tokens <= self.sched.max_num_batched_tokens
         assert len(out.scheduled) <= self.sched.max_num_seqs
         # running requests still running progress before any newcomer (unless the budget ran out)
-        still = [rid for rid in running_before if self.sched.requests.get(rid) and self.sched.requests[rid].status == RequestStatus.RUNNING]
+        live = self.sched.requests
+        still = [rid for rid in running_before if live.get(rid) and live[rid].status == RequestStatus.RUNNING]
         if out.total_num_scheduled_tokens < self.sched.max_num_batched_tokens:
             assert set(still) <= set(ids[: len(still)]), (running_before, ids)
         # decodes first: no decode (one new token past the prompt, sampled) after a chunk in batch
         # order; a resumed request recomputing its output in 1-token chunks is a chunk, not a decode
-        kinds = [not (x.num_new_tokens == 1 and x.sample and not x.is_prefill) for x in out.scheduled if x.request_id in still]
+        kinds = [not (x.num_new_tokens == 1 and x.sample and not x.is_prefill)
+                 for x in out.scheduled if x.request_id in still]
         assert kinds == sorted(kinds), f"decode scheduled after a chunk: {kinds}"
         for x in out.scheduled:
             req = self.sched.requests[x.request_id]
@@ -216,7 +218,8 @@ def test_request_arriving_mid_decode_joins_next_step():
     assert out.scheduled[2].num_computed_tokens == 0 and out.scheduled[2].num_new_tokens == 6
     h.run_to_completion()
     for r in (a, b, c):
-        assert (r.output_token_ids, r.status.finish_reason) == reference(r.prompt_token_ids, r.sampling_params.max_tokens)
+        expected = reference(r.prompt_token_ids, r.sampling_params.max_tokens)
+        assert (r.output_token_ids, r.status.finish_reason) == expected
 
 
 def test_finished_request_slot_reused_next_step():
@@ -300,7 +303,8 @@ def test_decodes_continue_while_long_prompt_is_chunked():
     assert [s.is_prefill for s in out.scheduled] == [False, False, False]
     h.run_to_completion()
     for r in (d1, d2, long):
-        assert (r.output_token_ids, r.status.finish_reason) == reference(r.prompt_token_ids, r.sampling_params.max_tokens)
+        expected = reference(r.prompt_token_ids, r.sampling_params.max_tokens)
+        assert (r.output_token_ids, r.status.finish_reason) == expected
     assert max(o.total_num_scheduled_tokens for o in h.outputs) <= budget
 
 

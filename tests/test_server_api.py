@@ -264,7 +264,7 @@ def test_chat_with_a_running_daemon_of_another_model_is_a_clear_error(llmd_daemo
     r = CliRunner().invoke(main, ["chat", "--socket", llmd_daemon.path, "-m", "gemma3-270m", "-p", "Hi"])
     assert r.exit_code == 1, r.output
     assert "serves 'smollm2-135m', not 'gemma3-270m'" in r.output and "Traceback" not in r.output, r.output
-    r = CliRunner().invoke(main, ["chat", "--socket", llmd_daemon.path, "-m", "smollm2-135m", "--kv-cache-dtype", "int8",
-                                  "-p", "What is the capital of France?", "--max-tokens", "8"])
+    r = CliRunner().invoke(main, ["chat", "--socket", llmd_daemon.path, "-m", "smollm2-135m", "--kv-cache-dtype",
+                                  "int8", "-p", "What is the capital of France?", "--max-tokens", "8"])
     assert r.exit_code == 0, r.output
     assert "--kv-cache-dtype applies only when `llmd chat` starts one" in r.output and "Paris" in r.output, r.output

@@ -44,7 +44,8 @@ def window_case(seq_len: int, first_query: int, backend: str, num_blocks: int = 
     k = eye[:seq_len, None, :].expand(seq_len, KV_HEADS, HEAD_DIM).contiguous().to(DEV)
     v = pos.float()[:, None, None].expand(seq_len, KV_HEADS, HEAD_DIM).contiguous().to(DEV)
     qpos = pos[first_query:]
-    q = (20.0 * eye[qpos - W + 1] + 40.0 * eye[qpos - W])[:, None, :].expand(len(qpos), HEADS, HEAD_DIM).contiguous().to(DEV)
+    q = (20.0 * eye[qpos - W + 1] + 40.0 * eye[qpos - W])[:, None, :]
+    q = q.expand(len(qpos), HEADS, HEAD_DIM).contiguous().to(DEV)
     cache = torch.zeros(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, device=DEV)
     if first_query:  # the cached prefix, stored by an earlier step
         kernels.store_kv(k[:first_query], v[:first_query], cache, slots[:first_query].to(DEV), backend)

@@ -123,7 +123,8 @@ def test_llmd_top_runs_from_a_regular_install(tmp_path):
     try:
         import tomllib
 
-        folders = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
+        setuptools_cfg = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+        folders = set(setuptools_cfg["package-dir"].values())
     except ImportError:  # Python 3.10
         folders = {"daemon", "models", "kernels", "quant", "tui"}
     src = tmp_path / "src"

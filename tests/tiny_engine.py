@@ -57,6 +57,6 @@ def tiny_engine(path, **config) -> Engine:
 
     write_tiny_llama(path, layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=VOCAB)
     model, _ = load_model(str(path), torch.float32, "cpu")
-    kw = dict(model=str(path), device="cpu", dtype="float32", attention_backend="torch", threads=torch.get_num_threads(),
-              kv_cache_memory=4 * 2**20, prefix_cache_seed=0)
+    kw = dict(model=str(path), device="cpu", dtype="float32", attention_backend="torch",
+              threads=torch.get_num_threads(), kv_cache_memory=4 * 2**20, prefix_cache_seed=0)
     return Engine(model, ByteTokenizer(), EngineConfig(**{**kw, **config}))

@@ -35,12 +35,14 @@ def quantize(arr: np.ndarray, qtype, rng) -> np.ndarray:
     nblocks = arr.size // block_elems
     raw = rng.integers(0, 256, size=(nblocks, block_bytes), dtype=np.uint8)
     for off in KQUANT_F16_FIELDS[qtype]:
-        raw[:, off : off + 2] = rng.uniform(1e-3, 1e-2, size=nblocks).astype(np.float16).view(np.uint8).reshape(nblocks, 2)
+        scales = rng.uniform(1e-3, 1e-2, size=nblocks).astype(np.float16)
+        raw[:, off : off + 2] = scales.view(np.uint8).reshape(nblocks, 2)
     return raw.reshape(arr.shape[0], -1)
 
 
 def write_tiny_llama(path, *, arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256,
-                     qtype=gguf.GGMLQuantizationType.Q8_0, tied=True, drop=(), extra=(), seed=0) -> dict[str, np.ndarray]:
+                     qtype=gguf.GGMLQuantizationType.Q8_0, tied=True, drop=(), extra=(),
+                     seed=0) -> dict[str, np.ndarray]:
     """Write a random Llama-layout GGUF; returns {tensor name: float32 array as written (before quantization)}.
 
     ``drop``: tensor names to omit; ``extra``: additional tensor names (shape [hidden]) to add.

@@ -94,7 +94,8 @@ class TopApp(App):
         self.failures += 1
         retry = f"retrying every {self.interval:g} s (attempt {self.failures})"
         if isinstance(e, DaemonUnavailable):
-            lead = "daemon down" if self.ever_connected else f"no llmd daemon on {self.where}; start one with `llmd serve`"
+            lead = ("daemon down" if self.ever_connected
+                    else f"no llmd daemon on {self.where}; start one with `llmd serve`")
             self._status("down", f"{lead}; {retry}" if self.ever_connected else f"{lead} ({retry})")
         elif isinstance(e, ApiResponseError):
             self._status("error", f"daemon answered {e.status}: {e.message}; {retry}")

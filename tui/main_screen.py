@@ -59,7 +59,8 @@ class MainScreen(Screen):
         if stats is not None:
             table.show(stats)
             total = get(stats, "kv_cache", "total")
-            _set_title(self.query_one("#map-panel"), f"KV blocks ({total} usable)" if total is not None else "KV blocks")
+            title = f"KV blocks ({total} usable)" if total is not None else "KV blocks"
+            _set_title(self.query_one("#map-panel"), title)
             _set_title(table, f"requests ({len(table.row_ids)})")
         self.query_one(BlockMap).show(self.stats, table.selected_id)
         self.query_one(Gauges).show(self.stats, history)
