@@ -10,9 +10,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 # `python -m pytest` puts the repo root on sys.path, where the repo's `kernels/` folder would
-# shadow the optional HF hub package `kernels` that transformers probes for. llmd is imported
-# from its installed `llmd.*` namespace, never from the bare folders.
-sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != REPO]
+# shadow the optional HF hub package `kernels` that transformers probes for; pytest puts this
+# folder (tests/) there to import this file, where tests/kernels/ and tests/models/ would do the
+# same. llmd is imported from its installed `llmd.*` namespace, never from the bare folders; test
+# helpers come from tests/fixtures/ (pytest's ``pythonpath``).
+sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() not in (REPO, REPO / "tests")]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
@@ -67,6 +69,7 @@ def make_engine(smollm2, smollm2_tokenizer):
     return make
 
 
-# Real daemons in subprocesses (session-scoped; see tests/daemon_harness.py).
+# Real daemons in subprocesses (session-scoped; see tests/fixtures/daemon_harness.py). The helper
+# modules of tests/fixtures/ are importable by name (pytest's ``pythonpath`` in pyproject.toml).
 from daemon_harness import llmd_daemon, llmd_daemons, llmd_small_daemon  # noqa: E402,F401
 from gemma_fixtures import gemma3, gemma3_path, gemma3_tokenizer, hf_gemma3, make_gemma_engine  # noqa: E402,F401

@@ -1,12 +1,12 @@
 """The pure helpers of ``llmd top`` (no Textual): block map → cells and glyphs, block groups,
-hit-rate history, defensive field access; fed with the recorded payloads of ``tests/data``."""
+hit-rate history, defensive field access; fed with the recorded payloads of ``tests/fixtures/data``."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
-from test_tui import expand, future_payload, load
+from stats_payloads import expand, future_payload, load
 
 from llmd.daemon.protocol import STATS_SCHEMA_VERSION
 from llmd.tui import map_cells as mc

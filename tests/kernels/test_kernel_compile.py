@@ -14,7 +14,7 @@ kernel), no ``fp8e4nv`` on sm_80 (now a uint8 software path), spills of up to 75
 prefill tiles. 57 cases: 43 s on 2 cores (85 s with other work on them).
 
 Covering set (every value of every dimension paired with every value of every other, greedy,
-``tests/covering.py``), one table per kernel:
+``tests/fixtures/covering.py``), one table per kernel:
 
 - store_kv: arch × head_dim × model dtype × KV dtype × block size × static/dynamic scales × KV heads;
 - decode (split kernel; splits > 1 also compile the merge kernel with SPLITS_PAD 4/16/64):

@@ -1,16 +1,16 @@
 """``llmd top`` without a daemon: ``App.run_test()`` pilot tests driven by ``/v1/stats`` payloads
-recorded from a real daemon (``tests/data/stats_*.json``; ``test_tui_daemon.py`` checks they still
-match what the daemon sends). Shared helpers (payloads, a fake client, the screenshot's text)
-live here too; the pure helpers are tested in ``test_tui_units.py``."""
+recorded from a real daemon (``tests/fixtures/data/stats_*.json``; ``e2e/test_tui_daemon.py`` checks they still
+match what the daemon sends). The payloads come from ``fixtures/stats_payloads.py``; a fake
+client and the screenshot's text live here; the pure helpers are tested in ``test_tui_units.py``."""
 
 from __future__ import annotations
 
 import asyncio
 import copy
 import html
-import json
 import re
-from pathlib import Path
+
+from stats_payloads import SELECTED_ID, expand, future_payload, load  # noqa: F401 (expand: test_tui_units)
 
 from llmd.daemon.client.client import ApiResponseError, DaemonUnavailable
 from llmd.daemon.protocol import STATS_SCHEMA_VERSION
@@ -20,18 +20,6 @@ from llmd.tui.block_map import BlockMap
 from llmd.tui.confirm_screen import ConfirmScreen
 from llmd.tui.header_bar import HeaderBar
 from llmd.tui.request_table import RequestTable
-
-DATA = Path(__file__).parent / "data"
-SELECTED_ID = "cmpl-4f34e33c04db425e8d9699b8-0"  # the 81-block request of stats_busy.json (first by id)
-
-
-def load(name: str) -> dict:
-    """A recorded payload: ``busy`` (5 running, 1 waiting, fragmented map) or ``idle``."""
-    return json.loads((DATA / f"stats_{name}.json").read_text())
-
-
-def expand(runs) -> list[str]:
-    return [s for s, n in runs for _ in range(n)]
 
 
 class FakeClient:
@@ -75,24 +63,6 @@ def screen_lines(app) -> list[str]:
 async def poll(app, pilot) -> None:
     await app.poll_now()
     await pilot.pause()
-
-
-def future_payload() -> dict:
-    """stats_busy with what later issues fill in: cached blocks, 1 full + 5 sliding-window
-    groups with per-group block tables, prefix-cache counters, preemptions, KV memory fields."""
-    st = load("busy")
-    st["block_map"]["runs"] = [["null", 1], ["cached", 17], ["used", 5], ["free", 11], ["used", 64], ["cached", 6],
-                               ["used", 1], ["free", 25], ["used", 125], ["free", 1], ["used", 1], ["free", 471]]
-    kv = st["kv_cache"]
-    kv.update(cached_free=23, bytes_per_token=46080, memory_bytes=512 * 2**20)
-    kv["groups"] = [dict(kv["groups"][0], sliding_window=None)] + [
-        {"name": f"sliding_window_{i}", "sliding_window": 512, "total": 727, "used": 10 * i, "free": 727 - 10 * i,
-         "usage": 10 * i / 727} for i in range(5)]
-    req = next(r for r in st["requests"] if r["id"] == SELECTED_ID)
-    req["block_tables"] = [req["block_table"][:60], req["block_table"][60:]]
-    st["prefix_cache"] = {"queries": 1000, "hits": 250}
-    st["counters"]["num_preemptions"], st["scheduler"]["preempted"] = 3, 1
-    return st
 
 
 # ---- pilot tests --------------------------------------------------------------------------

@@ -4,7 +4,7 @@ float32 on both sides, 8 mixed-length requests of real text, a token budget smal
 chunk every long prompt, at most 4 running at once (so later requests hit the prefix cache of
 earlier ones), on SmolLM2 and Gemma 3 (sliding-window KV cache groups). int8 KV: the same
 tokens and logprobs within 3e-2 (an ulp of difference in an attention sum can flip one stored
-code, see tests/test_kernels.py).
+code, see tests/kernels/test_kernels.py).
 """
 
 from __future__ import annotations

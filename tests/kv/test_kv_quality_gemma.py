@@ -1,12 +1,12 @@
 """Cases Q1 (teacher-forced top-1 agreement) and Q4 (ΔNLL budgets, > 0, vs an HF fake-quant
-reference) on Gemma 3 270M: the Gemma half of tests/test_kv_quality.py (same fixed text,
+reference) on Gemma 3 270M: the Gemma half of tests/kv/test_kv_quality.py (same fixed text,
 chunks of 64, store-then-read through the engine's runner and per-group block tables: layers
 5/11/17 global, the others a sliding window of 512 < the text's 952 tokens).
 
 Each dtype's llmd run and HF fake-quant run are computed once per module, on first use, so
 each test pays for its own dtype. Cost on 1 thread: ~30 s per llmd run and ~30 s per HF
 forward (both mostly the 262k-entry LM head over 952 positions), on top of the session's
-model loads (see tests/gemma_fixtures.py).
+model loads (see tests/fixtures/gemma_fixtures.py).
 """
 
 import pytest
@@ -102,4 +102,4 @@ def test_hf_reference_path_keeps_sliding_window(quality, hf_quality):
 # the float64 pair): in float32 the two differ by 0.154 / 0.442 / 0.673 pp (int8 / e4m3 / e5m2),
 # the chaos described above; in float64 on both sides they agree to 0.000 pp for every dtype
 # (`llmd bench kv-quality --model gemma3-270m --dtype float64 --hf-reference`, README). The
-# float64 agreement test runs on SmolLM2 (tests/test_kv_quality.py).
+# float64 agreement test runs on SmolLM2 (tests/kv/test_kv_quality.py).

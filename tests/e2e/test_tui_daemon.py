@@ -1,4 +1,4 @@
-"""``llmd top`` against a real daemon in a subprocess (``tests/daemon_harness.py``), and run
+"""``llmd top`` against a real daemon in a subprocess (``tests/fixtures/daemon_harness.py``), and run
 from a regular (non-editable) install of a freshly built wheel."""
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ import time
 import zipfile
 from pathlib import Path
 
-from test_tui import load
+from stats_payloads import load
 
 from llmd.daemon.client.client import ApiResponseError, Client
 from llmd.tui.app import TopApp
 from llmd.tui.request_table import RequestTable
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["Write a long story about a lighthouse keeper.", "Explain how bread is made, step by step.",
            "List every country in Europe with its capital."]
 
@@ -37,7 +37,7 @@ def assert_keys_subset(recorded, live, path="stats") -> None:
     if isinstance(recorded, dict):
         assert isinstance(live, dict), path
         for k, v in recorded.items():
-            assert k in live, f"{path}.{k} is in tests/data but no longer sent by the daemon"
+            assert k in live, f"{path}.{k} is in tests/fixtures/data but no longer sent by the daemon"
             assert_keys_subset(v, live[k], f"{path}.{k}")
     elif isinstance(recorded, list) and recorded and isinstance(recorded[0], dict) and live:
         assert_keys_subset(recorded[0], live[0], f"{path}[0]")
