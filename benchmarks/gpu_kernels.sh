@@ -12,7 +12,7 @@
 #              equal to the torch reference's, decode (direct, split + merge) and prefill within
 #              the per-dtype budget, bf16 / fp16 / fp32 models x auto / int8 / fp8 KV
 #              (python -m llmd.kernels.bench check)
-#   pytest     tests/test_kernels.py on CUDA (pairwise shapes, static-scale clamping, the
+#   pytest     tests/kernels/test_kernels.py on CUDA (pairwise shapes, static-scale clamping, the
 #              > 2^31-element cache), if pytest is installed (--noconftest: no model needed)
 #   bench      paged decode on the Llama-3-8B attention shape vs pinned SDPA and a d2d copy
 #              (python -m llmd.kernels.bench bench)
@@ -48,7 +48,7 @@ else
 fi
 step check 240 python -m llmd.kernels.bench check
 if python -c "import pytest" > /dev/null 2>&1; then
-    step pytest 300 python -m pytest tests/test_kernels.py -q -p no:cacheprovider --noconftest \
+    step pytest 300 python -m pytest tests/kernels/test_kernels.py -q -p no:cacheprovider --noconftest \
         --durations=5
 else
     printf 'pytest\tskipped (no pytest)\t0\n' >> "$results"
