@@ -16,7 +16,7 @@ def num(x: float, width: int) -> str:
 
 
 def format_table(rows: list) -> list[str]:
-    """Lines of the table for :class:`llmd.daemon.bench_step.StepTimes` rows (times in seconds
+    """Lines of the table for :class:`llmd.daemon.bench.step.StepTimes` rows (times in seconds
     there, printed in ms), the ratios, and the targets."""
     ref = {(r.dtype, r.batch, r.context): r for r in rows if r.backend == REFERENCE}
     cols = ["prep", "linears", "lm_head", "attn", "rest", "sample", "step", "KV_MB", "KV_flr", "attn/KV", "step/flr",

@@ -42,7 +42,7 @@ class ModelRunner:
         attention_backend: "cpu", "torch" or "triton" (set on every step's AttentionMetadata).
         kv_cache_groups: the KV cache groups (default: every layer in one full-attention group).
         max_num_seqs, max_num_batched_tokens, max_model_len: size the persistent input buffers
-            (:class:`~llmd.daemon.input_batch.InputBatch`; they grow if a step needs more).
+            (:class:`~llmd.daemon.core.input_batch.InputBatch`; they grow if a step needs more).
 
     Attributes:
         caches: the ``group_size`` physical caches; layer ``k`` of every group uses ``caches[k]``

@@ -1,4 +1,4 @@
-"""The vectorized step preparation (daemon/input_batch.py) equals a per-token reference."""
+"""The vectorized step preparation (daemon/core/input_batch.py) equals a per-token reference."""
 
 from __future__ import annotations
 
