@@ -1,8 +1,8 @@
 """Requests, their sampling parameters and their lifecycle status.
 
-Vocabulary follows vLLM v1 (`vllm/v1/request.py`): a request owns its prompt token ids,
-the output token ids generated so far, and ``num_computed_tokens`` (tokens whose K/V are
-already in the paged KV cache).
+Vocabulary follows vLLM v1 (`vllm/v1/request.py`): a request owns one list of token ids (its
+prompt, then the output tokens generated so far; vLLM's ``_all_token_ids``), the prompt's
+length, and ``num_computed_tokens`` (tokens whose K/V are already in the paged KV cache).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from llmd.daemon.core.errors import RequestError
@@ -114,75 +115,88 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-@dataclass
 class Request:
-    """One sequence being generated.
+    """One sequence being generated: its tokens are **one list**, the prompt then the output.
 
-    Attributes:
+    Args (and attributes of the same name):
         request_id: unique id (str).
-        prompt_token_ids: the prompt, list[int] (tokens).
+        prompt_token_ids: the prompt (tokens); kept as the head of :attr:`token_ids`.
         sampling_params: see :class:`SamplingParams`.
         eos_token_ids: the model's end-of-sequence / end-of-turn token ids.
-        output_token_ids: generated tokens so far.
-        num_computed_tokens: tokens whose K/V are in the KV cache.
-        status: :class:`RequestStatus`.
-        arrival_time: ``time.monotonic()`` at creation (seconds).
-        first_token_time: monotonic time of the first generated token, for TTFT.
-        last_token_time: monotonic time of the latest generated token, for inter-token latency.
+        output_token_ids: tokens generated already (tests; normally empty).
         cache_salt: optional prefix-cache salt (requests with different salts never share KV).
-        num_cached_tokens: prompt tokens served from the prefix cache at admission.
         sibling_index: index among the ``n`` sequences of a parallel-sampling request (its
             draws use generators derived from (seed, sibling_index, output position)).
-        followers: siblings waiting to fork from this request once its prompt is computed.
         priority: scheduling priority, lower runs first (FCFS among equals); also the
             preemption order (largest value, then latest arrival, is preempted first).
+        arrival_time: ``time.monotonic()`` at creation (seconds) unless given.
+
+    Attributes:
+        token_ids: prompt + generated tokens, one list (``all_token_ids`` is this list: no copy).
+        num_prompt_tokens: how many of them are the prompt.
+        num_computed_tokens: tokens whose K/V are in the KV cache.
+        status: :class:`RequestStatus`.
+        first_token_time: monotonic time of the first generated token, for TTFT.
+        last_token_time: monotonic time of the latest generated token, for inter-token latency.
+        stop_reason: the stop token or stop string that ended the request.
+        num_cached_tokens: prompt tokens served from the prefix cache at admission.
+        followers: siblings waiting to fork from this request once its prompt is computed.
         num_preemptions: times this request was preempted (its blocks freed).
     """
 
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_ids: frozenset[int] = frozenset()
-    output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-    status: RequestStatus = RequestStatus.WAITING
-    arrival_time: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    stop_reason: int | str | None = None
-    cache_salt: str | None = None
-    num_cached_tokens: int = 0
-    sibling_index: int = 0
-    followers: list["Request"] = field(default_factory=list)
-    priority: int = 0
-    num_preemptions: int = 0
+    def __init__(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
+                 eos_token_ids: frozenset[int] = frozenset(), output_token_ids: Sequence[int] = (), *,
+                 cache_salt: str | None = None, sibling_index: int = 0, priority: int = 0,
+                 arrival_time: float | None = None):
+        self.request_id = request_id
+        self.token_ids: list[int] = [*prompt_token_ids, *output_token_ids]
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.stop_reason: int | str | None = None
+        self.cache_salt = cache_salt
+        self.num_cached_tokens = 0
+        self.sibling_index = sibling_index
+        self.followers: list[Request] = []
+        self.priority = priority
+        self.num_preemptions = 0
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.num_prompt_tokens} prompt + {self.num_output_tokens} output "
+                f"tokens, {self.num_computed_tokens} computed, {self.status.name})")
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt (a copy: the head of :attr:`token_ids`)."""
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The tokens generated so far (a copy: the tail of :attr:`token_ids`)."""
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:
         """Prompt + generated tokens."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt + generated tokens: :attr:`token_ids` itself (do not mutate)."""
+        return self.token_ids
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
-        """``all_token_ids[start:end]`` without concatenating the whole history (a decode step
-        reads one output token)."""
-        p = len(self.prompt_token_ids)
-        if start >= p:
-            return self.output_token_ids[start - p : end - p]
-        if end <= p:
-            return self.prompt_token_ids[start:end]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+        """``all_token_ids[start:end]`` (a decode step reads one output token)."""
+        return self.token_ids[start:end]
 
     @property
     def is_finished(self) -> bool:
@@ -192,4 +206,4 @@ class Request:
         self.last_token_time = time.monotonic()
         if self.first_token_time is None:
             self.first_token_time = self.last_token_time
-        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)

@@ -94,6 +94,11 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams,
     return logits
 
 
+def has_penalties(params: SamplingParams) -> bool:
+    """Whether :func:`apply_penalties` changes anything for ``params``."""
+    return params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+
+
 def _check_ids(ids: torch.Tensor, vocab: int) -> None:
     if int(ids.min()) < 0 or int(ids.max()) >= vocab:
         raise ValueError(f"token id out of range for vocab size {vocab}: "
@@ -152,8 +157,7 @@ def filter_candidates(logits: torch.Tensor, top_k: int, top_p: float,
 def is_plain_greedy(params: SamplingParams) -> bool:
     """Greedy with no penalties and no logprobs: the token is ``argmax(raw logits)``, so such
     rows share one batched argmax (no per-row clone, penalty pass or generator)."""
-    return (params.temperature == 0.0 and params.logprobs is None and params.repetition_penalty == 1.0
-            and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0)
+    return params.temperature == 0.0 and params.logprobs is None and not has_penalties(params)
 
 
 class Sampler:
@@ -205,7 +209,8 @@ class Sampler:
         params = req.sampling_params
         raw_logprobs = torch.log_softmax(row, dim=-1) if params.logprobs is not None else None
 
-        logits = apply_penalties(row, params, req.prompt_token_ids, req.output_token_ids)
+        n, history = req.num_prompt_tokens, req.token_ids
+        logits = apply_penalties(row, params, history[:n], history[n:]) if has_penalties(params) else row
         if params.temperature == 0.0:
             token = int(torch.argmax(logits))
         else:
@@ -214,7 +219,7 @@ class Sampler:
             probs = (logits if idx is None else logits[idx]).softmax(dim=-1)
             seed = params.seed if params.seed is not None else 0
             gen = torch.Generator(device="cpu")
-            gen.manual_seed(row_seed(seed, len(req.output_token_ids), req.sibling_index))
+            gen.manual_seed(row_seed(seed, req.num_output_tokens, req.sibling_index))
             # Noise only over the survivors: cheaper, and still a function of (seed, i, row).
             q = torch.empty_like(probs).exponential_(generator=gen)
             q.clamp_min_(torch.finfo(torch.float32).tiny)  # no 0/0 on a zero-probability token
