@@ -8,7 +8,8 @@ def test_bench_prefix_small(make_engine):
     lines: list[str] = []
     # a budget below the concurrent scenario's total prompt (4 x ~90 tokens), so later requests
     # are admitted after the first has computed (and cached) the system prompt
-    res = run_prefix_bench(make_engine(max_num_batched_tokens=128), system_tokens=80, users=2, turns=2, max_tokens=3, echo=lines.append)
+    res = run_prefix_bench(make_engine(max_num_batched_tokens=128), system_tokens=80, users=2, turns=2, max_tokens=3,
+                           echo=lines.append)
     for name in ("sequential", "concurrent"):
         on, off = res[name][True], res[name][False]
         assert len(on.ttfts) == len(off.ttfts) == 4
