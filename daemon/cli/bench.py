@@ -78,7 +78,8 @@ def bench_kv_quality(chunk, hf_reference, cached_prefix, kv_cache_dtype, **engin
 
 
 @bench.command("kernels")
-@click.option("--block-n", default=64, show_default=True, type=int, help="Tokens per K/V tile in the decode kernel.")
+@click.option("--block-n", default=32, show_default=True, type=int,
+              help="Tokens per K/V tile in the decode kernel (the engine's DECODE_BLOCK_N).")
 @one_line_errors
 def bench_kernels(block_n):
     """Paged decode attention (bf16/int8/fp8 KV) vs torch SDPA and a d2d copy on the Llama-3-8B shape (CUDA)."""

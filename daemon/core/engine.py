@@ -43,6 +43,7 @@ from llmd.daemon.core.stats import (
     SchedulerStats,
 )
 from llmd.daemon.kv import KVCacheManager, make_kv_cache_groups
+from llmd.kernels.launch import check_triton_config
 from llmd.models.config import ModelConfig
 from llmd.models.tokenizer import Tokenizer
 
@@ -56,6 +57,15 @@ def num_kv_blocks(memory: int, block_size: int, block_bytes: int) -> int:
         raise LlmdError(f"--kv-cache-memory {memory} B holds {n} blocks of {block_size} tokens; need at least 2")
     return n
 
+
+
+def check_triton_backend(cfg: ModelConfig, model_dtype: torch.dtype, block_size: int, kv_cache_dtype: str) -> None:
+    """Refuse a model/cache combination the Triton kernels cannot run, at engine configuration
+    (before the first launch): one line naming the setting. Raises LlmdError."""
+    try:
+        check_triton_config(cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, model_dtype, block_size, kv_cache_dtype)
+    except ValueError as e:
+        raise LlmdError(str(e)) from None
 
 class Engine:
     """Continuous-batching engine over a paged KV cache.
@@ -87,6 +97,8 @@ class Engine:
         self.model_config: ModelConfig = model.config
         self.tokenizer = tokenizer
         cfg = self.model_config
+        if self.config.attention_backend == "triton":
+            check_triton_backend(cfg, kv_dtype, self.config.block_size, self.config.kv_cache_dtype)
         self.max_model_len = min(config.max_model_len or cfg.max_position, cfg.max_position)
         self.bytes_per_token = kv_cache_bytes_per_token(cfg, self.config.kv_cache_dtype, kv_dtype)
         self.kv_cache_groups = make_kv_cache_groups(cfg.layer_windows,

@@ -104,3 +104,24 @@ def test_cli_threads_and_dtype_options():
     for cmd in commands:
         text = runner.invoke(main, [*cmd, "--help"]).output
         assert "--threads" in text and "--dtype" in text and "auto" in text, cmd
+
+
+def test_triton_backend_refuses_an_unsupported_head_dim_at_engine_configuration(tmp_path, monkeypatch):
+    """head_dim 20 (not a power of two in 16..256): one LlmdError line when the engine is built,
+    before any kernel launch, instead of a Triton compile error on the first request."""
+    import gguf
+    from tiny_engine import ByteTokenizer
+    from tiny_gguf import write_tiny_llama
+
+    from llmd.daemon.core.engine import Engine
+    from llmd.models.gguf_loader import load_model
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets the config accept triton on a CPU
+    path = tmp_path / "hd20.gguf"
+    write_tiny_llama(path, hidden=60, heads=3, kv_heads=1, qtype=gguf.GGMLQuantizationType.F32)
+    model, _ = load_model(str(path), torch.float32)
+    with pytest.raises(LlmdError, match="head_dim a power of two") as e:
+        Engine(model, ByteTokenizer(), EngineConfig(device="cpu", dtype="float32", attention_backend="triton",
+                                                    kv_cache_memory=2**20, threads=1))
+    assert "\n" not in str(e.value)
+    Engine(model, ByteTokenizer(), EngineConfig(device="cpu", dtype="float32", kv_cache_memory=2**20, threads=1))
