@@ -143,6 +143,31 @@ def check_cases(rows: int = 36, seed: int = 0) -> list[dict]:
     return cases
 
 
+def random_paged_layout(seq_lens: list[int], block_size: int, gen: torch.Generator, spare_blocks: int = 3,
+                        spare_columns: int = 1) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+    """Sequences scattered over a shuffled pool of KV blocks (block 0, the null block, unused).
+
+    Args:
+        seq_lens: tokens per sequence.
+        spare_blocks: blocks in the pool beyond those the sequences need; spare_columns: 0-padded
+            block-table columns beyond the longest sequence's blocks.
+    Returns:
+        ``(block_tables [B, max_blocks + spare_columns] int32, slots, num_blocks)``: ``slots[b]``
+        ``[seq_lens[b]]`` int64 is the slot of each of sequence ``b``'s positions.
+    """
+    nblocks = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(nblocks) + spare_blocks
+    perm = torch.randperm(num_blocks - 1, generator=gen) + 1
+    tables = torch.zeros(len(seq_lens), max(nblocks) + spare_columns, dtype=torch.int32)
+    slots, used = [], 0
+    for b, (s, n) in enumerate(zip(seq_lens, nblocks)):
+        tables[b, :n] = perm[used : used + n]
+        used += n
+        pos = torch.arange(s)
+        slots.append(tables[b, pos // block_size].long() * block_size + pos % block_size)
+    return tables, slots, num_blocks
+
+
 def _check_case(case: dict, gen: torch.Generator, dev: str = "cuda") -> tuple[float, bool]:
     """(relative error vs float64, store_kv bytes equal to the torch reference's) of one case on
     ``dev`` (CUDA; "cpu" under ``TRITON_INTERPRET=1`` to test this check itself)."""
@@ -156,16 +181,7 @@ def _check_case(case: dict, gen: torch.Generator, dev: str = "cuda") -> tuple[fl
     decode = case["path"] != "prefill"
     ctx_q = [(0, 1), (37, 1), (300, 1), (bs - 1, 1)] if decode else [(0, 33), (45, 17), (130, 1), (200, 50)]
     seq_lens = [c + q for c, q in ctx_q]
-    nblocks = [-(-s // bs) for s in seq_lens]
-    num_blocks = sum(nblocks) + 3
-    perm = torch.randperm(num_blocks - 1, generator=gen) + 1
-    tables = torch.zeros(len(seq_lens), max(nblocks) + 1, dtype=torch.int32)
-    slots, used = [], 0
-    for b, (s, n) in enumerate(zip(seq_lens, nblocks)):
-        tables[b, :n] = perm[used : used + n]
-        used += n
-        pos = torch.arange(s)
-        slots.append(tables[b, pos // bs].long() * bs + pos % bs)
+    tables, slots, num_blocks = random_paged_layout(seq_lens, bs, gen)
     slot = torch.cat(slots)
     k = torch.randn(len(slot), nkv, hd, generator=gen).to(dt)
     v = torch.randn(len(slot), nkv, hd, generator=gen).to(dt)

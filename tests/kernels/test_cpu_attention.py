@@ -19,6 +19,7 @@ import torch
 from covering import pairwise
 
 from llmd.kernels import AttentionMetadata, cpu_attention, ops, reference
+from llmd.kernels.bench import random_paged_layout
 from llmd.quant.kv import PagedKVCache, get_format
 
 PARAMS = {
@@ -53,17 +54,10 @@ def make_step(case: dict, seed: int):
     nkv = 2
     ctx_q = ctx_and_queries(case["kind"], g)
     seq_lens = [c + q for c, q in ctx_q]
-    nblocks = [-(-s // bs) for s in seq_lens]
-    num_blocks = sum(nblocks) + 3
-    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).int()
-    tables = torch.zeros(len(seq_lens), max(nblocks) + 1, dtype=torch.int32)
+    tables, seq_slots, num_blocks = random_paged_layout(seq_lens, bs, g)
     cache = PagedKVCache.allocate((2, num_blocks, bs, nkv, hd), get_format(case["fmt"]), case["dtype"], "cpu")
-    used, new_slots = 0, []
-    for b, ((c, q), s, n) in enumerate(zip(ctx_q, seq_lens, nblocks)):
-        tables[b, :n] = perm[used : used + n]
-        used += n
-        pos = torch.arange(s)
-        slots = tables[b, pos // bs].long() * bs + pos % bs
+    new_slots = []
+    for (c, _), s, slots in zip(ctx_q, seq_lens, seq_slots):
         k, v = torch.randn(s, nkv, hd, generator=g) * 2, torch.randn(s, nkv, hd, generator=g)
         reference.store_kv(k, v, cache, slots)
         new_slots.append(slots[c:])

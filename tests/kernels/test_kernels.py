@@ -21,6 +21,7 @@ if not torch.cuda.is_available():
 from covering import pairwise  # noqa: E402
 
 from llmd.kernels import AttentionMetadata, ops, reference  # noqa: E402
+from llmd.kernels.bench import random_paged_layout  # noqa: E402
 from llmd.quant.kv import PagedKVCache, get_format  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -52,16 +53,7 @@ def make_batch(case: dict, seed: int):
     else:
         ctx_q = [(0, 33), (45, 17), (130, 1), (int(torch.randint(150, 250, (1,), generator=g)), 50)]
     seq_lens = [c + q for c, q in ctx_q]
-    nblocks = [-(-s // bs) for s in seq_lens]
-    num_blocks = sum(nblocks) + 5
-    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).int()
-    tables = torch.zeros(len(seq_lens), max(nblocks) + 2, dtype=torch.int32)
-    slots, used = [], 0
-    for b, (s, n) in enumerate(zip(seq_lens, nblocks)):
-        tables[b, :n] = perm[used : used + n]
-        used += n
-        pos = torch.arange(s)
-        slots.append(tables[b, pos // bs].long() * bs + pos % bs)
+    tables, slots, num_blocks = random_paged_layout(seq_lens, bs, g, spare_blocks=5, spare_columns=2)
     kmag, vmag = case["mags"]
     total = sum(seq_lens)
     k = torch.randn(total, nkv, hd, generator=g) * kmag
