@@ -45,11 +45,12 @@ def serve(socket_path, host, port, served_model_name, drain_timeout, metrics_com
     path = socket_path_of(socket_path)
     lock_fd = claim_socket(path)  # fail fast, before loading the model
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = build_engine(**engine_kw)
     model_id = served_model_name or served_id(engine_kw["model"])
-    ids = tuple(dict.fromkeys([model_id, engine_kw["model"], engine.model_config.name]))
-    asyncio.run(run_server(engine, path, model_id, ids, host=host, port=port, drain_timeout=drain_timeout,
-                           lock_fd=lock_fd, metrics_compat=metrics_compat, echo=lambda m: click.echo(m, err=True)))
+    ids = tuple(dict.fromkeys([model_id, engine_kw["model"]]))
+    # the engine loads on the engine loop's thread, the one that runs its steps (see engine_loop)
+    asyncio.run(run_server(lambda: build_engine(**engine_kw), path, model_id, ids, host=host, port=port,
+                           drain_timeout=drain_timeout, lock_fd=lock_fd, metrics_compat=metrics_compat,
+                           echo=lambda m: click.echo(m, err=True)))
 
 
 @click.command()

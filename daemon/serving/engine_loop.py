@@ -1,9 +1,18 @@
 """The engine loop: one background thread owns the :class:`Engine`; everyone else talks to it
 through a thread-safe command queue.
 
-Why a thread: a CPU step takes up to a few hundred milliseconds (token budget 256), and
+Why a thread: a CPU step takes up to a few hundred milliseconds (token budget 512), and
 the HTTP event loop must keep answering ``/health`` and ``/v1/stats`` meanwhile. torch
 releases the GIL inside its kernels, so the event loop stays responsive.
+
+Why the engine is *built* on that thread too (give :class:`EngineLoop` a factory): torch's
+CPU ops run on an OpenMP team owned by the thread that calls them. When the weights load on
+the main thread and the steps run on another, the process keeps two teams, more OpenMP
+threads than cores, and GNU libgomp then stops spinning between parallel regions (its
+"throttled" wait), so every one of a step's thousands of small regions pays a futex wake-up.
+Measured on 2 cores (SmolLM2, 32 mixed requests, bfloat16): loaded on the main thread and
+stepped on a thread, 189 out tok/s at 1.44 cores busy; loaded and stepped on one thread,
+260 tok/s at 1.99 cores. So every torch call of a daemon happens on this one thread.
 
 Rules:
 
@@ -58,16 +67,21 @@ class EngineLoop:
     """Runs ``engine.step()`` on a background thread while requests are live.
 
     Args:
-        engine: the engine (owned by the loop from :meth:`start` on).
+        engine: the engine (owned by the loop from :meth:`start` on), or a zero-argument
+            factory that builds it: then it is built on the loop's thread (see the module
+            docstring), :attr:`ready` resolves to it, or to the factory's exception (and the
+            thread ends).
         model_id: served model id reported in stats.
         snapshot_interval: seconds between stats snapshots while busy.
         metrics: optional :class:`~llmd.daemon.serving.metrics.DaemonMetrics`, fed from this thread.
     """
 
-    def __init__(self, engine: Engine, model_id: str = "", snapshot_interval: float = 0.1, metrics=None):
-        self.engine = engine
+    def __init__(self, engine: Engine | Callable[[], Engine], model_id: str = "", snapshot_interval: float = 0.1,
+                 metrics=None):
+        self._factory = None if isinstance(engine, Engine) else engine
+        self.engine: Engine | None = engine if self._factory is None else None
         self.metrics = metrics
-        engine.log_stats = metrics is not None  # per-step events only when someone reads them
+        self.ready: cf.Future = cf.Future()  # → the engine, once built (at once for a built one)
         self.model_id = model_id
         self.snapshot_interval = snapshot_interval
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
@@ -82,9 +96,17 @@ class EngineLoop:
 
     # ---- any thread ---------------------------------------------------------------
     def start(self) -> "EngineLoop":
-        self._publish_snapshot()
+        """Start the thread; with a built engine, :attr:`ready` is resolved on return."""
+        if self._factory is None:
+            self._adopt(self.engine)
         self._thread.start()
         return self
+
+    def _adopt(self, engine: Engine) -> None:
+        self.engine = engine
+        engine.log_stats = self.metrics is not None  # per-step events only when someone reads them
+        self._publish_snapshot()
+        self.ready.set_result(engine)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Abort everything, stop the thread and wait for it (seconds)."""
@@ -138,6 +160,12 @@ class EngineLoop:
 
     # ---- engine thread ------------------------------------------------------------
     def _run(self) -> None:
+        if self._factory is not None:
+            try:
+                self._adopt(self._factory())
+            except BaseException as e:  # the caller awaiting `ready` reports it
+                self.ready.set_exception(e)
+                return
         while not self._stop.is_set():
             try:
                 self._iteration()

@@ -97,9 +97,13 @@ async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[s
     """Serve until SIGTERM/SIGINT or ``POST /v1/shutdown``; then drain and clean up.
 
     Args:
-        engine: a loaded :class:`Engine` (handed to a fresh :class:`EngineLoop`).
+        engine: a loaded :class:`Engine`, or a zero-argument factory of one, handed to a fresh
+            :class:`EngineLoop`. Give the factory: the engine then loads on the thread that
+            runs its steps, which on CPU is worth ~1.4× throughput (see ``engine_loop``).
+            The factory's exception propagates from here.
         socket_path: where to bind (claimed with :func:`claim_socket` first).
-        model_id, model_ids: the served id and every name accepted as ``model``.
+        model_id, model_ids: the served id and every name accepted as ``model`` (the
+            loaded model's own name is added).
         host, port: optional TCP listener.
         drain_timeout: seconds in-flight requests get to finish before being aborted.
         lock_fd: the descriptor :func:`claim_socket` returned, if the caller claimed the path
@@ -111,6 +115,8 @@ async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[s
     loop = asyncio.get_running_loop()
     metrics = DaemonMetrics(model_id, metrics_compat)
     eloop = EngineLoop(engine, model_id, metrics=metrics).start()
+    engine = await asyncio.wrap_future(eloop.ready)
+    model_ids = tuple(dict.fromkeys([*model_ids, engine.model_config.name]))
     state = ServerState(engine_loop=eloop, model_id=model_id, model_ids=model_ids,
                         vocab_size=engine.model_config.vocab_size, max_model_len=engine.max_model_len,
                         shutdown=asyncio.Event(), metrics=metrics)
