@@ -73,8 +73,9 @@ def model_class(architecture: str):
     """Model class for a GGUF ``general.architecture``. Raises GGUFLoadError if unsupported."""
     from llmd.models.gemma3 import Gemma3ForCausalLM
     from llmd.models.llama import LlamaForCausalLM
+    from llmd.models.qwen3 import Qwen3ForCausalLM
 
-    classes = {"llama": LlamaForCausalLM, "gemma3": Gemma3ForCausalLM}
+    classes = {"llama": LlamaForCausalLM, "gemma3": Gemma3ForCausalLM, "qwen3": Qwen3ForCausalLM}
     if architecture not in classes:
         raise GGUFLoadError(f"unsupported model architecture {architecture!r} "
                             f"(supported: {', '.join(sorted(classes))})")

@@ -1,0 +1,62 @@
+"""Qwen3 dense decoder (Qwen3-0.6B .. 32B) from GGUF: the Llama skeleton plus per-head Q/K RMSNorm.
+
+Reference: HF transformers ``models/qwen3/modeling_qwen3.py`` (``Qwen3Attention``: ``q_norm`` /
+``k_norm``, one ``Qwen3RMSNorm`` of ``head_dim`` weights each, applied to every head of Q and K
+before RoPE; the norm is Llama's RMSNorm formula); GGUF tensor names from llama.cpp
+(``gguf.constants.MODEL_TENSORS[MODEL_ARCH.QWEN3]``: Llama's plus ``blk.N.attn_q_norm.weight``
+and ``blk.N.attn_k_norm.weight``, ``[head_dim]`` each). ``head_dim`` comes from the GGUF's
+``qwen3.attention.key_length`` (Qwen3-0.6B: 128 with hidden 1024 and 16 heads, so the Q
+projection is wider than the hidden size).
+
+GGUF quirk: Q/K rows are *not* permuted. llama.cpp's ``convert_hf_to_gguf.py`` ``Qwen3Model``
+(via ``Qwen2Model.modify_tensors``) only renames tensors, and llama.cpp runs the architecture
+with NEOX (rotate-half) RoPE, like HF; only the ``llama`` architecture's converter permutes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmd.models.config import ModelConfig
+from llmd.models.decoder import DecoderForCausalLM
+from llmd.models.layers import GatedMLP, PagedAttention, RMSNorm
+from llmd.models.llama import LlamaForCausalLM
+
+LAYER_TENSORS = {
+    **LlamaForCausalLM.layer_tensors,
+    "attn_q_norm": "self_attn.q_norm.weight",
+    "attn_k_norm": "self_attn.k_norm.weight",
+}
+
+
+class Qwen3DecoderLayer(nn.Module):
+    """One pre-norm Qwen3 block: ``x + attn(norm(x))`` (Q and K RMS-normed per head before
+    RoPE), then ``x + mlp(norm(x))`` (SwiGLU).
+
+    ``forward(x [T, hidden], rope (cos, sin) [T, 1, head_dim], kv_cache, meta) -> [T, hidden]``.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype):
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps, dtype)
+        self.self_attn = PagedAttention(
+            h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.layer_rope_theta(layer_idx), dtype,
+            sliding_window=cfg.layer_window(layer_idx), qk_norm_eps=eps, scale=cfg.softmax_scale,
+        )
+        self.post_attention_layernorm = RMSNorm(h, eps, dtype)
+        self.mlp = GatedMLP(h, cfg.intermediate_size, dtype, "silu")
+
+    def forward(self, x, rope, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3ForCausalLM(DecoderForCausalLM):
+    """Qwen3 decoder (see :class:`DecoderForCausalLM` for the interface); GGUF tensors used as
+    stored (no Q/K un-permutation, no norm offset)."""
+
+    layer_cls = Qwen3DecoderLayer
+    norm_cls = RMSNorm
+    layer_tensors = LAYER_TENSORS
