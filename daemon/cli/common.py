@@ -56,7 +56,8 @@ def parse_kv_scales_option(ctx, param, value):
 
 
 model_option = click.option("--model", "-m", default="smollm2-135m", show_default=True,
-                            help="GGUF path or known model name.")
+                            help="GGUF path, known model name, or random:<preset> (random weights, e.g. "
+                                 "random:qwen3-0.6b).")
 
 socket_option = click.option("--socket", "socket_path", default=None,
                              help="Daemon socket (default: $LLMD_SOCKET, else $XDG_RUNTIME_DIR/llmd/llmd.sock, "

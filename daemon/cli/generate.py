@@ -68,10 +68,15 @@ def kv_size(model, context, memory, block_size):
     """KV cache bytes per token and sequences that fit, per cache dtype (GGUF metadata only)."""
     from llmd.daemon.core.kv_size import group_summary, kv_size_rows
     from llmd.daemon.kv import make_kv_cache_groups
-    from llmd.models.gguf_loader import load_config
-    from llmd.models.registry import resolve_model
+    from llmd.models.presets import is_random_model, preset_config
 
-    cfg = load_config(resolve_model(model))
+    if is_random_model(model):
+        cfg = preset_config(model)
+    else:
+        from llmd.models.gguf_loader import load_config
+        from llmd.models.registry import resolve_model
+
+        cfg = load_config(resolve_model(model))
     context = context or cfg.max_position
     click.echo(f"{cfg.name}: {cfg.num_layers} layers, {cfg.num_kv_heads} KV heads x {cfg.head_dim} dims; "
                f"context {context} tokens; memory {memory} B ({memory / 2**20:.0f} MiB)")

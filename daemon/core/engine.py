@@ -144,12 +144,17 @@ class Engine:
         Raises:
             LlmdError: unknown model, bad GGUF, bad setting.
         """
+        config.resolve()
+        config.apply_threads()  # the weight dequantization runs on these threads too
+        if config.model.startswith("random:"):  # a random-weight preset: no GGUF, no gguf (llmd.models.presets)
+            from llmd.models.presets import load_random_model
+
+            model, _, tokenizer = load_random_model(config.model, config.torch_dtype, config.device)
+            return cls(model, tokenizer, config)
         from llmd.models.gguf_loader import load_model, open_gguf
         from llmd.models.registry import resolve_model
         from llmd.models.tokenizer import load_tokenizer
 
-        config.resolve()
-        config.apply_threads()  # the weight dequantization runs on these threads too
         path = resolve_model(config.model)
         model, cfg = load_model(path, config.torch_dtype, config.device)
         tokenizer = load_tokenizer(path, cfg, open_gguf(path).data_offset)
