@@ -29,6 +29,12 @@ def served_id(model: str) -> str:
 @socket_option
 @click.option("--host", default=None, help="Also listen on TCP at this host (needs --port; default 127.0.0.1).")
 @click.option("--port", default=None, type=int, help="Also listen on TCP at this port (off by default).")
+@click.option("--api-key-file", default=None, metavar="PATH",
+              help="File holding the key TCP clients must send as 'Authorization: Bearer KEY' (else $LLMD_API_KEY; "
+                   "needed for a non-loopback --host; the Unix socket needs none).")
+@click.option("--api-key", default=None, metavar="KEY",
+              help="The key itself (as vLLM and llama-server; visible to local users in /proc: prefer the file "
+                   "or $LLMD_API_KEY).")
 @click.option("--served-model-name", default=None, help="Model id in the API (default: the --model name).")
 @click.option("--drain-timeout", default=30.0, show_default=True, type=float,
               help="Seconds in-flight requests get on shutdown before they are aborted.")
@@ -36,12 +42,21 @@ def served_id(model: str) -> str:
               help="Also export GET /metrics under vLLM's names (vllm: prefix) for existing dashboards.")
 @engine_options
 @one_line_errors
-def serve(socket_path, host, port, served_model_name, drain_timeout, metrics_compat, **engine_kw):
+def serve(socket_path, host, port, api_key_file, api_key, served_model_name, drain_timeout, metrics_compat,
+          **engine_kw):
     """Run the daemon: OpenAI-style HTTP API on a Unix socket (SIGTERM or `llmd stop` ends it)."""
+    from llmd.daemon.serving.access import check_bind, resolve_api_key
     from llmd.daemon.serving.lifecycle import claim_socket, run_server
 
     if host is not None and port is None:
         raise LlmdError("--host needs --port")
+    if port is None and (api_key is not None or api_key_file is not None):
+        raise LlmdError("--api-key/--api-key-file guard the TCP listener: they need --port (the socket needs no key)")
+    key, warnings = resolve_api_key(api_key, api_key_file)
+    for line in warnings:
+        click.echo(line, err=True)
+    if port is not None:
+        check_bind(host or "127.0.0.1", port, key)
     path = socket_path_of(socket_path)
     lock_fd = claim_socket(path)  # fail fast, before loading the model
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -50,7 +65,7 @@ def serve(socket_path, host, port, served_model_name, drain_timeout, metrics_com
     # the engine loads on the engine loop's thread, the one that runs its steps (see engine_loop)
     asyncio.run(run_server(lambda: build_engine(**engine_kw), path, model_id, ids, host=host, port=port,
                            drain_timeout=drain_timeout, lock_fd=lock_fd, metrics_compat=metrics_compat,
-                           echo=lambda m: click.echo(m, err=True)))
+                           api_key=key if port is not None else None, echo=lambda m: click.echo(m, err=True)))
 
 
 @click.command()

@@ -271,9 +271,13 @@ async def shutdown(request: web.Request) -> web.Response:
     return web.json_response({"status": "shutting down"}, status=202)
 
 
-def make_app(state: ServerState) -> web.Application:
-    """The aiohttp application; run it with ``handler_cancellation=True`` on the runner."""
-    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+def make_app(state: ServerState, access=None) -> web.Application:
+    """The aiohttp application; run it with ``handler_cancellation=True`` on the runner.
+
+    ``access``: an ``access.access_middleware`` for a TCP listener (runs first, before the
+    error middleware), or None (the Unix socket alone needs none)."""
+    app = web.Application(middlewares=[*([access] if access else []), error_middleware],
+                          client_max_size=MAX_BODY_BYTES)
     app[STATE] = state
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)

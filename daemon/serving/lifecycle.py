@@ -11,7 +11,11 @@ umask 077, so it is 0600 from its first instant and other users cannot connect.
 * ``SIGTERM`` / ``SIGINT`` / ``POST /v1/shutdown`` (``llmd stop``): stop accepting, let
   in-flight requests finish for ``drain_timeout`` seconds, then abort them (streams get
   ``finish_reason: "abort"`` and ``[DONE]``), remove the socket and exit 0.
-* An optional TCP listener (``--host/--port``), off by default, loopback unless asked.
+* An optional TCP listener (``--host/--port``), off by default, loopback unless asked; its
+  requests go through :mod:`.access` (API key, loopback Host/Origin, JSON bodies). A
+  non-loopback host needs a key.
+* A ``--socket`` directory others can write to (not sticky) or own, or a lock file or socket
+  of another user, is refused with one line (:func:`prepare_socket_dir`, :func:`claim_socket`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from aiohttp import web
 
 from llmd.daemon.core.errors import LlmdError
 from llmd.daemon.protocol import check_socket_path, default_socket_dir, lock_path
+from llmd.daemon.serving.access import AccessPolicy, access_middleware, check_bind, is_loopback_host
 from llmd.daemon.serving.api import ServerState, make_app
 from llmd.daemon.serving.engine_loop import EngineLoop
 from llmd.daemon.serving.metrics import DaemonMetrics
@@ -36,13 +41,36 @@ from llmd.daemon.serving.metrics import DaemonMetrics
 log = logging.getLogger("llmd.serve")
 
 
+def _owner_is_safe(st: os.stat_result) -> bool:
+    """Owned by this user or by root (root can replace anything anyway)."""
+    return st.st_uid in (os.geteuid(), 0)
+
+
 def prepare_socket_dir(path: str) -> None:
-    """Create the socket's directory 0700 (and tighten the default one to 0700)."""
+    """Create the socket's directory 0700 (and tighten the default one to 0700), then check
+    that nobody else can replace what the daemon puts there.
+
+    Raises:
+        LlmdError: the directory cannot be created, is owned by another user (not root), or
+            is group/world-writable without the sticky bit (others could rename or delete the
+            socket and lock and put their own in their place; a sticky directory such as
+            ``/tmp`` protects them, and :func:`claim_socket` checks their owners).
+    """
     d = os.path.dirname(os.path.abspath(path))
     created = not os.path.isdir(d)
-    os.makedirs(d, mode=0o700, exist_ok=True)
-    if created or os.path.abspath(d) == os.path.abspath(default_socket_dir()):
-        os.chmod(d, 0o700)
+    try:
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        if created or os.path.abspath(d) == os.path.abspath(default_socket_dir()):
+            os.chmod(d, 0o700)
+        st = os.stat(d)
+    except OSError as e:
+        raise LlmdError(f"cannot create the socket directory {d}: {e.strerror}") from None
+    if not _owner_is_safe(st):
+        raise LlmdError(f"the socket directory {d} belongs to another user (uid {st.st_uid}); "
+                        "pick a --socket in a directory of your own")
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise LlmdError(f"the socket directory {d} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}, "
+                        "not sticky); pick a --socket in a directory only you can write to")
 
 
 def socket_is_live(path: str, timeout: float = 1.0) -> bool:
@@ -63,14 +91,24 @@ def claim_socket(path: str) -> int:
 
     Returns the lock file descriptor (keep it open while serving).
     Raises:
-        LlmdError: path too long, another daemon holds the lock or answers on the path, or
-            the path exists and is not a socket.
+        LlmdError: path too long, an unsafe directory (:func:`prepare_socket_dir`), a lock file
+            or socket of another user (or a symlink as the lock), another daemon holds the lock
+            or answers on the path, or the path exists and is not a socket.
     """
     err = check_socket_path(path)
     if err:
         raise LlmdError(err)
     prepare_socket_dir(path)
-    fd = os.open(lock_path(path), os.O_RDWR | os.O_CREAT, 0o600)
+    lock = lock_path(path)
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as e:
+        raise LlmdError(f"cannot open the lock file {lock}: {e.strerror} (another user's file, or a symlink); "
+                        "remove it or pick another --socket") from None
+    if not _owner_is_safe(os.fstat(fd)):
+        uid = os.fstat(fd).st_uid
+        os.close(fd)
+        raise LlmdError(f"the lock file {lock} belongs to another user (uid {uid}); pick another --socket")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -83,6 +121,10 @@ def claim_socket(path: str) -> int:
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
             os.close(fd)
             raise LlmdError(f"{path} exists and is not a socket; remove it or pick another --socket")
+        if not _owner_is_safe(os.lstat(path)):
+            os.close(fd)
+            raise LlmdError(f"the socket {path} belongs to another user (uid {os.lstat(path).st_uid}); "
+                            "pick another --socket")
         if socket_is_live(path):
             os.close(fd)
             raise LlmdError(f"an llmd daemon is already serving on {path}; stop it with `llmd stop`")
@@ -93,7 +135,8 @@ def claim_socket(path: str) -> int:
 
 async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[str, ...], *,
                      host: str | None = None, port: int | None = None, drain_timeout: float = 30.0,
-                     lock_fd: int | None = None, metrics_compat: str | None = None, echo=print) -> None:
+                     lock_fd: int | None = None, metrics_compat: str | None = None, api_key: str | None = None,
+                     echo=print) -> None:
     """Serve until SIGTERM/SIGINT or ``POST /v1/shutdown``; then drain and clean up.
 
     Args:
@@ -104,12 +147,20 @@ async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[s
         socket_path: where to bind (claimed with :func:`claim_socket` first).
         model_id, model_ids: the served id and every name accepted as ``model`` (the
             loaded model's own name is added).
-        host, port: optional TCP listener.
+        host, port: optional TCP listener, guarded by :mod:`.access` (loopback ``Host`` and
+            ``Origin`` on a loopback bind, ``application/json`` bodies, and ``api_key``).
+        api_key: the Bearer token TCP requests need (None: none; then only a loopback host).
         drain_timeout: seconds in-flight requests get to finish before being aborted.
         lock_fd: the descriptor :func:`claim_socket` returned, if the caller claimed the path
             already (before loading the model, to fail fast); claimed here otherwise.
         metrics_compat: None, or "vllm" to also export ``GET /metrics`` under vLLM's names.
+    Raises:
+        LlmdError: a non-loopback ``host`` without ``api_key`` (:func:`check_bind`), before
+            anything is claimed or loaded; a socket path :func:`claim_socket` refuses.
     """
+    host = host or "127.0.0.1"
+    if port is not None:
+        check_bind(host, port, api_key)
     if lock_fd is None:
         lock_fd = claim_socket(socket_path)
     loop = asyncio.get_running_loop()
@@ -120,7 +171,8 @@ async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[s
     state = ServerState(engine_loop=eloop, model_id=model_id, model_ids=model_ids,
                         vocab_size=engine.model_config.vocab_size, max_model_len=engine.max_model_len,
                         shutdown=asyncio.Event(), metrics=metrics)
-    runner = web.AppRunner(make_app(state), handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+    access = access_middleware(AccessPolicy(api_key, is_loopback_host(host))) if port is not None else None
+    runner = web.AppRunner(make_app(state, access), handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     old_umask = os.umask(0o077)
     try:
@@ -130,12 +182,13 @@ async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[s
         os.umask(old_umask)
     os.chmod(socket_path, 0o600)
     if port is not None:
-        sites.append(web.TCPSite(runner, host or "127.0.0.1", port))
+        sites.append(web.TCPSite(runner, host, port))
         await sites[-1].start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, state.shutdown.set)
     summary = f"; {engine.runtime_summary()}" if hasattr(engine, "runtime_summary") else ""
-    echo(f"llmd: serving {model_id} on {socket_path}" + (f" and http://{host or '127.0.0.1'}:{port}" if port else "")
+    tcp = f" and http://{host}:{port}{' (API key required)' if api_key else ''}" if port is not None else ""
+    echo(f"llmd: serving {model_id} on {socket_path}{tcp}"
          + f" (pid {os.getpid()}{summary})")
     try:
         await state.shutdown.wait()

@@ -1,0 +1,118 @@
+"""``llmd serve`` refusals that happen before any model loads: an unsafe ``--socket`` directory,
+a lock file or socket of another user, a non-loopback ``--host`` without an API key. Each is
+one ``llmd: error:`` line and exit 1, never a traceback (click's runner, in-process).
+
+"Another user": as root, files are ``chown``-ed to uid 65534; otherwise ``os.geteuid`` is made
+to answer another uid, so the same files look foreign."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+from click.testing import CliRunner
+
+from llmd.daemon.cli.main import main
+from llmd.daemon.serving.lifecycle import claim_socket
+
+KEY = "k3y-that-must-never-be-printed"
+
+
+def serve(*args, env=None):
+    """``llmd serve ARGS``: (exit code, stdout + stderr). The model does not exist, so a check
+    that fails to refuse ends in a model error (another line), never in a serving daemon."""
+    result = CliRunner().invoke(main, ["serve", "--model", "/nonexistent/none.gguf", *args], env=env)
+    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit), result.exception
+    return result.exit_code, result.output
+
+
+def one_error_line(out: str, match: str) -> None:
+    lines = [x for x in out.splitlines() if x.startswith("llmd: error:")]
+    assert len(lines) == 1 and match in lines[0] and "Traceback" not in out, out
+
+
+@pytest.fixture
+def foreign(monkeypatch):
+    """A function making a path look owned by another user."""
+    def make(path):
+        if os.geteuid() == 0:
+            os.chown(path, 65534, 65534, follow_symlinks=False)
+        else:
+            monkeypatch.setattr(os, "geteuid", lambda: os.getuid() + 1)
+    return make
+
+
+def test_world_writable_socket_dir_is_refused_but_a_sticky_one_is_not(tmp_path):
+    d = tmp_path / "open"
+    d.mkdir()
+    os.chmod(d, 0o777)
+    code, out = serve("--socket", str(d / "llmd.sock"))
+    assert code == 1
+    one_error_line(out, "is writable by other users")
+    assert not os.path.exists(d / "llmd.sock.lock")  # refused before anything is created there
+    os.chmod(d, 0o1777)  # sticky, as /tmp: others cannot replace our files
+    os.close(claim_socket(str(d / "llmd.sock")))
+
+
+def test_socket_dir_of_another_user_is_refused(tmp_path, foreign):
+    d = tmp_path / "theirs"
+    d.mkdir(mode=0o755)
+    foreign(d)
+    code, out = serve("--socket", str(d / "llmd.sock"))
+    assert code == 1
+    one_error_line(out, "belongs to another user")
+
+
+def test_lock_file_of_another_user_or_a_symlink_is_refused(tmp_path, foreign):
+    d = tmp_path / "shared"
+    d.mkdir()
+    os.chmod(d, 0o1777)
+    sock = d / "llmd.sock"
+    (d / "llmd.sock.lock").write_text("")
+    os.chmod(d / "llmd.sock.lock", 0o666)
+    foreign(d / "llmd.sock.lock")
+    code, out = serve("--socket", str(sock))
+    assert code == 1
+    one_error_line(out, "lock file")
+    os.unlink(d / "llmd.sock.lock")
+    os.symlink(tmp_path / "elsewhere", d / "llmd.sock.lock")  # a planted symlink is never followed
+    code, out = serve("--socket", str(sock))
+    assert code == 1 and not os.path.exists(tmp_path / "elsewhere")
+    one_error_line(out, "symlink")
+
+
+def test_stale_socket_of_another_user_is_refused(tmp_path, foreign):
+    if os.geteuid() != 0:  # the directory and lock must stay ours: only the socket is foreign
+        pytest.skip("a socket alone of another uid needs root to chown")
+    d = tmp_path / "run"
+    d.mkdir(mode=0o700)
+    sock = str(d / "llmd.sock")
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(sock)
+    s.close()
+    foreign(sock)
+    code, out = serve("--socket", sock)
+    assert code == 1
+    one_error_line(out, "the socket")
+
+
+def test_non_loopback_host_needs_a_key_and_the_key_is_never_printed(tmp_path):
+    sock = str(tmp_path / "llmd.sock")
+    code, out = serve("--socket", sock, "--host", "0.0.0.0", "--port", "8000", env={"LLMD_API_KEY": ""})
+    assert code == 1
+    one_error_line(out, "refusing to listen on 0.0.0.0:8000 without an API key")
+    assert not os.path.exists(sock + ".lock")  # refused before the socket is claimed
+    code, out = serve("--socket", sock, "--api-key", KEY)
+    assert code == 1
+    one_error_line(out, "need --port")
+    # --api-key is accepted with a warning; stop it right after (an unsafe directory) before a model loads
+    d = tmp_path / "open"
+    d.mkdir()
+    os.chmod(d, 0o777)
+    code, out = serve("--socket", str(d / "s.sock"), "--host", "0.0.0.0", "--port", "8000", "--api-key", KEY)
+    assert code == 1 and "/proc/PID/cmdline" in out and KEY not in out
+    one_error_line(out, "writable by other users")
+    code, out = serve("--socket", sock, "--port", "8000", "--api-key-file", str(tmp_path / "nokey"))
+    assert code == 1
+    one_error_line(out, "cannot read --api-key-file")
