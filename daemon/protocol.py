@@ -27,7 +27,7 @@
     prefix_cache    {queries, hits (tokens), enabled (bool), evictions (blocks)}
     scheduler       {running, waiting, preempted}
     throughput      {prompt_tokens_per_s, generation_tokens_per_s}  (over the last ~5 s)
-    counters        {prompt_tokens, generation_tokens, requests_finished: {stop, length, abort},
+    counters        {prompt_tokens, generation_tokens, requests_finished: {stop, length, abort, error},
                      requests_rejected, num_preemptions}
     requests        [{id, state ("waiting"/"running"), prompt_tokens, cached_tokens,
                       generated_tokens, blocks (all groups), block_table (group 0),

@@ -9,6 +9,14 @@ The engine owns its inputs' one path to tokens (:class:`InputProcessor`), the pa
 ids of parallel-sampling requests (:class:`ParallelRequests`) and its statistics: the
 counters and per-step events of :mod:`.stats`, which :meth:`Engine.make_stats` and
 :meth:`Engine.take_iteration_stats` hand out (the daemon's engine loop publishes them).
+
+One bad request never hurts the others: a row the sampler cannot sample (non-finite logits,
+its own sampling raising) and an exception in one request's postprocessing (detokenizer,
+stop strings) end that request alone with ``finish_reason="error"`` (blocks freed, the
+others in the step go on), as vLLM's ``FinishReason.ERROR``. A step that raises as a whole is
+the caller's to handle: :meth:`Engine.fail_requests` ends the live requests, and those that
+left the scheduler in that very step before their output was made. The test-only fault
+hooks are :mod:`.faults`.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import torch
 from llmd.daemon.core.config import CUDA_KV_CACHE_FRACTION, DEFAULT_KV_CACHE_MEMORY_CPU, DTYPES, EngineConfig
 from llmd.daemon.core.detokenizer import IncrementalDetokenizer
 from llmd.daemon.core.errors import LlmdError, RequestError, ServerBusyError
+from llmd.daemon.core.faults import FaultInjector
 from llmd.daemon.core.input_processor import InputProcessor, Prompt
 from llmd.daemon.core.kv_size import group_summary, kv_cache_block_bytes, kv_cache_bytes_per_token
 from llmd.daemon.core.model_runner import ModelRunner
@@ -48,6 +57,16 @@ from llmd.models.config import ModelConfig
 from llmd.models.tokenizer import Tokenizer
 
 log = logging.getLogger("llmd.engine")
+#: architectures whose activations overflow float16 (vLLM's ``_FLOAT16_NOT_SUPPORTED_MODELS``)
+FLOAT16_OVERFLOWS = ("gemma2", "gemma3")
+
+
+def float16_warning(architecture: str, dtype: str) -> str | None:
+    """The startup warning for a model known to overflow float16, or None."""
+    if dtype == "float16" and architecture in FLOAT16_OVERFLOWS:
+        return (f"{architecture} is known to overflow float16 (inf/NaN logits end requests with finish_reason "
+                "'error'); use --dtype bfloat16 or float32")
+    return None
 
 
 def num_kv_blocks(memory: int, block_size: int, block_bytes: int) -> int:
@@ -136,6 +155,15 @@ class Engine:
         self.rates = RateWindow(time.monotonic())
         self.log_stats = False
         self._iteration = IterationStats()
+        self._unreported: dict[str, Request] = {}  # this step's requests whose output is not made yet
+        self.faults: FaultInjector | None = None  # test hooks (faults.py); None in production
+        injector = FaultInjector.from_env()
+        if injector is not None:
+            log.warning("fault injection is on (%s); for tests only", injector.faults)
+            injector.install(self)
+        warning = float16_warning(cfg.architecture, self.config.dtype)
+        if warning:
+            log.warning(warning)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
@@ -276,6 +304,28 @@ class Engine:
                                          num_output_tokens=req.num_output_tokens))
         return outputs
 
+    def fail_requests(self, request_ids: list[str], message: str) -> list[RequestOutput]:
+        """End these sequences with ``finish_reason="error"`` and free their blocks: the live
+        ones, and those that left the scheduler in a step that raised before their output was
+        made (they are not live, yet their callers still wait for a last output). Returns the
+        final output of each one found (``error`` = ``message``)."""
+        outputs = []
+        for rid in request_ids:
+            unreported = self._unreported.pop(rid, None)
+            req = self.scheduler.requests.get(rid) or unreported
+            if req is not None:
+                outputs.append(self._fail(req, message))
+        return outputs
+
+    def _fail(self, req: Request, message: str) -> RequestOutput:
+        self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)  # ignored if gone already
+        self.detokenizers.pop(req.request_id, None)
+        self._finished(req, "error")
+        log.warning("request %s failed: %s", req.request_id, message)
+        return RequestOutput(request_id=req.request_id, finished=True, finish_reason="error", error=message,
+                             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+                             num_cached_tokens=req.num_cached_tokens, index=req.sibling_index)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -287,7 +337,10 @@ class Engine:
     # ---- one iteration ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduler iteration; returns an output for every request that produced a
-        token (or finished) in it."""
+        token (or finished, ``finish_reason="error"`` included) in it.
+
+        Raises whatever the forward or the scheduler raises (the step as a whole failed: see
+        :meth:`fail_requests`); one request's own failure is its ``error`` output instead."""
         sched = self.scheduler.schedule()
         self.last_scheduler_output = sched
         if not sched:
@@ -296,18 +349,33 @@ class Engine:
         sampling, rows = sampling_rows(sched.scheduled, reqs)  # followers fork now: their leader's row
         previous_token_times = [r.last_token_time for r in sampling]
         result = self.runner.execute(sched, sampling, rows)
-        sampled, logprobs = {}, {}
+        sampled, logprobs, outputs = {}, {}, []
         if result is not None:
-            for req, tok, lp in zip(sampling, result.sampled_token_ids, result.logprobs):
-                sampled[req.request_id], logprobs[req.request_id] = tok, lp
+            for b, (req, tok, lp) in enumerate(zip(sampling, result.sampled_token_ids, result.logprobs)):
+                if b in result.failed:  # fails before its token is appended: the scheduler skips it
+                    outputs.append(self._fail(req, result.failed[b]))
+                else:
+                    sampled[req.request_id], logprobs[req.request_id] = tok, lp
+        if outputs:
+            kept = [(r, t) for r, t in zip(sampling, previous_token_times) if r.request_id in sampled]
+            sampling, previous_token_times = [r for r, _ in kept], [t for _, t in kept]
+        self._unreported = {req.request_id: req for req in sampling}
         self.scheduler.update_from_output(sched, sampled)
+        if self.faults is not None:
+            self.faults.check_step(sampling)
         self._record_step(sched.num_prefill_tokens, sampling, previous_token_times)
-        outputs = []
         for req in sampling:
-            outputs.append(self._postprocess(req, sampled[req.request_id], logprobs[req.request_id]))
+            try:
+                outputs.append(self._postprocess(req, sampled[req.request_id], logprobs[req.request_id]))
+            except Exception as e:  # this request fails alone; the rest of the step goes on
+                log.exception("postprocessing %s failed", req.request_id)
+                outputs.append(self._fail(req, f"postprocessing failed: {type(e).__name__}: {e}"))
+            self._unreported.pop(req.request_id, None)
         return outputs
 
     def _postprocess(self, req: Request, token: int, lp: TokenLogprobs | None) -> RequestOutput:
+        if self.faults is not None:
+            self.faults.check_postprocess(req)
         detok = self.detokenizers[req.request_id]
         text = detok.update([token])
         if detok.stop_matched is not None and not req.is_finished:

@@ -102,11 +102,14 @@ class RequestOutput:
         new_text: text released this step (UTF-8 safe, stop strings withheld).
         logprobs: per new token, :class:`TokenLogprobs` or None.
         finished: True on the request's last output.
-        finish_reason: "stop", "length", "abort" or None.
+        finish_reason: "stop", "length", "abort", "error" (this request failed; ``error`` says
+            why) or None.
         num_prompt_tokens, num_output_tokens: token counts so far.
         num_cached_tokens: prompt tokens served from the prefix cache.
         index: the sequence's index among the ``n`` of its parallel-sampling request (0 for a
             lone request): the OpenAI choice ``index``.
+        error: with ``finish_reason="error"``, one line saying what failed (for the log and
+            the client's error body); None otherwise.
     """
 
     request_id: str
@@ -119,3 +122,4 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     index: int = 0
+    error: str | None = None

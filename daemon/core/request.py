@@ -24,6 +24,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 2
     FINISHED_LENGTH = 3
     FINISHED_ABORTED = 4
+    FINISHED_ERROR = 5  # this request's own failure (vLLM's FinishReason.ERROR): postprocessing, bad logits
 
     @property
     def is_finished(self) -> bool:
@@ -31,11 +32,12 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> str | None:
-        """OpenAI ``finish_reason`` ("stop", "length", "abort") or None while live."""
+        """OpenAI ``finish_reason`` ("stop", "length", "abort", "error") or None while live."""
         return {
             RequestStatus.FINISHED_STOPPED: "stop",
             RequestStatus.FINISHED_LENGTH: "length",
             RequestStatus.FINISHED_ABORTED: "abort",
+            RequestStatus.FINISHED_ERROR: "error",
         }.get(self)
 
 

@@ -17,6 +17,15 @@ Pipeline per row (order as in vLLM's ``vllm/v1/sample/sampler.py`` and HF transf
    surviving tokens, and draw with the exponential race ``argmax(probs / q)``,
    ``q ~ Exp(1)`` i.i.d. (vLLM ``random_sample``; the Gumbel-max trick in disguise).
 
+Rows that cannot be sampled fail alone (:attr:`SamplerOutput.failed`, row → one-line
+reason), never the batch: a row whose logits are not usable (any NaN or +inf, or every
+entry −inf: e.g. float16 overflow in the model) is detected by one vectorized check per step
+(the row's maximum is finite; NaN propagates through ``max``, and a plain greedy row's
+maximum is the value at its argmax, so those rows cost a gather), and a row whose own
+sampling raises (a penalty over an out-of-range token id, ...) is reported with the error.
+Logprobs are clamped below at −9999 (vLLM's serving layer does the same), so a −inf never
+reaches JSON, which has no spelling for it.
+
 Reproducibility: the draw for output position ``i`` of a request uses a fresh CPU
 ``torch.Generator`` seeded with ``blake2b(seed, i)``, and every row is processed alone on
 CPU in float32, so a request's token depends only on (seed, i, its logits row, its own
@@ -27,13 +36,18 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from llmd.daemon.core.outputs import TokenLogprobs
 from llmd.daemon.core.request import Request, SamplingParams
+
+#: logprobs below this are reported as this (vLLM's ``max(logprob, -9999.0)``): JSON has no -inf
+MIN_LOGPROB = -9999.0
+NON_FINITE = "the model produced non-finite logits (NaN or inf; e.g. float16 overflow)"
 
 __all__ = ["Sampler", "SamplerOutput", "TokenLogprobs", "apply_penalties", "filter_candidates", "is_plain_greedy",
            "row_seed"]
@@ -44,12 +58,15 @@ class SamplerOutput:
     """Result of one sampler call; index b belongs to ``requests[b]``.
 
     Attributes:
-        sampled_token_ids: one token id per row.
+        sampled_token_ids: one token id per row (0, meaningless, for a failed row).
         logprobs: per row, :class:`TokenLogprobs` or ``None`` when the request asked for none.
+        failed: row → one-line reason, for rows that could not be sampled (non-finite logits,
+            an exception in that row's sampling); their requests must fail, the rest go on.
     """
 
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    failed: dict[int, str] = field(default_factory=dict)
 
 
 def row_seed(seed: int, position: int, sibling: int = 0) -> int:
@@ -172,8 +189,8 @@ class Sampler:
             ``len(requests[b].output_token_ids)`` of ``requests[b]``.
 
     Raises:
-        ValueError: ``logits`` is not 2-D, ``B != len(requests)``, or a history token id is
-            outside the vocabulary.
+        ValueError: ``logits`` is not 2-D or ``B != len(requests)`` (a row's own failure is
+            reported in :attr:`SamplerOutput.failed` instead).
     """
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
@@ -186,18 +203,26 @@ class Sampler:
         tokens: list[int] = [0] * n
         logprobs: list[TokenLogprobs | None] = [None] * n
         plain = [b for b, req in enumerate(requests) if is_plain_greedy(req.sampling_params)]
+        rest = [b for b in range(n) if not is_plain_greedy(requests[b].sampling_params)] if len(plain) < n else []
+        peaks = np.empty(n, dtype=np.float32)  # each row's maximum: finite iff the row is usable
         if plain:  # one argmax for all of them: exact, first index on ties (NaN first), as row by row;
             # numpy's argmax is vectorized (4 us for 49k floats here, torch's CPU argmax 43 us)
-            rows = cpu if len(plain) == n else cpu[plain]
-            for b, tok in zip(plain, rows.contiguous().numpy().argmax(axis=-1).tolist()):
+            rows = (cpu if len(plain) == n else cpu[plain]).contiguous().numpy()
+            argmax = rows.argmax(axis=-1)
+            peaks[plain] = rows[np.arange(len(plain)), argmax]  # NaN first, so a NaN row's peak is NaN
+            for b, tok in zip(plain, argmax.tolist()):
                 tokens[b] = tok
-        if len(plain) < n:
-            fast = set(plain)
-            for b, req in enumerate(requests):
-                if b not in fast:
-                    # clone(): a fresh contiguous buffer per row, so no kernel sees batch layout.
-                    tokens[b], logprobs[b] = self.sample_row(cpu[b].clone(), req)
-        return SamplerOutput(sampled_token_ids=tokens, logprobs=logprobs)
+        if rest:
+            peaks[rest] = (cpu if len(rest) == n else cpu[rest]).contiguous().numpy().max(axis=-1)
+        failed = {int(b): NON_FINITE for b in np.flatnonzero(~np.isfinite(peaks))}
+        for b in rest:
+            if b in failed:
+                continue
+            try:  # clone(): a fresh contiguous buffer per row, so no kernel sees batch layout.
+                tokens[b], logprobs[b] = self.sample_row(cpu[b].clone(), requests[b])
+            except Exception as e:  # this row's request fails; the batch goes on
+                failed[b] = f"sampling failed: {type(e).__name__}: {e}"
+        return SamplerOutput(sampled_token_ids=tokens, logprobs=logprobs, failed=failed)
 
     @staticmethod
     def sample_row(row: torch.Tensor, req: Request) -> tuple[int, TokenLogprobs | None]:
@@ -232,5 +257,5 @@ class Sampler:
         top: list[tuple[int, float]] = []
         if k > 0:
             vals, idx = torch.topk(raw_logprobs, k)
-            top = [(int(i), float(v)) for i, v in zip(idx.tolist(), vals.tolist())]
-        return token, TokenLogprobs(token_id=token, logprob=float(raw_logprobs[token]), top=top)
+            top = [(int(i), max(float(v), MIN_LOGPROB)) for i, v in zip(idx.tolist(), vals.tolist())]
+        return token, TokenLogprobs(token_id=token, logprob=max(float(raw_logprobs[token]), MIN_LOGPROB), top=top)

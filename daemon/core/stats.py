@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from llmd.daemon.protocol import STATS_SCHEMA_VERSION, rle
 
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 #: seconds of history behind the throughput figures
 RATE_WINDOW_S = 5.0
 
@@ -45,7 +45,7 @@ class IterationStats:
         num_generation_tokens: tokens generated.
         time_to_first_tokens_s: per sequence that got its first token, arrival → first token.
         inter_token_latencies_s: per later token, the time since the sequence's previous one.
-        finished: sequences that ended (finish reason "stop", "length" or "abort").
+        finished: sequences that ended (finish reason "stop", "length", "abort" or "error").
     """
 
     num_prompt_tokens: int = 0

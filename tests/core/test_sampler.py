@@ -168,9 +168,12 @@ def test_penalties_match_hand_computation():
     assert sampler(logits, [req3]).sampled_token_ids == [0]  # 3 / 3 = 1 < 2
 
 
-def test_penalty_rejects_out_of_range_ids():
-    with pytest.raises(ValueError, match="out of range"):
-        sampler(torch.zeros(1, 4), [make_req(prompt=[9], repetition_penalty=1.2)])
+def test_penalty_out_of_range_ids_fail_that_row_only():
+    """A row whose own sampling raises fails alone (its reason in ``failed``); the others sample."""
+    logits = torch.tensor([[0.0, 0.0, 5.0, 0.0]] * 2)
+    out = sampler(logits, [make_req(prompt=[9], repetition_penalty=1.2), make_req(temperature=0.0)])
+    assert list(out.failed) == [0] and "out of range" in out.failed[0]
+    assert out.sampled_token_ids[1] == 2
 
 
 def test_shape_errors():
@@ -242,3 +245,23 @@ def test_top_k_keeps_ties():
     from llmd.daemon.core.sampler import filter_candidates
     logits = torch.tensor([3.0, 1.0, 1.0, 1.0, 0.0])
     assert set(filter_candidates(logits, 2, 1.0, 0.0).tolist()) == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_non_finite_rows_fail_alone(greedy):
+    """NaN, +inf and all -inf rows are reported in ``failed`` (plain greedy rows and sampled
+    rows alike); a finite row in the same batch samples as it would alone, and a row with some
+    -inf entries is usable, its -inf logprobs reported as -9999 (JSON has no -inf)."""
+    kw = {"temperature": 0.0} if greedy else {"temperature": 0.8, "logprobs": 2}
+    good = rand_logits(1, seed=3)[0]
+    partial = good.clone()
+    partial[: V - 1] = float("-inf")  # one finite logit left
+    rows = [good, torch.full((V,), float("nan")), torch.full((V,), float("-inf")), good.clone(), partial]
+    rows[3][7] = float("inf")
+    reqs = [make_req(rid=f"r{i}", **kw) for i in range(len(rows))]
+    out = sampler(torch.stack(rows), reqs)
+    assert sorted(out.failed) == [1, 2, 3] and "non-finite" in out.failed[1]
+    alone = sampler(good[None], [make_req(rid="r0", **kw)])
+    assert out.sampled_token_ids[0] == alone.sampled_token_ids[0] and out.sampled_token_ids[4] == V - 1
+    if not greedy:
+        assert out.logprobs[4].logprob == 0.0 and out.logprobs[4].top[1][1] == -9999.0
