@@ -14,9 +14,14 @@
 #              (python -m llmd.kernels.bench check)
 #   pytest     tests/kernels/test_kernels.py on CUDA (pairwise shapes, static-scale clamping, the
 #              > 2^31-element cache), if pytest is installed (--noconftest: no model needed)
+#   engine-qwen3, engine-llama3
+#              the whole engine on random-weight presets of real shapes (random:qwen3-0.6b,
+#              random:llama-3-8b; no GGUF needed), triton vs torch attention backends on the same
+#              weights: teacher-forced logits agree within 5 % of max |logit|, and out tok/s of
+#              32 greedy requests (python -m llmd.daemon.bench.backends)
 #   bench      paged decode on the Llama-3-8B attention shape vs pinned SDPA and a d2d copy
 #              (python -m llmd.kernels.bench bench)
-# Budget: the limits add up to 14 minutes; a healthy H200 run should take well under half.
+# Budget: the limits add up to 18 minutes (install skipped); a healthy H200 run should take well under half.
 out="${1:-gpu-results}"
 mkdir -p "$out"
 results="$out/results.tsv"
@@ -53,6 +58,8 @@ if python -c "import pytest" > /dev/null 2>&1; then
 else
     printf 'pytest\tskipped (no pytest)\t0\n' >> "$results"
 fi
+step engine-qwen3 120 python -m llmd.daemon.bench.backends --model random:qwen3-0.6b --backends triton,torch
+step engine-llama3 120 python -m llmd.daemon.bench.backends --model random:llama-3-8b --backends triton,torch
 step bench 240 python -m llmd.kernels.bench bench
 echo
 cat "$results"
