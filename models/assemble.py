@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from llmd.models.errors import ModelNotFoundError
 from llmd.models.paths import cache_dir as llmd_cache_dir
+from llmd.models.paths import ensure_cache_dir
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,10 @@ def assemble(model: ChunkedModel, hint: str, cache_dir: str | None = None) -> st
     target = os.path.join(root, model.filename)
     if os.path.isfile(target) and os.path.getsize(target) == total:
         return target
-    os.makedirs(root, exist_ok=True)
+    if cache_dir:
+        os.makedirs(root, exist_ok=True)
+    else:
+        ensure_cache_dir("models")  # 0700, as the whole llmd cache
     with open(target + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if os.path.isfile(target) and os.path.getsize(target) == total:

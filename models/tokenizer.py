@@ -16,6 +16,7 @@ import tempfile
 from llmd.models.config import ModelConfig
 from llmd.models.errors import LlmdError
 from llmd.models.paths import cache_dir as default_cache_dir
+from llmd.models.paths import ensure_cache_dir
 
 
 def gguf_identity(path: str, header_bytes: int) -> str:
@@ -92,7 +93,10 @@ def load_tokenizer(gguf_path: str, config: ModelConfig, header_bytes: int, cache
             shutil.rmtree(target, ignore_errors=True)  # a corrupt cache entry is rebuilt
     hf = PreTrainedTokenizerFast.from_pretrained(os.path.dirname(os.path.abspath(gguf_path)),
                                                  gguf_file=os.path.basename(gguf_path), local_files_only=True)
-    os.makedirs(root, exist_ok=True)
+    if cache_dir:
+        os.makedirs(root, exist_ok=True)
+    else:
+        ensure_cache_dir("tokenizers")  # 0700, as the whole llmd cache
     tmp = tempfile.mkdtemp(dir=root, prefix=".tmp-")
     try:
         hf.save_pretrained(tmp)

@@ -1,7 +1,7 @@
 """Make sure a daemon runs on a socket, and wait for one to exit (``llmd chat``, ``llmd stop``).
 
 No daemon on the socket → :func:`ensure_daemon` starts one in the background (``llmd serve``,
-its own session, logging to ``~/.cache/llmd/daemon.log``) under a lock
+its own session, logging to ``~/.cache/llmd/daemon.log``, created 0600 in a 0700 directory) under a lock
 (``<socket>.spawn.lock``) so two clients never both spawn one, with progress until
 ``/health`` answers. That daemon keeps running after the client exits; ``llmd stop`` ends it
 (:func:`wait_for_daemon_exit` returns once the process is gone).
@@ -87,6 +87,31 @@ def wait_for_daemon_exit(socket_path: str, timeout: float, pid: int | None = Non
     return True
 
 
+def _tighten(fd: int, mode: int) -> None:
+    """``fchmod`` to ``mode`` a file of this user's that group or others may access."""
+    st = os.fstat(fd)
+    if st.st_uid == os.geteuid() and st.st_mode & 0o077:
+        os.fchmod(fd, mode)
+
+
+def open_log(log_path: str):
+    """``log_path`` opened for appending (binary), created 0600 in a directory created 0700:
+    a daemon's log is for its owner only. The default log's directory (llmd's cache directory,
+    as ``models.paths.ensure_cache_dir`` makes it) and an existing log of this user's that
+    others can read are tightened to 0700 / 0600."""
+    d = os.path.dirname(os.path.abspath(log_path))
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    if d == os.path.dirname(os.path.abspath(default_log_path())):
+        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            _tighten(dfd, 0o700)
+        finally:
+            os.close(dfd)
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    _tighten(fd, 0o600)
+    return os.fdopen(fd, "ab")
+
+
 def _tail(path: str, n: int = 5, start: int = 0) -> str:
     """The last ``n`` lines of ``path`` after byte offset ``start``."""
     try:
@@ -120,8 +145,7 @@ def ensure_daemon(socket_path: str, serve_args: list[str], log_path: str | None 
         fcntl.flock(lock_fd, fcntl.LOCK_EX)  # a second chat waits here, then finds the daemon
         if client.health():
             return client
-        os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
-        with open(log_path, "ab") as log:
+        with open_log(log_path) as log:
             log_start = log.tell()  # the log is appended to: progress shows this daemon's lines only
             cmd = [*SERVE_COMMAND, "--socket", socket_path, *serve_args]
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,

@@ -81,6 +81,7 @@ def test_gemma_resolves_into_xdg_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     path = registry.resolve_model("gemma3-270m")
     assert path == str(tmp_path / "llmd" / "models" / "gemma-3-270m-q4_k_m.gguf")
+    assert [os.stat(d).st_mode & 0o777 for d in (tmp_path / "llmd", tmp_path / "llmd" / "models")] == [0o700] * 2
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(1 << 22):
