@@ -104,6 +104,10 @@ def engine_options(fn):
                      help="Prefill tokens of one request per step (default: the token budget)."),
         click.option("--max-num-waiting", default=1024, show_default=True, type=int,
                      help="Waiting requests at most; beyond it HTTP 429 with Retry-After."),
+        click.option("--scheduling-policy", type=click.Choice(["fcfs", "priority"]), default="fcfs",
+                     show_default=True,
+                     help="fcfs: arrival order (a request's non-zero priority is a 400); priority: lower `priority` "
+                          "runs first and the largest is preempted first (vLLM's flag)."),
     ]
     for o in reversed(opts):
         fn = o(fn)

@@ -11,6 +11,7 @@ from llmd.daemon.core.errors import LlmdError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 DTYPE_CHOICES = ("auto", *DTYPES)
 ATTENTION_BACKENDS = ("cpu", "torch", "triton")
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy values
 DEFAULT_KV_CACHE_MEMORY_CPU = 512 * 1024**2  # bytes
 CUDA_KV_CACHE_FRACTION = 0.8  # of free device memory after the weights are loaded
 
@@ -50,6 +51,9 @@ class EngineConfig:
         max_prefill_chunk: prefill tokens of one request per step (tokens); ``None`` = the
             token budget (512 on CPU; on CUDA the 4,096 budget, vLLM's range being 2,048-8,192).
         max_num_waiting: waiting requests at most before new ones get HTTP 429 (default 1,024).
+        scheduling_policy: "fcfs" (default: arrival order; a request with a non-zero
+            ``priority`` is refused) or "priority" (lower ``priority`` first, FCFS among equals;
+            the largest value is preempted first) — vLLM's ``--scheduling-policy`` and values.
         threads: torch intra-op threads, set once when the engine is built
             (``torch.set_num_threads``); ``None`` = ``$OMP_NUM_THREADS`` if set, else the cores
             this process may use (``len(os.sched_getaffinity(0))``).
@@ -71,6 +75,7 @@ class EngineConfig:
     prefix_cache_seed: int | None = None
     max_prefill_chunk: int | None = None
     max_num_waiting: int = 1024
+    scheduling_policy: str = "fcfs"
     threads: int | None = None
 
     def resolve(self) -> "EngineConfig":
@@ -98,6 +103,9 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "max_num_waiting"):
             if getattr(self, name) < 1:
                 raise LlmdError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise LlmdError(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                            f"got {self.scheduling_policy!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise LlmdError(f"--kv-cache-memory must be > 0 bytes, got {self.kv_cache_memory}")
         if self.max_model_len is not None and self.max_model_len < 1:

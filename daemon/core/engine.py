@@ -139,7 +139,8 @@ class Engine:
             kv_cache_dtype=f"{self.config.kv_cache_dtype}|{self.config.kv_scales}",
         )
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, self.config.max_prefill_chunk, self.config.max_num_waiting)
+                                   self.max_model_len, self.config.max_prefill_chunk, self.config.max_num_waiting,
+                                   scheduling_policy=self.config.scheduling_policy)
         self.runner = ModelRunner(
             model, self.num_blocks, config.block_size, kv_dtype, self.config.device,
             self.config.kv_cache_dtype, self.config.kv_scales, self.config.attention_backend, self.kv_cache_groups,

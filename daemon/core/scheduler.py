@@ -15,6 +15,11 @@ Every step (Orca, Yu et al. OSDI'22; vLLM v1 ``vllm/v1/core/sched/scheduler.py``
    while the budget, ``max_num_seqs`` and the pool allow; each is looked up in the prefix
    cache when admitted.
 
+Priorities count only under ``scheduling_policy="priority"`` (vLLM's ``--scheduling-policy``);
+under the default ``"fcfs"`` every request has priority 0, so the order above is arrival order
+and the victim the latest arrival, and a request with another ``priority`` is refused (as vLLM
+refuses one without the policy).
+
 A request that could never fit alone (its peak blocks over all KV cache groups above the
 pool) is rejected up front, and the waiting queue is bounded (``max_num_waiting``). The
 siblings of a parallel-sampling request wait, fork and inherit by the policy of
@@ -43,16 +48,19 @@ class Scheduler:
         max_model_len: context cap in tokens; generation stops at it (finish_reason "length").
         max_prefill_chunk: prefill tokens of one request per step at most (None: the budget).
         max_num_waiting: waiting requests at most (None: unbounded); preempted ones always re-enter.
+        scheduling_policy: "fcfs" (non-zero priorities refused) or "priority".
     """
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, max_prefill_chunk: int | None = None, max_num_waiting: int | None = None):
+                 max_model_len: int, max_prefill_chunk: int | None = None, max_num_waiting: int | None = None,
+                 scheduling_policy: str = "fcfs"):
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.max_prefill_chunk = max_prefill_chunk or max_num_batched_tokens
         self.max_num_waiting = max_num_waiting
+        self.scheduling_policy = scheduling_policy
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -87,8 +95,12 @@ class Scheduler:
         Raises:
             QueueFullError: the waiting queue is full.
             RequestError: an id is already live, or one sequence can never fit in the KV pool
-                (``param`` "max_tokens"), or ``n`` exceeds ``max_num_seqs`` (``param`` "n").
+                (``param`` "max_tokens"), or ``n`` exceeds ``max_num_seqs`` (``param`` "n"), or a
+                non-zero priority under the "fcfs" policy (``param`` "priority").
         """
+        if req.priority != 0 and self.scheduling_policy != "priority":
+            raise RequestError(f"priority {req.priority} needs a daemon started with --scheduling-policy priority "
+                               f"(this one schedules {self.scheduling_policy})", "priority")
         group = [req, *followers]
         for r in group:
             if r.request_id in self.requests or sum(x.request_id == r.request_id for x in group) > 1:

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from test_scheduler import BIG, Harness, alone, blocks_for, make_req, prompt_of, sched_ids
 
-from llmd.daemon.core.errors import QueueFullError
+from llmd.daemon.core.errors import QueueFullError, RequestError
 from llmd.daemon.core.request import Request, RequestStatus, SamplingParams
 from llmd.daemon.core.scheduler import Scheduler
 from llmd.daemon.kv import KVCacheManager
@@ -36,9 +36,9 @@ def test_preempted_request_resumes_exactly():
 
 
 def test_priority_orders_admission_and_preemption():
-    """Lower priority value runs first (FCFS among equals); the largest value is preempted first
-    and goes back to the front of its class."""
-    h = Harness(num_blocks=1 + 8, block_size=4, budget=BIG, max_num_seqs=2)
+    """Under ``scheduling_policy="priority"``: lower priority value runs first (FCFS among
+    equals); the largest value is preempted first and goes back to the front of its class."""
+    h = Harness(num_blocks=1 + 8, block_size=4, budget=BIG, max_num_seqs=2, scheduling_policy="priority")
     low = h.add(with_priority(make_req("low", prompt_of(4, 1), 3), 5))
     hi1 = h.add(with_priority(make_req("hi1", prompt_of(4, 2), 3), 0))
     hi2 = h.add(with_priority(make_req("hi2", prompt_of(4, 3), 3), 0))
@@ -49,11 +49,25 @@ def test_priority_orders_admission_and_preemption():
     for r in (low, hi1, hi2):
         assert r.output_token_ids == alone(r.prompt_token_ids, 3)[0]
     # preemption picks the largest priority value even if it arrived first
-    h = Harness(num_blocks=1 + 5, block_size=4, budget=BIG)
+    h = Harness(num_blocks=1 + 5, block_size=4, budget=BIG, scheduling_policy="priority")
     bg = h.add(with_priority(make_req("bg", prompt_of(4, 4), 12), 9))
     fg = h.add(with_priority(make_req("fg", prompt_of(4, 5), 12), 0))
     h.run_to_completion()
     assert bg.num_preemptions >= 1 and fg.num_preemptions == 0
+
+
+def test_fcfs_refuses_priorities_and_preempts_the_latest_arrival():
+    """Under the default "fcfs" policy a non-zero priority is refused (``param`` "priority",
+    nothing queued); priority-0 requests run in arrival order and the latest is the victim."""
+    h = Harness(num_blocks=1 + 5, block_size=4, budget=BIG)
+    with pytest.raises(RequestError, match="--scheduling-policy priority") as ei:
+        h.sched.add_request(with_priority(make_req("p", prompt_of(4, 6), 3), -1))
+    assert ei.value.param == "priority" and not h.sched.requests and not h.sched.waiting
+    first = h.add(make_req("first", prompt_of(4, 4), 12))
+    later = h.add(make_req("later", prompt_of(4, 5), 12))
+    h.run_to_completion()
+    assert later.num_preemptions >= 1 and first.num_preemptions == 0
+    assert h.admission_order[0] == "first"
 
 
 def test_waiting_queue_is_bounded():
@@ -103,7 +117,7 @@ def test_hypothesis_tiny_pool_outputs_equal_large_pool(specs, block_size, extra,
     need = max(blocks_for(s["prompt_len"] + s["max_tokens"], block_size) for s in specs)
     kv = KVCacheManager(1 + need + extra, block_size)
     h = Harness(block_size=block_size)
-    h.kv, h.sched = kv, Scheduler(kv, 4, budget, BIG, max_prefill_chunk=chunk)
+    h.kv, h.sched = kv, Scheduler(kv, 4, budget, BIG, max_prefill_chunk=chunk, scheduling_policy="priority")
     reqs, step = {}, 0
     while step < 9 or h.sched.has_unfinished_requests():
         for i, s in enumerate(specs):

@@ -99,9 +99,10 @@ def blocks_for(n_tokens, bs):
 class Harness:
     """Scheduler + KV manager + stub runner, with per-step invariant checks."""
 
-    def __init__(self, num_blocks=64, block_size=4, max_num_seqs=8, budget=64, max_model_len=BIG, vocab=1000):
+    def __init__(self, num_blocks=64, block_size=4, max_num_seqs=8, budget=64, max_model_len=BIG, vocab=1000,
+                 scheduling_policy="fcfs"):
         self.kv = KVCacheManager(num_blocks, block_size)
-        self.sched = Scheduler(self.kv, max_num_seqs, budget, max_model_len)
+        self.sched = Scheduler(self.kv, max_num_seqs, budget, max_model_len, scheduling_policy=scheduling_policy)
         self.runner = StubRunner(block_size, vocab)
         self.outputs: list[SchedulerOutput] = []
         self.admission_order: list[str] = []

@@ -4,11 +4,16 @@ the preemption counters."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from tiny_engine import tiny_engine
 
 from llmd.daemon.core.errors import LlmdError, ServerBusyError
 from llmd.daemon.core.request import SamplingParams
-from llmd.daemon.serving.api import engine_error
+from llmd.daemon.serving.api import ServerState, engine_error, make_app
+from llmd.daemon.serving.engine_loop import EngineLoop
 from llmd.daemon.serving.validation import ApiError, parse_request
 
 
@@ -115,3 +120,32 @@ def test_deeply_nested_json_is_400_and_type_names_are_json_names():
         parse_request({"prompt": 3.5}, False, ["m"], 1000)
     with pytest.raises(ApiError, match="got array"):
         parse_request([1], False, ["m"], 1000)
+
+
+def test_priority_is_a_400_unless_the_daemon_schedules_by_priority(tmp_path):
+    """vLLM's --scheduling-policy: under "fcfs" (the default) a non-zero ``priority`` is a 400
+    naming it, nothing queued; under "priority" it is served. Through the HTTP app on a tiny engine."""
+    async def post(loop, body):
+        eng = loop.engine
+        state = ServerState(engine_loop=loop, model_id="tiny", model_ids=("tiny",),
+                            vocab_size=eng.model_config.vocab_size, max_model_len=eng.max_model_len,
+                            shutdown=asyncio.Event())
+        async with TestClient(TestServer(make_app(state))) as client:
+            resp = await client.post("/v1/completions", json=body)
+            return resp.status, await resp.json()
+
+    body = {"prompt": "hi", "max_tokens": 2, "temperature": 0, "priority": 3}
+    for policy in ("fcfs", "priority"):
+        loop = EngineLoop(tiny_engine(tmp_path / f"{policy}.gguf", scheduling_policy=policy), "tiny").start()
+        try:
+            status, out = asyncio.run(post(loop, body))
+            assert loop.engine.kv_manager.num_used_blocks == 0
+        finally:
+            loop.stop()
+        if policy == "fcfs":
+            assert status == 400 and out["error"]["param"] == "priority", out
+            assert "--scheduling-policy priority" in out["error"]["message"]
+        else:
+            assert status == 200 and out["choices"][0]["finish_reason"] == "length", out
+    with pytest.raises(LlmdError, match="--scheduling-policy must be one of fcfs, priority"):
+        tiny_engine(tmp_path / "bad.gguf", scheduling_policy="lifo")
