@@ -59,11 +59,18 @@ class Tokenizer:
         """Render ``messages`` ([{"role", "content"}]) with the GGUF's chat template → token ids.
 
         Raises:
-            LlmdError: the model has no chat template.
+            LlmdError: the model has no chat template, or the template refused the messages
+                (its ``raise_exception``, e.g. roles that do not alternate: a client error, 400
+                in vLLM too).
         """
         if not self.has_chat_template:
             raise LlmdError(f"model {self.config.name} has no chat template; drop --chat / use /v1/completions")
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        from jinja2 import TemplateError  # transformers renders chat templates with jinja2
+
+        try:
+            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except TemplateError as e:
+            raise LlmdError(f"the chat template of {self.config.name} refused the messages: {e}") from None
         return self._with_bos(self.hf.encode(text, add_special_tokens=False))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -32,7 +32,7 @@ from llmd.daemon.core.config import CUDA_KV_CACHE_FRACTION, DEFAULT_KV_CACHE_MEM
 from llmd.daemon.core.detokenizer import IncrementalDetokenizer
 from llmd.daemon.core.errors import LlmdError, RequestError, ServerBusyError
 from llmd.daemon.core.faults import FaultInjector
-from llmd.daemon.core.input_processor import InputProcessor, Prompt
+from llmd.daemon.core.input_processor import InputProcessor, ProcessedPrompt, Prompt
 from llmd.daemon.core.kv_size import group_summary, kv_cache_block_bytes, kv_cache_bytes_per_token
 from llmd.daemon.core.model_runner import ModelRunner
 from llmd.daemon.core.outputs import RequestOutput, SchedulerOutput, TokenLogprobs
@@ -262,7 +262,8 @@ class Engine:
         if parent_id is not None:
             self.parallel.check_new(parent_id)
         params.validate()
-        processed = self.input_processor.process(prompt, params)
+        # a ProcessedPrompt comes from the engine loop's tokenizer thread (process() already ran there)
+        processed = prompt if isinstance(prompt, ProcessedPrompt) else self.input_processor.process(prompt, params)
         ids = processed.token_ids
         eos = frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
         reqs = [Request(rid, list(ids), dataclasses.replace(params), eos_token_ids=eos, cache_salt=cache_salt,

@@ -1,8 +1,9 @@
 """The one path from a prompt (text, token ids or chat messages) to token ids, with its checks.
 
 Everything that turns user input into tokens goes through here: the engine's
-``add_request`` (and so the engine loop, ``llmd generate`` and ``llmd chat --no-daemon``),
-the server's ``POST /tokenize`` (through the engine loop) and ``llmd bench kv-quality``.
+``add_request`` (``llmd generate``, ``llmd chat --no-daemon``), the engine loop's tokenizer
+worker thread (every daemon request and ``POST /tokenize``: the engine thread then only
+receives a :class:`ProcessedPrompt`) and ``llmd bench kv-quality``.
 
 * :func:`check_prompt_size`: text that cannot fit the context is refused *before* it is
   tokenized (the server calls it on the event loop: megabytes of text tokenized on the

@@ -59,7 +59,8 @@ class SamplingParams:
         seed: per-request seed; ``None`` draws a random one at creation, so a request's
             own choices are reproducible regardless of batch composition.
         stop: strings that end generation; the matched string is not returned.
-        stop_token_ids: token ids that end generation (added to the model's EOS ids).
+        stop_token_ids: token ids that end generation (added to the model's EOS ids); kept as a
+            frozenset, so the per-token stop check is O(1) however many a client sends.
         ignore_eos: keep generating past the model's end-of-sequence tokens.
         logprobs: number of top logprobs to return per token (0 = only the chosen one),
             ``None`` for none. Logprobs are of the raw model distribution (vLLM's convention).
@@ -75,7 +76,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     ignore_eos: bool = False
     logprobs: int | None = None
 
@@ -83,7 +84,7 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
+        self.stop_token_ids = frozenset(self.stop_token_ids)
         if self.seed is None:
             self.seed = secrets.randbits(63)
 

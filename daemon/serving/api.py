@@ -10,8 +10,14 @@ Endpoints (JSON unless noted):
 * ``GET /metrics``: Prometheus text (``metrics.py``: ``llmd:`` names, plus ``vllm:`` ones
   with ``--metrics-compat vllm``); 404 when the daemon runs without metrics.
 * ``DELETE /v1/requests/{id}``: abort (404 if not live). ``POST /tokenize``: ``{"prompt"}``
-  or ``{"messages"}`` → ``{"tokens", "count"}``. ``POST /v1/shutdown``: graceful stop
-  (what ``llmd stop`` calls; same as SIGTERM).
+  or ``{"messages"}`` → ``{"tokens", "count"}``, parsed and limited as for generation and
+  tokenized by the same input processor. ``POST /v1/shutdown``: graceful stop (what
+  ``llmd stop`` calls; same as SIGTERM).
+
+Off the event loop: bodies over ``JSON_OFF_LOOP_BYTES`` are decoded on a worker thread, and
+prompts are tokenized on the engine loop's tokenizer pool; streams are written through
+``streaming.py`` (merged deltas, per-write timeout), connections are capped and idle ones
+closed by ``connections.ServingRunner``.
 
 Errors are ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status. A client
 that disconnects (streaming or not; the app runs with ``handler_cancellation=True``) has
@@ -34,12 +40,15 @@ from aiohttp import web
 from llmd.daemon.core.errors import LlmdError, ServerBusyError
 from llmd.daemon.core.input_processor import check_prompt_size
 from llmd.daemon.protocol import SSE_DONE, error_body, sse, stats_with_cells
+from llmd.daemon.serving.connections import ServingLimits
 from llmd.daemon.serving.engine_loop import EngineLoop
 from llmd.daemon.serving.responses import ResponseBuilder
-from llmd.daemon.serving.validation import ApiError, check_utf8, parse_request
+from llmd.daemon.serving.streaming import OutputBuffer, write
+from llmd.daemon.serving.validation import ApiError, parse_prompt, parse_request
 
 log = logging.getLogger("llmd.server")
 MAX_BODY_BYTES = 8 * 2**20
+JSON_OFF_LOOP_BYTES = 64 * 2**10  # bodies above this are decoded on a worker thread (8 MiB: ~40 ms)
 
 
 @dataclass
@@ -54,6 +63,7 @@ class ServerState:
     shutdown: asyncio.Event
     draining: bool = False
     metrics: object | None = None  # a metrics.DaemonMetrics, or None (no /metrics)
+    limits: ServingLimits = ServingLimits()  # write_timeout here; the rest is the runner's
 
 
 STATE = web.AppKey("state", ServerState)
@@ -87,6 +97,8 @@ async def error_middleware(request: web.Request, handler):
 async def read_json(request: web.Request):
     try:
         raw = await request.read()
+        if len(raw) > JSON_OFF_LOOP_BYTES:  # keep the event loop (other streams' writes) moving
+            return await asyncio.get_running_loop().run_in_executor(None, json.loads, raw)
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(f"the request body is not valid JSON: {e}") from None
@@ -128,17 +140,12 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     st = request.app[STATE]
     if st.draining:
         raise ApiError("the daemon is shutting down", None, 503)
-    parsed = parse_request(await read_json(request), chat, st.model_ids, st.vocab_size)
+    parsed = parse_request(await read_json(request), chat, st.model_ids, st.vocab_size, st.max_model_len)
     check_size(parsed.prompt, st.max_model_len, chat)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-
-    def sink(out):  # engine thread → event loop
-        loop.call_soon_threadsafe(queue.put_nowait, out)
-
-    fut = st.engine_loop.submit(rid, parsed.prompt, parsed.params, parsed.n, sink, cache_salt=parsed.cache_salt,
-                                priority=parsed.priority)
+    outputs = OutputBuffer()  # engine thread → event loop; deltas merge while the client is behind
+    fut = st.engine_loop.submit(rid, parsed.prompt, parsed.params, parsed.n, outputs.sink(asyncio.get_running_loop()),
+                                cache_salt=parsed.cache_salt, priority=parsed.priority)
     done = False
     try:
         try:
@@ -152,16 +159,16 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         builder.num_prompt_tokens = n_prompt
         if parsed.stream:
             try:
-                await _stream(request, builder, queue, parsed, len(children))
+                await _stream(request, builder, outputs, parsed, len(children))
             except ConnectionResetError:  # the client left mid-stream: abort (finally), no traceback
                 log.debug("client of %s disconnected", rid)
                 return request["sse_response"]
         else:
             remaining = len(children)
             while remaining:
-                out = await queue.get()
-                builder.absorb(out.index, out)
-                remaining -= out.finished
+                for out in await outputs.take():
+                    builder.absorb(out.index, out)
+                    remaining -= out.finished
         done = True
         if parsed.stream:
             return request["sse_response"]
@@ -171,23 +178,29 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             st.engine_loop.abort(rid)
 
 
-async def _stream(request: web.Request, builder: ResponseBuilder, queue: asyncio.Queue, parsed, n: int) -> None:
+async def _stream(request: web.Request, builder: ResponseBuilder, outputs: OutputBuffer, parsed, n: int) -> None:
+    """Write the SSE stream: every write bounded by ``limits.write_timeout`` (a stalled reader
+    is disconnected: ConnectionResetError); what is pending meanwhile merges in ``outputs``."""
+    timeout = request.app[STATE].limits.write_timeout
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     request["sse_response"] = resp
     await resp.prepare(request)
     usage = parsed.include_usage
-    for chunk in builder.role_chunks(usage):
-        await resp.write(sse(chunk))
+    roles = b"".join(sse(c) for c in builder.role_chunks(usage))
+    if roles:
+        await write(request, resp, roles, timeout)
     remaining = n
     while remaining:
-        out = await queue.get()
-        remaining -= out.finished
-        chunk = builder.delta_chunk(out.index, out, usage)
-        if chunk is not None:
-            await resp.write(sse(chunk))
-    if usage:
-        await resp.write(sse(builder.usage_chunk()))
-    await resp.write(SSE_DONE)
+        chunks = []
+        for out in await outputs.take():
+            remaining -= out.finished
+            chunk = builder.delta_chunk(out.index, out, usage)
+            if chunk is not None:
+                chunks.append(sse(chunk))
+        if chunks:
+            await write(request, resp, b"".join(chunks), timeout)
+    tail = (sse(builder.usage_chunk()) if usage else b"") + SSE_DONE
+    await write(request, resp, tail, timeout)
     await resp.write_eof()
 
 
@@ -249,18 +262,11 @@ async def reset_cache(request: web.Request) -> web.Response:
 async def tokenize(request: web.Request) -> web.Response:
     st = request.app[STATE]
     body = await read_json(request)
-    if not isinstance(body, dict) or not isinstance(body.get("prompt", body.get("messages")), (str, list)):
-        raise ApiError("send {\"prompt\": text} or {\"messages\": [...]}", "prompt")
-    chat = "messages" in body
-    if chat:
-        prompt = parse_request({"messages": body["messages"]}, True, st.model_ids, st.vocab_size).prompt
-    else:
-        if not isinstance(body["prompt"], str):
-            raise ApiError("prompt must be a string", "prompt")
-        check_size(body["prompt"], st.max_model_len, chat=False)
-        prompt = check_utf8(body["prompt"], "prompt")
+    chat = isinstance(body, dict) and "messages" in body
+    prompt = parse_prompt(body, chat, st.vocab_size, st.max_model_len)  # generation's limits
+    check_size(prompt, st.max_model_len, chat)
     try:
-        ids = await asyncio.wrap_future(st.engine_loop.tokenize(prompt))  # on the engine thread, as every prompt
+        ids = await asyncio.wrap_future(st.engine_loop.tokenize(prompt))  # the tokenizer pool, as every prompt
     except LlmdError as e:
         raise engine_error(e, chat) from None
     return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": st.max_model_len})

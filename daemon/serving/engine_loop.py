@@ -16,9 +16,19 @@ stepped on a thread, 189 out tok/s at 1.44 cores busy; loaded and stepped on one
 
 Rules:
 
-* Only the engine thread touches the engine (tokenizer included): commands (submit, abort,
-  tokenize, cache reset) run between steps, in FIFO order, so an abort queued after its
-  submit always finds the request, and an abort takes effect within one step.
+* Only the engine thread touches the engine's state: commands (submit, abort, cache reset)
+  run between steps, in FIFO order, so an abort queued after its submit always finds the
+  request, and an abort takes effect within one step.
+* Prompts are tokenized (and chat templates rendered) on a small worker pool
+  (``llmd-tokenize``, :data:`TOKENIZE_WORKERS` threads) through the engine's
+  :class:`~llmd.daemon.core.input_processor.InputProcessor`; a submit reaches the command
+  queue only as a :class:`ProcessedPrompt`, so the engine thread never tokenizes: a 500k-
+  character prompt (241 ms in HF ``tokenizers``, which releases the GIL) delays only itself.
+  A chat template runs in Jinja with the GIL held, which a worker thread cannot hide (the
+  engine thread waits up to the 5 ms switch interval at each GIL hand-back): that cost is
+  bounded by the validation's ``MAX_MESSAGES`` and character caps instead.
+  The pool only reads the tokenizer (HF fast tokenizers encode through ``&self``; the engine
+  thread's detokenizer decodes concurrently, as the server's token-text lookup always did).
 * Outputs go to a per-request *sink* (a callable taking :class:`RequestOutput`), called on
   the engine thread; the server's sink hops onto the event loop with
   ``call_soon_threadsafe``. Every sequence ends with exactly one ``finished`` output; an
@@ -26,8 +36,11 @@ Rules:
 * Statistics are the engine's (:mod:`llmd.daemon.core.stats`); this loop only publishes them:
   each step's :class:`IterationStats` go to the metrics before the step's outputs reach their
   sinks (a scrape after a reply sees its tokens), and an immutable stats snapshot (typed, and
-  as the ``/v1/stats`` dict of ``protocol.py``) is rebuilt on the engine thread at most every
-  ``snapshot_interval`` seconds and after every command, so reading it never waits for a step.
+  as the ``/v1/stats`` dict of ``protocol.py``) is rebuilt on the engine thread, so reading it
+  never waits for a step: while requests run at most every ``snapshot_interval`` seconds, plus
+  once after an iteration whose commands changed something (a submit, an abort that found its
+  request, a cache reset), never per command: 1,000 ``DELETE`` s of unknown ids in one burst
+  cost no rebuild at all (it is O(blocks + live requests), ~1 ms for 8k blocks).
 * Data flows one way: this module imports the engine, never the server.
 """
 
@@ -50,6 +63,7 @@ from llmd.daemon.core.stats import EngineStats
 
 log = logging.getLogger("llmd.engine_loop")
 Sink = Callable[[RequestOutput], None]
+TOKENIZE_WORKERS = 2  # a long prompt's tokenization does not hold up a short one behind it
 
 
 def _resolve(fut: cf.Future, result=None, exc: BaseException | None = None) -> None:
@@ -92,6 +106,8 @@ class EngineLoop:
         self._stats: EngineStats | None = None
         self._snapshot: dict = {}
         self._snapshot_time = 0.0
+        self._changed = False  # a command changed state since the last snapshot (engine thread)
+        self._tokenizers = cf.ThreadPoolExecutor(TOKENIZE_WORKERS, thread_name_prefix="llmd-tokenize")
         self.num_live = 0  # live child requests (read from any thread)
 
     # ---- any thread ---------------------------------------------------------------
@@ -113,6 +129,7 @@ class EngineLoop:
         self._stop.set()
         self._cmds.put(("wake",))
         self._thread.join(timeout)
+        self._tokenizers.shutdown(wait=False, cancel_futures=True)
 
     def submit(self, parent_id: str, prompt: str | list[int] | list[dict], params: SamplingParams, n: int, sink: Sink,
                cache_salt: str | None = None, priority: int = 0) -> cf.Future:
@@ -120,12 +137,34 @@ class EngineLoop:
         carries its ``index``).
 
         ``prompt`` is text, token ids, or a list of chat messages (rendered with the model's
-        template). The future resolves to ``(child_ids, num_prompt_tokens)`` or raises
-        :class:`LlmdError` (nothing was queued then).
+        template); it is tokenized and length-checked on the tokenizer pool, then queued for
+        the engine thread as token ids. The future resolves to ``(child_ids,
+        num_prompt_tokens)`` or raises :class:`LlmdError` (nothing was queued then).
+        Cancelling the future before the engine thread takes it drops the request.
         """
         fut: cf.Future = cf.Future()
-        self._cmds.put(("submit", parent_id, prompt, params, n, sink, cache_salt, priority, fut))
+        params = dataclasses.replace(params)  # process() resolves a missing max_tokens in place
+
+        def queue_it(done: cf.Future) -> None:  # on the tokenizer thread
+            if fut.cancelled():
+                return
+            exc = done.exception()
+            if exc is not None:  # counted and resolved by the engine thread, in order
+                self._cmds.put(("rejected", exc, fut))
+            else:
+                self._cmds.put(("submit", parent_id, done.result(), params, n, sink, cache_salt, priority, fut))
+
+        self._on_tokenizer(lambda: self.engine.input_processor.process(prompt, params)).add_done_callback(queue_it)
         return fut
+
+    def _on_tokenizer(self, fn: Callable) -> cf.Future:
+        """Run ``fn`` on the tokenizer pool (a stopped loop: a future raising LlmdError)."""
+        try:
+            return self._tokenizers.submit(fn)
+        except RuntimeError:  # the pool is shut down
+            fut: cf.Future = cf.Future()
+            fut.set_exception(LlmdError("the engine loop is stopped"))
+            return fut
 
     def abort(self, request_id: str) -> cf.Future:
         """Abort a request (parent id: all its sequences). Future → True if something was live."""
@@ -133,11 +172,10 @@ class EngineLoop:
         self._cmds.put(("abort", request_id, fut))
         return fut
 
-    def tokenize(self, prompt: str | list[dict]) -> cf.Future:
-        """Token ids of text or chat messages (the engine's input processor). Future → list[int]."""
-        fut: cf.Future = cf.Future()
-        self._cmds.put(("tokenize", prompt, fut))
-        return fut
+    def tokenize(self, prompt: str | list[int] | list[dict]) -> cf.Future:
+        """Token ids of text, token ids or chat messages (:meth:`InputProcessor.tokenize`, on
+        the tokenizer pool, as every prompt). Future → list[int]."""
+        return self._on_tokenizer(lambda: self.engine.input_processor.tokenize(prompt))
 
     def reset_prefix_cache(self) -> cf.Future:
         """Drop cached-but-free blocks (``POST /v1/cache/reset``). Future → how many."""
@@ -190,7 +228,7 @@ class EngineLoop:
         if self.engine.has_unfinished_requests() and not self._stop.is_set():
             self._step()
         stale = time.monotonic() - self._snapshot_time >= self.snapshot_interval
-        if stale or not self.engine.has_unfinished_requests():
+        if stale or self._changed or not self.engine.has_unfinished_requests():
             self._publish_snapshot()
 
     def _handle(self, cmd: tuple) -> None:
@@ -206,19 +244,21 @@ class EngineLoop:
                 result = self._submit(*cmd[1:-1])
             elif kind == "abort":
                 result = self._abort_ids(self.engine.parallel.members(cmd[1]))
-            elif kind == "tokenize":
-                result = self.engine.input_processor.tokenize(cmd[1])
+            elif kind == "rejected":  # the tokenizer pool refused a submit
+                self.engine.counters.requests_rejected += isinstance(cmd[1], LlmdError)
+                raise cmd[1]
             elif kind == "reset_prefix_cache":
                 result = self.engine.reset_prefix_cache()
             else:  # abort_all
                 result = self._abort_ids(list(self._sinks))
+            self._changed |= bool(result)  # an unknown id's abort (False) changes nothing
             _resolve(fut, result=result)
         except LlmdError as e:
+            self._changed |= kind == "rejected"  # counters.requests_rejected
             _resolve(fut, exc=e)
         except Exception as e:  # a bug must not kill the loop
             log.exception("engine command %s failed", kind)
             _resolve(fut, exc=e)
-        self._publish_snapshot()
 
     def _submit(self, parent_id, prompt, params, n, sink, cache_salt=None, priority=0):
         # one prompt, n sequences: prefilled once, then forked (parallel sampling)
@@ -273,3 +313,4 @@ class EngineLoop:
         self._snapshot = stats.to_dict(self.model_id, now - self.started_at)
         self._stats = stats
         self._snapshot_time = now
+        self._changed = False

@@ -35,6 +35,7 @@ from llmd.daemon.core.errors import LlmdError
 from llmd.daemon.protocol import check_socket_path, default_socket_dir, lock_path
 from llmd.daemon.serving.access import AccessPolicy, access_middleware, check_bind, is_loopback_host
 from llmd.daemon.serving.api import ServerState, make_app
+from llmd.daemon.serving.connections import ServingRunner
 from llmd.daemon.serving.engine_loop import EngineLoop
 from llmd.daemon.serving.metrics import DaemonMetrics
 
@@ -172,7 +173,8 @@ async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[s
                         vocab_size=engine.model_config.vocab_size, max_model_len=engine.max_model_len,
                         shutdown=asyncio.Event(), metrics=metrics)
     access = access_middleware(AccessPolicy(api_key, is_loopback_host(host))) if port is not None else None
-    runner = web.AppRunner(make_app(state, access), handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+    runner = ServingRunner(make_app(state, access), state.limits, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=2.0)
     await runner.setup()
     old_umask = os.umask(0o077)
     try:

@@ -11,6 +11,16 @@ logprobs/top_logprobs 0–20) and vLLM's extras otherwise (top_k, min_p,
 repetition_penalty, ignore_eos, stop_token_ids). Unknown fields are ignored, as OpenAI
 clients send extras (``user``, ``metadata``); fields llmd cannot honour (``echo``,
 ``best_of`` > n, ``suffix``, tools) are rejected rather than silently dropped.
+
+Size limits are checked here, on the event loop, before anything is tokenized or queued, and
+each is checked by counting *before* any per-element pass (a body of a million token ids is
+refused in microseconds): token-id prompts of ``max_model_len`` or more tokens (no room to
+generate), more than ``MAX_MESSAGES`` chat messages (OpenAI's cap, 2048; 20k short messages
+would hold the GIL ~135 ms in the chat template), more than ``MAX_STOP`` stop strings or one
+longer than ``MAX_STOP_CHARS`` characters, more than ``MAX_STOP_TOKEN_IDS`` stop token ids
+(deduplicated: the scheduler keeps them as a set), and ``logit_bias``, which llmd does not
+apply, refused as unsupported (over ``MAX_LOGIT_BIAS`` entries, OpenAI's 300, the message says
+so first).
 """
 
 from __future__ import annotations
@@ -22,6 +32,10 @@ from llmd.daemon.core.request import SamplingParams
 
 MAX_N = 16
 MAX_STOP = 16
+MAX_STOP_CHARS = 1024  # characters per stop string
+MAX_STOP_TOKEN_IDS = 1024
+MAX_MESSAGES = 2048  # chat messages per request (OpenAI's limit)
+MAX_LOGIT_BIAS = 300  # logit_bias entries (OpenAI's limit)
 MAX_LOGPROBS = 20
 ROLES = ("system", "user", "assistant", "developer", "tool")
 
@@ -129,7 +143,7 @@ def check_utf8(text: str, field: str) -> str:
     return text
 
 
-def _prompt(body: dict, vocab_size: int) -> str | list[int]:
+def _prompt(body: dict, vocab_size: int, max_model_len: int | None = None) -> str | list[int]:
     p = body.get("prompt")
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]  # OpenAI's batch form with one prompt
@@ -143,6 +157,9 @@ def _prompt(body: dict, vocab_size: int) -> str | list[int]:
         if all(isinstance(x, (str, list)) for x in p):
             raise ApiError(f"prompt batches are not supported (got {len(p)} prompts); send one prompt per request",
                            "prompt")
+        if max_model_len is not None and len(p) >= max_model_len:
+            raise ApiError(f"prompt has {len(p)} tokens but the context is {max_model_len} tokens (max-model-len), "
+                           "leaving no room to generate", "prompt")
         return _token_ids(p, "prompt", vocab_size)
     if p is None:
         raise ApiError("prompt is required (a string or a list of token ids)", "prompt")
@@ -153,6 +170,8 @@ def _messages(body: dict) -> list[dict]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise ApiError("messages must be a non-empty list of {role, content} objects", "messages")
+    if len(msgs) > MAX_MESSAGES:
+        raise ApiError(f"messages has {len(msgs)} entries, more than the limit of {MAX_MESSAGES}", "messages")
     out = []
     for i, m in enumerate(msgs):
         where = f"messages[{i}]"
@@ -177,13 +196,28 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
-def parse_request(body, chat: bool, model_ids: tuple[str, ...], vocab_size: int) -> ParsedRequest:
+def parse_prompt(body, chat: bool, vocab_size: int, max_model_len: int | None = None) -> str | list[int] | list[dict]:
+    """The prompt of a body: ``messages`` (``chat``) or ``prompt`` (text or token ids), with
+    the limits of :func:`parse_request` (``POST /tokenize`` parses its body with this).
+
+    Raises:
+        ApiError: naming the field and its limit.
+    """
+    if not isinstance(body, dict):
+        raise ApiError(f"the request body must be a JSON object, got {json_type(body)}")
+    return _messages(body) if chat else _prompt(body, vocab_size, max_model_len)
+
+
+def parse_request(body, chat: bool, model_ids: tuple[str, ...], vocab_size: int,
+                  max_model_len: int | None = None) -> ParsedRequest:
     """Validate a /v1/completions (``chat=False``) or /v1/chat/completions body.
 
     Args:
         body: the decoded JSON (any type; a non-object is rejected).
         model_ids: names accepted in ``model`` (a missing ``model`` means the served one).
         vocab_size: token ids must lie in [0, vocab_size).
+        max_model_len: the context in tokens; a token-id prompt of this many tokens or more
+            is refused before its ids are checked (None: left to the engine).
     Raises:
         ApiError: naming the field and its limit.
     """
@@ -195,7 +229,7 @@ def parse_request(body, chat: bool, model_ids: tuple[str, ...], vocab_size: int)
     for name in ("echo", "suffix", "tools", "functions", "response_format"):
         if body.get(name) not in (None, False, "", [], {"type": "text"}):
             raise ApiError(f"{name} is not supported by llmd", name)
-    prompt = _messages(body) if chat else _prompt(body, vocab_size)
+    prompt = parse_prompt(body, chat, vocab_size, max_model_len)
     n = _int(body, "n", 1, 1, MAX_N)
     best_of = _int(body, "best_of", None, 1, MAX_N)
     if best_of is not None and best_of != n:
@@ -210,17 +244,8 @@ def parse_request(body, chat: bool, model_ids: tuple[str, ...], vocab_size: int)
         max_tokens, field = mct, "max_completion_tokens"
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(f"{field} must be an integer >= 1 (got {max_tokens}); omit it for the remaining context", field)
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
-        raise ApiError(f"stop must be a non-empty string or a list of at most {MAX_STOP} non-empty strings", "stop")
-    stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list):
-        raise ApiError("stop_token_ids must be a list of token ids", "stop_token_ids")
-    stop_ids = _token_ids(stop_ids, "stop_token_ids", vocab_size)
+    stop, stop_ids = _stop(body), _stop_token_ids(body, vocab_size)
+    _logit_bias(body)
     seed = _int(body, "seed", None, -(2**63), 2**63 - 1)
     if chat:
         want = _bool(body, "logprobs")
@@ -255,6 +280,46 @@ def parse_request(body, chat: bool, model_ids: tuple[str, ...], vocab_size: int)
                          include_usage=include_usage, logprobs=logprobs,
                          tokens_as_ids=_bool(body, "return_tokens_as_token_ids"), cache_salt=_cache_salt(body),
                          priority=_int(body, "priority", 0, -(2**31), 2**31 - 1))
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
+        raise ApiError(f"stop must be a non-empty string or a list of at most {MAX_STOP} non-empty strings", "stop")
+    for s in stop:
+        if len(s) > MAX_STOP_CHARS:
+            raise ApiError(f"stop has a string of {len(s)} characters, more than the limit of {MAX_STOP_CHARS}",
+                           "stop")
+        check_utf8(s, "stop")
+    return stop
+
+
+def _stop_token_ids(body: dict, vocab_size: int) -> list[int]:
+    """Distinct stop token ids, in first-seen order (the scheduler keeps them as a set)."""
+    ids = body.get("stop_token_ids") or []
+    if not isinstance(ids, list):
+        raise ApiError("stop_token_ids must be a list of token ids", "stop_token_ids")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise ApiError(f"stop_token_ids has {len(ids)} entries, more than the limit of {MAX_STOP_TOKEN_IDS}",
+                       "stop_token_ids")
+    return list(dict.fromkeys(_token_ids(ids, "stop_token_ids", vocab_size)))
+
+
+def _logit_bias(body: dict) -> None:
+    """Refuse ``logit_bias`` (OpenAI: {token id: bias in [-100, 100]}, at most 300 entries):
+    llmd's sampler does not apply it, so it is refused, its size stated first, rather than ignored."""
+    bias = body.get("logit_bias")
+    if bias is None or bias == {}:
+        return
+    if not isinstance(bias, dict):
+        raise ApiError(f"logit_bias must be an object of token id → bias, got {json_type(bias)}", "logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ApiError(f"logit_bias has {len(bias)} entries, more than the limit of {MAX_LOGIT_BIAS}", "logit_bias")
+    raise ApiError("logit_bias is not supported by llmd", "logit_bias")
 
 
 def _cache_salt(body: dict) -> str | None:
