@@ -17,6 +17,7 @@ from llmd.daemon.cli.common import (
     socket_path_of,
 )
 from llmd.daemon.core.errors import LlmdError
+from llmd.daemon.serving.engine_health import DEFAULT_STALL_TIMEOUT_S
 
 
 def served_id(model: str) -> str:
@@ -40,10 +41,13 @@ def served_id(model: str) -> str:
               help="Seconds in-flight requests get on shutdown before they are aborted.")
 @click.option("--metrics-compat", default=None, type=click.Choice(["vllm"]),
               help="Also export GET /metrics under vLLM's names (vllm: prefix) for existing dashboards.")
+@click.option("--health-stall-timeout", default=DEFAULT_STALL_TIMEOUT_S, show_default=True,
+              type=click.FloatRange(min=0, min_open=True),
+              help="Seconds without a finished engine step after which GET /health answers 503 (stalled).")
 @engine_options
 @one_line_errors
 def serve(socket_path, host, port, api_key_file, api_key, served_model_name, drain_timeout, metrics_compat,
-          **engine_kw):
+          health_stall_timeout, **engine_kw):
     """Run the daemon: OpenAI-style HTTP API on a Unix socket (SIGTERM or `llmd stop` ends it)."""
     from llmd.daemon.serving.access import check_bind, resolve_api_key
     from llmd.daemon.serving.lifecycle import claim_socket, run_server
@@ -65,7 +69,8 @@ def serve(socket_path, host, port, api_key_file, api_key, served_model_name, dra
     # the engine loads on the engine loop's thread, the one that runs its steps (see engine_loop)
     asyncio.run(run_server(lambda: build_engine(**engine_kw), path, model_id, ids, host=host, port=port,
                            drain_timeout=drain_timeout, lock_fd=lock_fd, metrics_compat=metrics_compat,
-                           api_key=key if port is not None else None, echo=lambda m: click.echo(m, err=True)))
+                           api_key=key if port is not None else None, health_stall_timeout=health_stall_timeout,
+                           echo=lambda m: click.echo(m, err=True)))
 
 
 @click.command()
@@ -114,7 +119,7 @@ def stop(socket_path, timeout):
     from llmd.daemon.client.spawn import wait_for_daemon_exit
 
     c = client_for(socket_path)
-    health = c.health()
+    health = c.health(ready_only=False)  # a loading daemon (503) stops too
     if health is None:
         click.echo(f"llmd: no daemon running on {c.socket_path}")
         return

@@ -126,10 +126,16 @@ class Client:
             conn.close()
 
     # ---- conveniences -------------------------------------------------------------
-    def health(self) -> dict | None:
-        """``/health`` or None when no daemon answers."""
+    def health(self, ready_only: bool = True) -> dict | None:
+        """``/health``'s body when the daemon is ready (200), else None: nothing answers, or it
+        answers 503 (loading, engine dead or stalled: the body's ``status`` and ``reason``),
+        whose body ``ready_only=False`` returns instead."""
         try:
             return self.request("GET", "/health")
+        except ApiResponseError as e:
+            if ready_only or e.status != 503:
+                return None
+            return e.body
         except (DaemonUnavailable, ConnectionError, socket.timeout, http.client.HTTPException):
             return None
 

@@ -145,20 +145,25 @@ def ensure_daemon(socket_path: str, serve_args: list[str], log_path: str | None 
         fcntl.flock(lock_fd, fcntl.LOCK_EX)  # a second chat waits here, then finds the daemon
         if client.health():
             return client
-        with open_log(log_path) as log:
-            log_start = log.tell()  # the log is appended to: progress shows this daemon's lines only
-            cmd = [*SERVE_COMMAND, "--socket", socket_path, *serve_args]
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-                                    cwd="/", env=env)
-        echo(f"llmd: starting a daemon (pid {proc.pid}, log {log_path}); it keeps running after this chat, "
-             "`llmd stop` ends it")
+        proc, log_start = None, 0
+        if client.health(ready_only=False) is None:  # nothing answers (one that answers 503 is loading)
+            with open_log(log_path) as log:
+                log_start = log.tell()  # the log is appended to: progress shows this daemon's lines only
+                cmd = [*SERVE_COMMAND, "--socket", socket_path, *serve_args]
+                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                        start_new_session=True, cwd="/", env=env)
+            echo(f"llmd: starting a daemon (pid {proc.pid}, log {log_path}); it keeps running after this chat, "
+                 "`llmd stop` ends it")
         t0, next_line = time.monotonic(), 0.0
         live = sys.stderr.isatty() if live_progress is None else live_progress
-        while not client.health():
+        while not client.health():  # a 200: a 503 (loading) is not ready yet
             elapsed = time.monotonic() - t0
-            if proc.poll() is not None and not lock_held(lock_path(socket_path)):
+            if proc is not None and proc.poll() is not None and not lock_held(lock_path(socket_path)):
                 raise LlmdError(f"the daemon exited with code {proc.returncode}; see {log_path}: "
                                 f"{_tail(log_path, 3, log_start)}")
+            state = client.health(ready_only=False) or {}
+            if state.get("status") in ("dead", "stalled"):
+                raise LlmdError(f"the daemon on {socket_path} is unhealthy ({state.get('reason')}); see {log_path}")
             if elapsed > timeout:
                 raise LlmdError(f"the daemon did not answer within {timeout:.0f} s; see {log_path}")
             last = (_tail(log_path, 1, log_start).splitlines()[-1:] or [""])[0][:70]

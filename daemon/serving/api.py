@@ -5,7 +5,11 @@ Endpoints (JSON unless noted):
 * ``POST /v1/completions``, ``POST /v1/chat/completions``: OpenAI shapes; ``stream: true``
   answers with Server-Sent Events ending in ``data: [DONE]``.
 * ``GET /v1/models``, ``GET /health`` (``{"status": "ok", "pid", "model", "model_ids", "uptime_s"}``;
-  ``model_ids``: every name the ``model`` field accepts).
+  ``model_ids``: every name the ``model`` field accepts). ``/health`` answers 503 with
+  ``status`` ``"loading"``, ``"dead"`` or ``"stalled"`` and a one-line ``reason`` while the
+  model loads, when the engine thread is not running, and when no engine step has finished
+  for ``health_stall_timeout`` seconds (``engine_health.py``); while loading, every route but
+  ``/health``, ``/metrics`` and ``/v1/shutdown`` answers 503 too.
 * ``GET /v1/stats[?cells=K]``: the versioned snapshot of ``protocol.py``.
 * ``GET /metrics``: Prometheus text (``metrics.py``: ``llmd:`` names, plus ``vllm:`` ones
   with ``--metrics-compat vllm``); 404 when the daemon runs without metrics.
@@ -19,7 +23,11 @@ prompts are tokenized on the engine loop's tokenizer pool; streams are written t
 ``streaming.py`` (merged deltas, per-write timeout), connections are capped and idle ones
 closed by ``connections.ServingRunner``.
 
-Errors are ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status. A client
+Errors are ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status. A request
+that fails in the engine (``finish_reason="error"``: its own postprocessing or logits, or a
+whole failed step) answers 500 with ``type: "server_error"``, or in a stream an event
+``data: {"error": ...}`` then ``data: [DONE]`` (vLLM's ``GenerationError`` handling); its
+sibling sequences (``n`` > 1) are aborted. A client
 that disconnects (streaming or not; the app runs with ``handler_cancellation=True``) has
 its request aborted: the handler's ``finally`` queues an abort, honoured within one step.
 """
@@ -41,6 +49,7 @@ from llmd.daemon.core.errors import LlmdError, ServerBusyError
 from llmd.daemon.core.input_processor import check_prompt_size
 from llmd.daemon.protocol import SSE_DONE, error_body, sse, stats_with_cells
 from llmd.daemon.serving.connections import ServingLimits
+from llmd.daemon.serving.engine_health import DEFAULT_STALL_TIMEOUT_S
 from llmd.daemon.serving.engine_loop import EngineLoop
 from llmd.daemon.serving.responses import ResponseBuilder
 from llmd.daemon.serving.streaming import OutputBuffer, write
@@ -64,9 +73,13 @@ class ServerState:
     draining: bool = False
     metrics: object | None = None  # a metrics.DaemonMetrics, or None (no /metrics)
     limits: ServingLimits = ServingLimits()  # write_timeout here; the rest is the runner's
+    health_stall_timeout: float = DEFAULT_STALL_TIMEOUT_S  # seconds without a finished step → /health 503
+    loaded: bool = True  # False while the engine loads (vocab_size, max_model_len, model_ids not final yet)
 
 
 STATE = web.AppKey("state", ServerState)
+#: what answers while the model loads (everything else: 503)
+OPEN_WHILE_LOADING = frozenset({"/health", "/metrics", "/v1/shutdown"})
 
 
 def json_error(message: str, param: str | None = None, status: int = 400,
@@ -92,6 +105,20 @@ async def error_middleware(request: web.Request, handler):
     except Exception:
         log.exception("internal error on %s %s", request.method, request.path)
         return json_error("internal server error (see the daemon log)", None, 500, "server_error")
+
+
+@web.middleware
+async def loading_middleware(request: web.Request, handler):
+    """While the engine loads (the socket already answers ``/health`` with 503 ``loading``),
+    every route but :data:`OPEN_WHILE_LOADING` answers 503."""
+    if not request.app[STATE].loaded and request.path not in OPEN_WHILE_LOADING:
+        return json_error("the model is still loading; retry once /health answers 200", None, 503, "server_error")
+    return await handler(request)
+
+
+def engine_failure(out) -> str:
+    """The client's message for an output with ``finish_reason="error"``."""
+    return f"the request failed in the engine ({out.error or 'see the daemon log'})"
 
 
 async def read_json(request: web.Request):
@@ -140,6 +167,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     st = request.app[STATE]
     if st.draining:
         raise ApiError("the daemon is shutting down", None, 503)
+    if not st.engine_loop.alive:
+        raise ApiError("the engine is not running (see the daemon log)", None, 503)
     parsed = parse_request(await read_json(request), chat, st.model_ids, st.vocab_size, st.max_model_len)
     check_size(parsed.prompt, st.max_model_len, chat)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -167,6 +196,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             remaining = len(children)
             while remaining:
                 for out in await outputs.take():
+                    if out.finish_reason == "error":  # 500; `finally` aborts the siblings
+                        return json_error(engine_failure(out), None, 500, "server_error")
                     builder.absorb(out.index, out)
                     remaining -= out.finished
         done = True
@@ -194,6 +225,11 @@ async def _stream(request: web.Request, builder: ResponseBuilder, outputs: Outpu
         chunks = []
         for out in await outputs.take():
             remaining -= out.finished
+            if out.finish_reason == "error":  # an error event, [DONE], and the siblings aborted
+                request.app[STATE].engine_loop.abort(builder.id)
+                chunks.append(sse(error_body(engine_failure(out), None, "server_error", 500)))
+                remaining, usage = 0, False
+                break
             chunk = builder.delta_chunk(out.index, out, usage)
             if chunk is not None:
                 chunks.append(sse(chunk))
@@ -214,11 +250,16 @@ def _token_text(hf_tokenizer):
 
 # ---- the rest -----------------------------------------------------------------------
 async def health(request: web.Request) -> web.Response:
+    """200 ``ok`` / ``draining``; 503 ``loading`` / ``dead`` / ``stalled`` with a ``reason``."""
     st = request.app[STATE]
     snap = st.engine_loop.snapshot()
-    return web.json_response({"status": "draining" if st.draining else "ok", "pid": os.getpid(),
-                              "model": st.model_id, "model_ids": list(st.model_ids),
-                              "uptime_s": snap.get("uptime_s", 0.0)})
+    state, reason = ("loading", "the model is loading") if not st.loaded else \
+        st.engine_loop.health_state(st.health_stall_timeout)
+    body = {"status": "draining" if st.draining and state == "ok" else state, "pid": os.getpid(),
+            "model": st.model_id, "model_ids": list(st.model_ids), "uptime_s": snap.get("uptime_s", 0.0)}
+    if reason:
+        body["reason"] = reason
+    return web.json_response(body, status=200 if state == "ok" else 503)
 
 
 async def models(request: web.Request) -> web.Response:
@@ -282,7 +323,7 @@ def make_app(state: ServerState, access=None) -> web.Application:
 
     ``access``: an ``access.access_middleware`` for a TCP listener (runs first, before the
     error middleware), or None (the Unix socket alone needs none)."""
-    app = web.Application(middlewares=[*([access] if access else []), error_middleware],
+    app = web.Application(middlewares=[*([access] if access else []), error_middleware, loading_middleware],
                           client_max_size=MAX_BODY_BYTES)
     app[STATE] = state
     app.router.add_post("/v1/completions", completions)

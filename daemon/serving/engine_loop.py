@@ -41,6 +41,13 @@ Rules:
   once after an iteration whose commands changed something (a submit, an abort that found its
   request, a cache reset), never per command: 1,000 ``DELETE`` s of unknown ids in one burst
   cost no rebuild at all (it is O(blocks + live requests), ~1 ms for 8k blocks).
+* One bad request never hurts the others: a request that fails alone gets the engine's
+  ``finish_reason="error"`` output. A step that raises as a whole ends every live sequence
+  with one terminal ``"error"`` output, found through the *sinks*, not the scheduler (a
+  sequence that finished in that very step has left the scheduler, yet its caller still
+  waits), frees their blocks (:meth:`Engine.fail_requests`), and the loop keeps serving; it
+  counts the failure and backs off before the next step (:mod:`.engine_health`, which also
+  answers ``/health``). An engine thread that ends unexpectedly ends its sequences the same way.
 * Data flows one way: this module imports the engine, never the server.
 """
 
@@ -60,6 +67,7 @@ from llmd.daemon.core.outputs import RequestOutput
 from llmd.daemon.core.parallel import child_request_ids
 from llmd.daemon.core.request import SamplingParams
 from llmd.daemon.core.stats import EngineStats
+from llmd.daemon.serving.engine_health import EngineHealth
 
 log = logging.getLogger("llmd.engine_loop")
 Sink = Callable[[RequestOutput], None]
@@ -100,6 +108,8 @@ class EngineLoop:
         self.snapshot_interval = snapshot_interval
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
+        self._index: dict[str, int] = {}  # live child id → its choice index (for terminal outputs)
+        self.health = EngineHealth()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="llmd-engine", daemon=True)
         self.started_at = time.monotonic()
@@ -196,6 +206,15 @@ class EngineLoop:
         """The latest typed stats (the snapshot's source; do not mutate)."""
         return self._stats
 
+    def health_state(self, stall_timeout: float) -> tuple[str, str | None]:
+        """``("ok", None)``, or the state and reason ``/health`` reports (:meth:`EngineHealth.check`)."""
+        return self.health.check(self.ready, self._thread.is_alive(), stall_timeout)
+
+    @property
+    def alive(self) -> bool:
+        """The engine is built and its thread runs (commands will be answered)."""
+        return self.ready.done() and self.engine is not None and self._thread.is_alive()
+
     # ---- engine thread ------------------------------------------------------------
     def _run(self) -> None:
         if self._factory is not None:
@@ -204,19 +223,28 @@ class EngineLoop:
             except BaseException as e:  # the caller awaiting `ready` reports it
                 self.ready.set_exception(e)
                 return
-        while not self._stop.is_set():
-            try:
-                self._iteration()
-            except Exception:  # never let the engine thread die silently
-                log.exception("engine loop iteration failed")
-        self._abort_ids(list(self._sinks))
-        self._publish_snapshot()
+        self.health.progressed()
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._iteration()
+                except Exception:  # never let the engine thread die silently
+                    log.exception("engine loop iteration failed")
+                    self._stop.wait(self.health.step_failed())
+        finally:
+            if self._stop.is_set():
+                self._abort_ids(list(self._sinks))
+            else:  # the thread dies (a BaseException): nobody would answer these callers
+                self._fail_all("the engine thread stopped unexpectedly")
+            self._publish_snapshot()
 
     def _iteration(self) -> None:
-        """Run queued commands (blocking while idle), then one step if anything is live."""
+        """Run queued commands (blocking while idle or backing off after a failed step), then
+        one step if anything is live."""
         busy = self.engine.has_unfinished_requests()
+        backoff = self.health.backoff_left()
         try:
-            cmd = self._cmds.get(block=not busy, timeout=None if busy else 0.5)
+            cmd = self._cmds.get(block=not busy or backoff > 0, timeout=backoff if busy else 0.5)
         except queue.Empty:
             cmd = None
         while cmd is not None:
@@ -225,8 +253,9 @@ class EngineLoop:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
                 cmd = None
-        if self.engine.has_unfinished_requests() and not self._stop.is_set():
+        if self.engine.has_unfinished_requests() and not self._stop.is_set() and not self.health.backoff_left():
             self._step()
+        self.health.progressed()
         stale = time.monotonic() - self._snapshot_time >= self.snapshot_interval
         if stale or self._changed or not self.engine.has_unfinished_requests():
             self._publish_snapshot()
@@ -265,8 +294,8 @@ class EngineLoop:
         children = self.engine.add_parallel_request(prompt, dataclasses.replace(params),
                                                     child_request_ids(parent_id, n), cache_salt, priority,
                                                     parent_id=parent_id)
-        for rid in children:
-            self._sinks[rid] = sink
+        for i, rid in enumerate(children):
+            self._sinks[rid], self._index[rid] = sink, i
         self.num_live += len(children)
         return children, self.engine.requests[children[0]].num_prompt_tokens
 
@@ -280,13 +309,34 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception:
-            log.exception("engine step failed; aborting the live requests")
-            self._abort_ids(list(self._sinks))
+        except Exception as e:
+            wait = self.health.step_failed()
+            if self.metrics is not None:
+                self.metrics.engine_error()
+            log.exception("engine step failed (%d in a row; next step in %.2f s); ending its %d live sequences",
+                          self.health.step_failures, wait, len(self._sinks))
+            self._fail_all(f"the engine step failed: {type(e).__name__}: {e}")
             return
+        self.health.step_succeeded()
         self._publish_events()
         for out in outputs:
             self._deliver(out)
+
+    def _fail_all(self, message: str) -> None:
+        """End every sequence that has a sink with one ``finish_reason="error"`` output: the
+        engine's (blocks freed) where it still knows the sequence, else a bare one."""
+        ids = list(self._sinks)
+        try:
+            outputs = self.engine.fail_requests(ids, message)
+            self._publish_events()
+        except Exception:  # the engine is broken too: the callers still get their ending
+            log.exception("ending the live sequences failed")
+            outputs = []
+        for out in outputs:
+            self._deliver(out)
+        for rid in [rid for rid in ids if rid in self._sinks]:
+            self._deliver(RequestOutput(request_id=rid, finished=True, finish_reason="error", error=message,
+                                        index=self._index.get(rid, 0)))
 
     def _publish_events(self) -> None:
         """Hand the engine's per-step events to the metrics (before any sink is called)."""
@@ -298,6 +348,7 @@ class EngineLoop:
         sink = self._sinks.get(out.request_id)
         if out.finished:
             self._sinks.pop(out.request_id, None)
+            self._index.pop(out.request_id, None)
             self.num_live -= sink is not None
         if sink is None:
             return

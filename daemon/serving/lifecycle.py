@@ -36,6 +36,7 @@ from llmd.daemon.protocol import check_socket_path, default_socket_dir, lock_pat
 from llmd.daemon.serving.access import AccessPolicy, access_middleware, check_bind, is_loopback_host
 from llmd.daemon.serving.api import ServerState, make_app
 from llmd.daemon.serving.connections import ServingRunner
+from llmd.daemon.serving.engine_health import DEFAULT_STALL_TIMEOUT_S
 from llmd.daemon.serving.engine_loop import EngineLoop
 from llmd.daemon.serving.metrics import DaemonMetrics
 
@@ -134,10 +135,22 @@ def claim_socket(path: str) -> int:
     return fd
 
 
+async def _until_ready(eloop: EngineLoop, state: ServerState):
+    """The engine once built (the factory's exception propagates), or None when a shutdown
+    comes first. ``eloop.ready`` itself is never cancelled (the engine thread resolves it)."""
+    ready = asyncio.wrap_future(eloop.ready)
+    stop = asyncio.ensure_future(state.shutdown.wait())
+    try:
+        await asyncio.wait({ready, stop}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+    return ready.result() if ready.done() else None
+
+
 async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[str, ...], *,
                      host: str | None = None, port: int | None = None, drain_timeout: float = 30.0,
                      lock_fd: int | None = None, metrics_compat: str | None = None, api_key: str | None = None,
-                     echo=print) -> None:
+                     health_stall_timeout: float = DEFAULT_STALL_TIMEOUT_S, echo=print) -> None:
     """Serve until SIGTERM/SIGINT or ``POST /v1/shutdown``; then drain and clean up.
 
     Args:
@@ -155,6 +168,13 @@ async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[s
         lock_fd: the descriptor :func:`claim_socket` returned, if the caller claimed the path
             already (before loading the model, to fail fast); claimed here otherwise.
         metrics_compat: None, or "vllm" to also export ``GET /metrics`` under vLLM's names.
+        health_stall_timeout: seconds without a finished engine step after which ``/health``
+            answers 503 ``stalled`` (``engine_health.py``).
+
+    The socket (and TCP listener) is bound *before* the engine is ready: while it loads on
+    its thread, ``/health`` answers 503 ``loading`` (every other route but ``/metrics`` and
+    ``/v1/shutdown`` 503 too), so clients wait for a 200, not for a connectable socket, and a
+    SIGTERM or ``llmd stop`` during loading ends the daemon cleanly.
     Raises:
         LlmdError: a non-loopback ``host`` without ``api_key`` (:func:`check_bind`), before
             anything is claimed or loaded; a socket path :func:`claim_socket` refuses.
@@ -167,11 +187,9 @@ async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[s
     loop = asyncio.get_running_loop()
     metrics = DaemonMetrics(model_id, metrics_compat)
     eloop = EngineLoop(engine, model_id, metrics=metrics).start()
-    engine = await asyncio.wrap_future(eloop.ready)
-    model_ids = tuple(dict.fromkeys([*model_ids, engine.model_config.name]))
-    state = ServerState(engine_loop=eloop, model_id=model_id, model_ids=model_ids,
-                        vocab_size=engine.model_config.vocab_size, max_model_len=engine.max_model_len,
-                        shutdown=asyncio.Event(), metrics=metrics)
+    state = ServerState(engine_loop=eloop, model_id=model_id, model_ids=model_ids, vocab_size=0, max_model_len=0,
+                        shutdown=asyncio.Event(), metrics=metrics, health_stall_timeout=health_stall_timeout,
+                        loaded=False)  # filled in once the engine is ready
     access = access_middleware(AccessPolicy(api_key, is_loopback_host(host))) if port is not None else None
     runner = ServingRunner(make_app(state, access), state.limits, handler_cancellation=True, access_log=None,
                            shutdown_timeout=2.0)
@@ -188,11 +206,17 @@ async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[s
         await sites[-1].start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, state.shutdown.set)
-    summary = f"; {engine.runtime_summary()}" if hasattr(engine, "runtime_summary") else ""
-    tcp = f" and http://{host}:{port}{' (API key required)' if api_key else ''}" if port is not None else ""
-    echo(f"llmd: serving {model_id} on {socket_path}{tcp}"
-         + f" (pid {os.getpid()}{summary})")
     try:
+        engine = await _until_ready(eloop, state)
+        if engine is None:  # a shutdown while loading: nothing was served
+            return
+        state.model_ids = tuple(dict.fromkeys([*model_ids, engine.model_config.name]))
+        state.vocab_size, state.max_model_len = engine.model_config.vocab_size, engine.max_model_len
+        state.loaded = True
+        summary = f"; {engine.runtime_summary()}" if hasattr(engine, "runtime_summary") else ""
+        tcp = f" and http://{host}:{port}{' (API key required)' if api_key else ''}" if port is not None else ""
+        echo(f"llmd: serving {model_id} on {socket_path}{tcp}"
+             + f" (pid {os.getpid()}{summary})")
         await state.shutdown.wait()
         echo(f"llmd: shutting down; {eloop.num_live} sequence{'' if eloop.num_live == 1 else 's'} in flight "
              f"(drain timeout {drain_timeout:.0f} s)")
@@ -207,7 +231,7 @@ async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[s
             await asyncio.sleep(0.2)  # let the handlers write finish_reason "abort" and [DONE]
     finally:
         await runner.cleanup()
-        eloop.stop()
+        eloop.stop(10.0 if state.loaded else 0.0)  # a loading engine cannot be interrupted: not waited for
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         try:

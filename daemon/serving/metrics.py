@@ -8,10 +8,13 @@ The vLLM metric set under an ``llmd:`` prefix, every series labelled ``model_nam
 * counters: ``prompt_tokens_total`` (prefill tokens computed), ``generation_tokens_total``
   (tokens generated), ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (tokens),
   ``num_preemptions_total``, ``request_success_total``
-  (finished sequences, label ``finished_reason``: stop / length / abort);
+  (finished sequences, label ``finished_reason``: stop / length / abort / error);
 * histograms (seconds): ``time_to_first_token_seconds`` (engine arrival → first token),
   ``inter_token_latency_seconds`` (between consecutive tokens of a sequence),
-  ``e2e_request_latency_seconds`` (engine arrival → finish).
+  ``e2e_request_latency_seconds`` (engine arrival → finish);
+* ``engine_errors_total`` (``llmd:`` only; vLLM has no such series): engine steps that failed
+  as a whole, each ending every live sequence with ``finished_reason="error"``
+  (:meth:`DaemonMetrics.engine_error`, from the engine loop).
 
 ``--metrics-compat vllm`` registers the same metrics a second time under vLLM's own names
 (``vllm:`` prefix, e.g. ``vllm:kv_cache_usage_perc``), so existing Grafana dashboards and
@@ -87,6 +90,9 @@ class DaemonMetrics:
                               ["model_name", "finished_reason"], registry=self.registry)
             self._success.append({r: success.labels(model_name, r) for r in FINISH_REASONS})
         self._synced = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
+        self._engine_errors = Counter(PREFIX + "engine_errors", "Engine steps that failed as a whole (every live "
+                                      "sequence then ended with finish_reason error).", ["model_name"],
+                                      registry=self.registry).labels(model_name)
 
     # ---- fan-out over prefixes ----------------------------------------------------------
     def _inc(self, name: str, amount: float = 1.0) -> None:
@@ -117,6 +123,10 @@ class DaemonMetrics:
             reason = f.finish_reason if f.finish_reason in FINISH_REASONS else "abort"
             for per_prefix in self._success:
                 per_prefix[reason].inc()
+
+    def engine_error(self) -> None:
+        """One engine step failed as a whole (``llmd:engine_errors_total``)."""
+        self._engine_errors.inc()
 
     # ---- event loop (scrape) ------------------------------------------------------------
     def refresh(self, stats) -> None:
