@@ -114,7 +114,7 @@ class ModelRunner:
     def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:
         """Run the model (after the step's copy-on-write block copies); return
         ``[num_sampling_seqs, vocab]`` float32 logits of the last position of every sequence
-        with ``sample=True`` (batch order)."""
+        with ``sample=True`` (batch order), on the model's device (a GPU samples them there)."""
         self.copy_blocks(out.blocks_to_copy)
         input_ids, positions, meta, logits_indices = self.prepare_inputs(out)
         hidden = self.model(input_ids, positions, self.layer_caches, meta)
@@ -125,7 +125,7 @@ class ModelRunner:
             hidden = hidden[first : last + 1]
         else:
             hidden = hidden[torch.tensor(logits_indices, device=hidden.device)]
-        return self.model.compute_logits(hidden).float().cpu()
+        return self.model.compute_logits(hidden).float()
 
     @torch.inference_mode()
     def prefill_logits(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
@@ -153,5 +153,5 @@ class ModelRunner:
         if not requests:
             return None
         if rows is not None and (len(rows) != logits.shape[0] or any(r != i for i, r in enumerate(rows))):
-            logits = logits[torch.tensor(list(rows), dtype=torch.long)]
+            logits = logits[torch.tensor(list(rows), dtype=torch.long, device=logits.device)]
         return self.sampler(logits, requests)

@@ -30,6 +30,10 @@ Reproducibility: the draw for output position ``i`` of a request uses a fresh CP
 ``torch.Generator`` seeded with ``blake2b(seed, i)``, and every row is processed alone on
 CPU in float32, so a request's token depends only on (seed, i, its logits row, its own
 token history for penalties), never on which other requests share the batch.
+
+Logits on a GPU are sampled there instead, all rows at once (:mod:`.device_sampler`: the same
+semantics, a counter-based noise stream, so seeded tokens differ between CPU and CUDA); CPU
+logits always take the host path below, whose streams never change.
 """
 
 from __future__ import annotations
@@ -183,8 +187,9 @@ class Sampler:
     Call: ``sampler(logits, requests) -> SamplerOutput``.
 
     Args (of ``__call__``):
-        logits: ``[B, V]`` float tensor (any device; copied to CPU float32), the last
-            position's logits of each running request.
+        logits: ``[B, V]`` float tensor, the last position's logits of each running request:
+            on CPU sampled row by row in float32 here; on any other device batched there
+            (:func:`~llmd.daemon.core.device_sampler.sample_on_device`).
         requests: ``B`` requests; row b samples output position
             ``len(requests[b].output_token_ids)`` of ``requests[b]``.
 
@@ -198,6 +203,10 @@ class Sampler:
             raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
         if logits.shape[0] != len(requests):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(requests)} requests")
+        if logits.device.type != "cpu":  # batched where the logits live; only ids and asked-for logprobs come back
+            from llmd.daemon.core.device_sampler import sample_on_device
+
+            return sample_on_device(logits, requests)
         cpu = logits.detach().to(device="cpu", dtype=torch.float32)
         n = len(requests)
         tokens: list[int] = [0] * n
