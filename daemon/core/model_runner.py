@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from llmd.daemon.core.errors import LlmdError
 from llmd.daemon.core.input_batch import InputBatch
 from llmd.daemon.core.outputs import ScheduledRequest, SchedulerOutput
 from llmd.daemon.core.request import Request
@@ -72,6 +73,27 @@ class ModelRunner:
         self.sampler = Sampler()
         self.inputs = InputBatch(len(self.groups), block_size, self.device, attention_backend, max_num_seqs,
                                  max_num_batched_tokens, -(-max_model_len // block_size))
+        self.num_warmed_up = 0  # Triton variants compiled at start-up (CUDA + triton backend only)
+        if attention_backend == "triton" and self.device.type == "cuda":
+            self.num_warmed_up = self.warm_up_kernels(kv_dtype, kv_cache_dtype, kv_scales is not None, max_model_len)
+
+    def warm_up_kernels(self, model_dtype: torch.dtype, kv_cache_dtype: str, static_scales: bool,
+                        max_model_len: int) -> int:
+        """Compile every Triton variant this model will launch by running each once on tiny
+        tensors (:mod:`llmd.kernels.warmup`), before any request; returns how many (0 on CPU).
+
+        Raises:
+            LlmdError: a variant failed to compile (one line naming it and the device's sm_XY).
+        """
+        from llmd.kernels.warmup import WarmupSpec, warm_up
+
+        c = self.config
+        spec = WarmupSpec(c.head_dim, c.num_heads, c.num_kv_heads, model_dtype, self.block_size, kv_cache_dtype,
+                          static_scales, tuple(set(c.layer_windows)), max_model_len)
+        try:
+            return warm_up(spec, self.device)
+        except RuntimeError as e:
+            raise LlmdError(str(e)) from None
 
     @property
     def attention_backend(self) -> str:
