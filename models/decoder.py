@@ -63,6 +63,7 @@ class DecoderForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.rope_thetas = [cfg.layer_rope_theta(i) for i in range(cfg.num_layers)]
+        self.logits_proj: nn.Module | None = None  # a packed lm_head (``--weight-quant``), else the dense one
 
     def gguf_tensor_map(self) -> dict[str, Slot]:
         """GGUF tensor name → its :class:`Slot`, for every tensor this architecture reads. The
@@ -96,5 +97,7 @@ class DecoderForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.logits_proj is not None:
+            return self.logits_proj(hidden).float()
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head
         return (hidden @ w.t()).float()

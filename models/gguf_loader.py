@@ -77,13 +77,16 @@ def check_slots_cover(slots: dict, params: dict[str, torch.Tensor]) -> None:
             raise GGUFLoadError(f"llmd parameter {name} rows {sorted(ranges)} do not tile [0, {params[name].shape[0]})")
 
 
-def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               weight_quant: str = "none", keep_dense: bool = False):
     """Build the architecture's model and fill it from the GGUF file.
 
     Args:
         path: GGUF file path.
         dtype: parameter / activation dtype (float32, bfloat16, float16).
         device: where parameters live.
+        weight_quant, keep_dense: :func:`llmd.models.weight_quant.quantize_linears`'s ``mode``
+            and ``keep_dense`` (CPU only); its summary is ``model.weight_quant_summary``.
     Returns:
         ``(model, config)``; model in eval mode with ``requires_grad=False`` parameters.
     Raises:
@@ -114,5 +117,9 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torc
     missing = [name for name in slots if name not in loaded]
     if missing:
         raise GGUFLoadError(f"GGUF file lacks tensor {missing[0]} (and {len(missing) - 1} more)")
+    from llmd.models.weight_quant import quantize_linears
+
+    model.weight_quant_summary = quantize_linears(model, {t.name: t for t in reader.tensors}, weight_quant,
+                                                  keep_dense=keep_dense)
     model.to(device).eval()
     return model, cfg

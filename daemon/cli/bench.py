@@ -34,6 +34,26 @@ def bench_throughput(num_requests, min_prompt, max_prompt, min_output, max_outpu
                          echo=click.echo)
 
 
+@bench.command("single")
+@click.option("--formats", default="none,auto,gguf,int8", show_default=True,
+              help="Comma-separated --weight-quant formats, one row each (the first is the ratio's base).")
+@click.option("--prompt", "prompt_len", default=512, show_default=True, type=int, help="Prompt tokens (one step).")
+@click.option("--decode", default=128, show_default=True, type=int, help="Greedy tokens decoded at batch 1.")
+@click.option("--repeats", default=3, show_default=True, type=int, help="Runs per format; the best is shown.")
+@engine_options
+@one_line_errors
+def bench_single(formats, prompt_len, decode, repeats, weight_quant, **engine_kw):
+    """Single-stream prefill and batch-1 decode tok/s per --weight-quant format, side by side."""
+    from llmd.daemon.bench.single import single_stream
+
+    fmts = [f.strip() for f in formats.split(",") if f.strip()]
+    try:
+        single_stream(lambda f: build_engine(**engine_kw, weight_quant=f), fmts, prompt_len, decode, repeats,
+                      echo=click.echo)
+    except ValueError as e:
+        raise LlmdError(str(e)) from None
+
+
 @bench.command("kv-quality")
 @click.option("--chunk", default=64, show_default=True, type=int,
               help="Teacher-forcing chunk (tokens); store-then-read.")

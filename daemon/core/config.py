@@ -12,6 +12,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DTYPE_CHOICES = ("auto", *DTYPES)
 ATTENTION_BACKENDS = ("cpu", "torch", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy values
+WEIGHT_QUANT_CHOICES = ("auto", "none", "gguf", "int8")  # llmd.models.weight_quant modes, and auto
 DEFAULT_KV_CACHE_MEMORY_CPU = 512 * 1024**2  # bytes
 CUDA_KV_CACHE_FRACTION = 0.8  # of free device memory after the weights are loaded
 
@@ -54,6 +55,11 @@ class EngineConfig:
         scheduling_policy: "fcfs" (default: arrival order; a request with a non-zero
             ``priority`` is refused) or "priority" (lower ``priority`` first, FCFS among equals;
             the largest value is preempted first) — vLLM's ``--scheduling-policy`` and values.
+        weight_quant: "auto" / "none" / "gguf" / "int8" (``llmd.models.weight_quant``; CPU only).
+            "gguf" keeps the file's 4-bit blocks as int4 packs (Q8_0 as per-row int8) and
+            drops the dense weights; "auto" (the default) = on a bfloat16 CPU model the same
+            packs for steps of at most 4 tokens plus the dense weights for larger ones (one
+            stream decodes from ~4× fewer bytes, batches keep the bfloat16 GEMM), else "none".
         threads: torch intra-op threads, set once when the engine is built
             (``torch.set_num_threads``); ``None`` = ``$OMP_NUM_THREADS`` if set, else the cores
             this process may use (``len(os.sched_getaffinity(0))``).
@@ -77,6 +83,7 @@ class EngineConfig:
     max_num_waiting: int = 1024
     scheduling_policy: str = "fcfs"
     threads: int | None = None
+    weight_quant: str = "auto"
 
     def resolve(self) -> "EngineConfig":
         """Fill device-dependent defaults and validate. Raises LlmdError naming the bad setting."""
@@ -111,10 +118,31 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise LlmdError(f"--max-model-len must be >= 1, got {self.max_model_len}")
         self._resolve_kv_and_backend(on_cuda)
+        self._resolve_weight_quant(on_cuda)
         if self.dtype == "float64" and (on_cuda or self.attention_backend != "torch"):
             raise LlmdError("--dtype float64 is for CPU reference runs: it needs --device cpu and "
                             "--attention-backend torch")
         return self
+
+    def _resolve_weight_quant(self, on_cuda: bool) -> None:
+        """Validate --weight-quant and resolve "auto" (see the class docstring)."""
+        if self.weight_quant not in WEIGHT_QUANT_CHOICES:
+            raise LlmdError(f"--weight-quant must be one of {', '.join(WEIGHT_QUANT_CHOICES)}, "
+                            f"got {self.weight_quant!r}")
+        if self.weight_quant == "auto":
+            gguf_model = not self.model.startswith("random:")
+            self.weight_quant = "gguf" if gguf_model and not on_cuda and self.dtype == "bfloat16" else "none"
+            self.keep_dense_weights = True  # not a dataclass field, as dtype_auto
+        elif self.weight_quant != "none":
+            if on_cuda:
+                raise LlmdError(f"--weight-quant {self.weight_quant} runs on CPU only (torch's CPU weight-only "
+                                "kernels); use --weight-quant none on CUDA")
+            if self.dtype not in ("bfloat16", "float32"):
+                raise LlmdError(f"--weight-quant {self.weight_quant} needs --dtype bfloat16 or float32, "
+                                f"got {self.dtype}")
+            if self.model.startswith("random:"):
+                raise LlmdError(f"--weight-quant {self.weight_quant} packs a GGUF file's weights; "
+                                f"{self.model} has none (use none)")
 
     def _resolve_kv_and_backend(self, on_cuda: bool) -> None:
         """Validate --kv-cache-dtype / --kv-scales / --attention-backend (issue 4)."""
@@ -138,6 +166,11 @@ class EngineConfig:
                             f"got {self.attention_backend!r}")
         if self.attention_backend == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise LlmdError("--attention-backend triton on CPU needs TRITON_INTERPRET=1 (the Triton interpreter, slow)")
+
+    @property
+    def keep_dense(self) -> bool:
+        """Whether packed layers keep their dense weights (``weight_quant`` was "auto")."""
+        return getattr(self, "keep_dense_weights", False)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -185,7 +185,7 @@ class Engine:
         from llmd.models.tokenizer import load_tokenizer
 
         path = resolve_model(config.model)
-        model, cfg = load_model(path, config.torch_dtype, config.device)
+        model, cfg = load_model(path, config.torch_dtype, config.device, config.weight_quant, config.keep_dense)
         tokenizer = load_tokenizer(path, cfg, open_gguf(path).data_offset)
         return cls(model, tokenizer, config)
 
@@ -214,7 +214,9 @@ class Engine:
             why = " (auto: CUDA)" if on_cuda else (" (auto: native bf16 on this CPU)" if cpu_has_native_bf16()
                                                    else " (auto: no native bf16 on this CPU)")
         threads = f"{c.threads} thread{'' if c.threads == 1 else 's'}"
-        return f"dtype {c.dtype}{why}, attention {c.attention_backend}, {threads}"
+        wq = getattr(self.runner.model, "weight_quant_summary", None)
+        weights = f", {wq.describe()}" if wq is not None and wq.mode != "none" else ""
+        return f"dtype {c.dtype}{why}, attention {c.attention_backend}, {threads}{weights}"
 
     def _kv_dtype_label(self) -> str:
         c = self.config

@@ -1,0 +1,143 @@
+"""``--weight-quant``: replace a loaded model's linear layers by weight-only packs.
+
+Modes (CPU; the packs are torch's CPU kernels, see :mod:`llmd.quant.packed_linear`):
+
+* ``gguf``: keep the file's own quantization where a kernel matches it exactly: Q4_0 / Q4_1 /
+  Q4_K → int4 groups of 32 (codes and the file's scales, rounded to the compute dtype);
+  Q8_0 → int8 per output row (re-quantized: torch has no grouped int8 kernel). A fused
+  projection is packed only when all its parts are of one family; anything else (Q5_0, Q6_K,
+  F16, mixed parts) stays dense and is listed in the summary.
+* ``int8``: every linear re-quantized to symmetric per-row int8 from its float32 dequantization.
+
+The lm_head (tied to the embedding in SmolLM2 and Gemma 3) is packed too: int4 when its tensor
+is a 4-bit type, else per-row int8; the embedding lookup keeps the dense table. With
+``keep_dense`` every packed layer also keeps its dense weight for batches of more than
+``SMALL_BATCH`` rows (see the measurements there), costing the packs' bytes on top of the
+dense model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from llmd.models.errors import GGUFLoadError
+from llmd.quant.gguf_packs import GROUP, INT4_TYPES, INT8_TYPES, int4_codes, int8_rows
+from llmd.quant.packed_linear import PackedLinear, pack_int4, pack_int8
+
+WEIGHT_QUANT_MODES = ("none", "gguf", "int8")
+
+
+@dataclass
+class WeightQuantSummary:
+    """What :func:`quantize_linears` did: layer counts per kind, the dense ones by name, bytes."""
+
+    mode: str
+    int4: int = 0
+    int8: int = 0
+    dense: list[str] = field(default_factory=list)
+    pack_bytes: int = 0
+    dense_bytes: int = 0
+
+    def describe(self) -> str:
+        """One line for the startup message, e.g. ``weights gguf: 210 int4 + 1 int8 layers, 71 MiB``."""
+        if self.mode == "none":
+            return f"weights dense ({self.dense_bytes / 2**20:.0f} MiB)"
+        text = f"weights {self.mode}: {self.int4} int4 + {self.int8} int8 layers, {self.pack_bytes / 2**20:.0f} MiB"
+        if self.dense_bytes:
+            text += f" + {self.dense_bytes / 2**20:.0f} MiB dense"
+        if self.dense:
+            text += f"; dense (no exact kernel): {', '.join(self.dense[:3])}"
+            text += f" and {len(self.dense) - 3} more" if len(self.dense) > 3 else ""
+        return text
+
+
+def _dequantized(model, name: str, t) -> np.ndarray:
+    from llmd.models.gguf_loader import dequantize_tensor
+
+    return model.transform_gguf_tensor(name, dequantize_tensor(t))
+
+
+def _int4_parts(model, parts, k: int):
+    """Codes/scales/zeros of the parts, each through the model's row transform, stacked by rows."""
+    codes, scales, zeros = [], [], []
+    for name, t, n in parts:
+        c, s, z = int4_codes(t.data, t.tensor_type, n, k)
+        # the transforms are row permutations (llama Q/K): apply the same one to each array
+        codes.append(model.transform_gguf_tensor(name, c.astype(np.float32)))
+        scales.append(model.transform_gguf_tensor(name, s))
+        zeros.append(model.transform_gguf_tensor(name, z))
+    return (torch.from_numpy(np.concatenate(codes)), torch.from_numpy(np.concatenate(scales)),
+            torch.from_numpy(np.concatenate(zeros)))
+
+
+def _pack(model, parts, k: int, mode: str, dtype: torch.dtype):
+    """``("int4" | "int8", packs)`` for the GGUF tensors ``parts`` of one layer, or None (dense)."""
+    types = {t.tensor_type for _, t, _ in parts}
+    if mode == "gguf" and types <= INT4_TYPES and k % GROUP == 0:
+        return "int4", pack_int4(*_int4_parts(model, parts, k), dtype)
+    if mode == "int8" or (mode == "gguf" and types <= INT8_TYPES):
+        codes, scale = int8_rows(np.concatenate([_dequantized(model, name, t) for name, t, _ in parts]))
+        return "int8", pack_int8(torch.from_numpy(codes), torch.from_numpy(scale), dtype)
+    return None
+
+
+def quantize_linears(model: nn.Module, tensors: dict, mode: str, *, keep_dense: bool = False) -> WeightQuantSummary:
+    """Swap the linear layers (and the lm_head) of a loaded GGUF model for :class:`PackedLinear`.
+
+    Args:
+        model: a model :func:`~llmd.models.gguf_loader.load_model` filled (on the CPU).
+        tensors: GGUF tensor name → ``GGUFReader`` tensor, for the file it was loaded from.
+        mode: one of :data:`WEIGHT_QUANT_MODES`.
+        keep_dense: keep each packed layer's dense weight for larger batches.
+    Returns:
+        A :class:`WeightQuantSummary`. The model computes in its parameters' dtype throughout.
+    Raises:
+        GGUFLoadError: unknown mode.
+    """
+    if mode not in WEIGHT_QUANT_MODES:
+        raise GGUFLoadError(f"--weight-quant must be one of {', '.join(WEIGHT_QUANT_MODES)}, got {mode!r}")
+    summary = WeightQuantSummary(mode)
+    if mode == "none":
+        summary.dense_bytes = sum(p.nbytes for p in model.parameters())
+        return summary
+    by_param: dict[str, list] = {}
+    for name, slot in model.gguf_tensor_map().items():
+        rows = slot.rows or (0, None)
+        by_param.setdefault(slot.param, []).append((rows[0], name))
+    dtype = model.embed_tokens.weight.dtype  # the kernels take scales in the activation dtype
+    targets = [(mod_name, mod) for mod_name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
+    for mod_name, mod in targets:
+        names = [n for _, n in sorted(by_param.get(f"{mod_name}.weight", []))]
+        parts = [(n, tensors[n], None) for n in names]
+        sizes = getattr(mod, "sizes", None) or [mod.out_features]
+        parts = [(n, t, rows) for (n, t, _), rows in zip(parts, sizes)]
+        packed = _pack(model, parts, mod.in_features, mode, dtype) if parts else None
+        if packed is None:
+            summary.dense.append(mod_name)
+            continue
+        kind, packs = packed
+        new = PackedLinear(mod.in_features, mod.out_features, **{kind: packs},
+                           dense=mod.weight.data if keep_dense else None, sizes=getattr(mod, "sizes", None))
+        model.set_submodule(mod_name, new)
+        setattr(summary, kind, getattr(summary, kind) + 1)
+    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    w = model.embed_tokens.weight if model.lm_head is None else model.lm_head
+    kind, packs = _pack(model, [(head, tensors[head], w.shape[0])], w.shape[1], mode, dtype) or \
+        _pack(model, [(head, tensors[head], w.shape[0])], w.shape[1], "int8", dtype)
+    tied = model.lm_head is None  # a tied head's dense table stays anyway (the lookup): batches use it
+    model.logits_proj = PackedLinear(w.shape[1], w.shape[0], **{kind: packs},
+                                     dense=w.data if keep_dense or tied else None)
+    setattr(summary, kind, getattr(summary, kind) + 1)
+    if not tied:
+        model.lm_head = None  # the packs (and the dense copy, if kept) replace it
+    for mod in model.modules():
+        if isinstance(mod, PackedLinear):
+            pb, db = mod.nbytes()
+            summary.pack_bytes += pb
+            summary.dense_bytes += db if mod is not model.logits_proj or not tied else 0
+    summary.dense_bytes += sum(p.nbytes for n, p in model.named_parameters() if "dense" not in n.split("."))
+    return summary
