@@ -77,7 +77,8 @@ def _int4_parts(model, parts, k: int):
 def _pack(model, parts, k: int, mode: str, dtype: torch.dtype):
     """``("int4" | "int8", packs)`` for the GGUF tensors ``parts`` of one layer, or None (dense)."""
     types = {t.tensor_type for _, t, _ in parts}
-    if mode == "gguf" and types <= INT4_TYPES and k % GROUP == 0:
+    rows = sum(n for _, _, n in parts)
+    if mode == "gguf" and types <= INT4_TYPES and k % GROUP == 0 and rows % 16 == 0:  # the pack needs N % 16
         return "int4", pack_int4(*_int4_parts(model, parts, k), dtype)
     if mode == "int8" or (mode == "gguf" and types <= INT8_TYPES):
         codes, scale = int8_rows(np.concatenate([_dequantized(model, name, t) for name, t, _ in parts]))

@@ -51,9 +51,12 @@ def single_stream(make_engine: Callable[[str], object], formats: list[str], prom
         if prompt_len > engine.config.max_num_batched_tokens:
             raise ValueError(f"--prompt {prompt_len} exceeds the token budget {engine.config.max_num_batched_tokens}")
         vocab = engine.model_config.vocab_size
-        prompt = [(i * 7919) % (vocab - 200) + 100 for i in range(prompt_len)]
-        run_once(engine, prompt[:16], 4)  # warm-up
-        best = [max(vals) for vals in zip(*(run_once(engine, prompt, decode) for _ in range(repeats)))]
+
+        def prompt(r: int) -> list[int]:  # a fresh prompt per run: no prefix cache hit
+            return [(i * 7919 + r * 104729) % (vocab - 200) + 100 for i in range(prompt_len)]
+
+        run_once(engine, prompt(repeats)[:16], 4)  # warm-up
+        best = [max(vals) for vals in zip(*(run_once(engine, prompt(r), decode) for r in range(repeats)))]
         wq = getattr(engine.runner.model, "weight_quant_summary", None)
         rows.append(SingleStreamResult(fmt, best[0], best[1], wq.describe() if wq else "-"))
         del engine

@@ -40,7 +40,9 @@ def ctx_and_queries(kind: str, g: torch.Generator) -> list[tuple[int, int]]:
     r = int(torch.randint(60, 200, (1,), generator=g))
     decodes = [(0, 1), (16, 1), (r, 1), (31, 1), (r + 37, 1)]
     prefills = [(0, 21), (45, 17), (r, 40)]
-    return {"decode": decodes, "prefill": prefills, "mixed": decodes[:3] + prefills[:2] + decodes[3:]}[kind]
+    spread = [(int(c), 1) for c in torch.randint(0, 400, (30,), generator=g)] + [(0, 1), (600, 1)]
+    return {"decode": decodes, "prefill": prefills, "mixed": decodes[:3] + prefills[:2] + decodes[3:],
+            "spread": spread, "spread-mixed": spread[:16] + prefills[:2] + spread[16:], "few": decodes[1:4]}[kind]
 
 
 def make_step(case: dict, seed: int):
@@ -100,8 +102,9 @@ def test_window_plan_reads_only_the_window():
     meta = AttentionMetadata(torch.tensor([300]), torch.arange(1, 21, dtype=torch.int32)[None], torch.tensor([0, 1]),
                              torch.tensor([301]), [1], [301], 16, "cpu")
     plan = cpu_attention.build_plan(meta, kv_heads=2, sliding_window=40)
-    assert plan.decode.bias.shape[-1] == 40 and plan.decode.rows.numel() == 2 * 40
-    assert bool(torch.isfinite(plan.decode.bias).all())
+    (_, dec), = plan.decodes
+    assert dec.bias.shape[-1] == 40 and dec.rows.numel() == 2 * 40
+    assert bool(torch.isfinite(dec.bias).all())
 
 
 def test_float64_model_computes_in_float64():
@@ -112,3 +115,28 @@ def test_float64_model_computes_in_float64():
     out = ops.paged_attention(q, cache, meta, 0.125, 7)
     ref = reference.paged_attention(q, cache, meta, 0.125, 7, compute_dtype=torch.float64)
     assert rel(out, ref) <= 1e-12
+
+
+@pytest.mark.parametrize("kind,fmt,window,dtype", [
+    ("spread", "auto", None, torch.float32), ("spread", "int8", 40, torch.bfloat16),
+    ("spread-mixed", "fp8_e4m3", None, torch.bfloat16), ("spread-mixed", "auto", 7, torch.float32),
+    ("few", "auto", None, torch.bfloat16), ("few", "int8", 40, torch.bfloat16)])
+def test_length_buckets_and_small_decodes_match_reference(kind, fmt, window, dtype):
+    """32 decodes with contexts 1..600 are split into length buckets (each padded to its own
+    longest); <= 4 decodes of a bfloat16 model compute in float32. Same bounds as above."""
+    case = {"kind": kind, "group": 3, "block_size": 16, "head_dim": 64, "fmt": fmt, "window": window, "dtype": dtype}
+    meta, query, cache = make_step(case, seed=7)
+    plan = cpu_attention.get_plan(meta, 2, window, 3)
+    assert (len(plan.decodes) > 1) == kind.startswith("spread") or window is not None
+    q = query.to(dtype)
+    out = ops.paged_attention(q, cache, meta, 0.125, window)
+    ref = reference.paged_attention(q.double(), cache, meta, 0.125, window, compute_dtype=torch.float64)
+    assert out.dtype == dtype and rel(out, ref) <= TOL[dtype]
+
+
+def test_length_buckets_split_only_where_it_pays():
+    assert cpu_attention.length_buckets([500] * 20) == [(0, 20)]
+    spans = [600, 590, 580, 570, 560, 550, 540, 530, 300, 290, 280, 270, 260, 250, 240, 230, 100, 90]
+    assert cpu_attention.length_buckets(spans) == [(0, 8), (8, 18)]  # the 18th cannot start a bucket of 8
+    assert cpu_attention.length_buckets(list(range(1000, 0, -10)), max_buckets=3)[-1][1] == 100
+    assert cpu_attention.length_buckets([]) == [(0, 0)] and cpu_attention.length_buckets([5]) == [(0, 1)]

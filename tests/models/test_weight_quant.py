@@ -1,0 +1,105 @@
+"""``--weight-quant``: every projection of a GGUF model replaced by torch weight-only packs,
+the engine's tokens unchanged in float32, the chosen format on the startup line, bad
+combinations refused before loading, and SmolLM2's teacher-forced quality per format."""
+
+import gguf
+import pytest
+import torch
+from tiny_engine import ByteTokenizer
+from tiny_gguf import write_tiny_llama
+
+from llmd.daemon.core.config import EngineConfig
+from llmd.daemon.core.engine import Engine
+from llmd.daemon.core.errors import LlmdError
+from llmd.daemon.core.request import SamplingParams
+from llmd.models.gguf_loader import load_model
+from llmd.quant.packed_linear import PackedLinear
+
+T = gguf.GGMLQuantizationType
+KW = dict(device="cpu", attention_backend="torch", kv_cache_memory=4 * 2**20, threads=1, prefix_cache_seed=0)
+
+
+def _linears(model):
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+
+
+@pytest.mark.parametrize("qtype,kind", [(T.Q4_0, "int4"), (T.Q4_1, "int4"), (T.Q8_0, "int8")])
+def test_every_projection_is_packed_and_logits_match(tmp_path, qtype, kind):
+    path = tmp_path / "m.gguf"
+    write_tiny_llama(path, layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, qtype=qtype)
+    dense, _ = load_model(str(path), torch.float32)
+    packed, _ = load_model(str(path), torch.float32, weight_quant="gguf")
+    assert _linears(packed) == []  # nothing dense is left to read
+    layers = [m for m in packed.modules() if isinstance(m, PackedLinear)]
+    assert len(layers) == 2 * 4 + 1 and {m.kind for m in layers} == {kind}  # qkv, o, gate_up, down; lm_head
+    assert all(m.dense is None for m in layers[:-1])  # the tied head keeps the embedding table for batches
+    s = packed.weight_quant_summary
+    assert (s.int4, s.int8, s.dense) == ((9, 0, []) if kind == "int4" else (0, 9, []))
+    h = torch.randn(3, 64)
+    for a, b in zip(dense.layers, packed.layers):
+        ref = a.self_attn.qkv_proj(h)
+        assert (b.self_attn.qkv_proj(h) - ref).abs().max() < (1e-5 if kind == "int4" else 2e-2) * ref.abs().max()
+    logits_d, logits_p = dense.compute_logits(h[:1]), packed.compute_logits(h[:1])
+    assert (logits_d - logits_p).abs().max() < (1e-4 if kind == "int4" else 3e-2) * logits_d.abs().max()
+
+
+def test_engine_tokens_equal_dense_in_float32_and_auto_dispatch(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_tiny_llama(path, layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, qtype=T.Q4_1)
+    prompts = [[5, 6, 7], [40, 41], [100, 3, 9, 27, 31, 2, 8]]
+
+    def tokens(model, max_num_seqs=64):
+        engine = Engine(model, ByteTokenizer(), EngineConfig(model=str(path), dtype="float32",
+                                                             max_num_seqs=max_num_seqs, **KW))
+        ids = [engine.add_request(p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+               for p in prompts]
+        out = {i: [] for i in ids}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                out[o.request_id] += o.new_token_ids
+        return list(out.values())
+
+    dense_tokens = tokens(load_model(str(path), torch.float32)[0])
+    assert tokens(load_model(str(path), torch.float32, weight_quant="gguf")[0]) == dense_tokens
+    both, _ = load_model(str(path), torch.float32, weight_quant="gguf", keep_dense=True)
+    for m in both.modules():  # poison the dense copies: 3 decoding rows (<= 4) must read only the packs
+        if isinstance(m, PackedLinear) and m is not both.logits_proj:
+            m.dense.data.fill_(float("nan"))
+    # one sequence at a time: every step has <= 3 rows (prompts of <= 3 tokens, then decodes)
+    assert tokens(both, max_num_seqs=1)[:2] == dense_tokens[:2]
+    assert "weights gguf: 9 int4 + 0 int8 layers" in Engine(both, ByteTokenizer(), EngineConfig(
+        model=str(path), dtype="float32", **KW)).runtime_summary()
+
+
+def test_bad_combinations_fail_before_loading():
+    def resolve(**kw):
+        return EngineConfig(**{"device": "cpu", **kw}).resolve()
+
+    with pytest.raises(LlmdError, match="--weight-quant must be one of"):
+        resolve(weight_quant="nf5")
+    with pytest.raises(LlmdError, match="bfloat16 or float32"):
+        resolve(weight_quant="gguf", dtype="float64", attention_backend="torch")
+    with pytest.raises(LlmdError, match="has none"):
+        resolve(weight_quant="int8", model="random:qwen3-0.6b")
+    auto16 = resolve(dtype="bfloat16")
+    assert (auto16.weight_quant, auto16.keep_dense) == ("gguf", True)
+    assert resolve(dtype="float32").weight_quant == "none"
+    assert (resolve(dtype="bfloat16", weight_quant="gguf").keep_dense) is False
+
+
+# teacher-forced ΔNLL vs the float32-dequantized model (dense) and top-1 agreement, bfloat16 packs
+QUALITY = {"gguf": (0.2, 0.955), "int8": (0.25, 0.93)}
+
+
+@pytest.mark.parametrize("fmt", ["gguf", "int8"])
+def test_smollm2_quality_per_format(smollm2, smollm2_path, smollm2_tokenizer, fmt):
+    from llmd.daemon.bench.kv_quality import quality_row
+    from llmd.daemon.bench.kv_quality_text import QUALITY_TEXT
+
+    ids = smollm2_tokenizer.encode(QUALITY_TEXT)[:1000]
+    kw = dict(device="cpu", kv_cache_memory=64 * 2**20, attention_backend="torch", threads=torch.get_num_threads())
+    base = quality_row(smollm2[0], smollm2_tokenizer, ids, "auto", None, dtype="float32", **kw)
+    model, _ = load_model(smollm2_path, torch.bfloat16, weight_quant=fmt)
+    row = quality_row(model, smollm2_tokenizer, ids, "auto", base, dtype="bfloat16", **kw)
+    max_dnll, min_top1 = QUALITY[fmt]
+    assert row.delta_nll_pct <= max_dnll and row.top1 >= min_top1, (row.delta_nll_pct, row.top1)
