@@ -52,7 +52,7 @@ def test_factory_failure_resolves_ready_and_ends_the_thread():
     assert not loop._thread.is_alive()
 
 
-def test_run_server_propagates_the_factory_error_before_binding(tmp_path):
+def test_run_server_propagates_the_factory_error_and_removes_the_socket(tmp_path):
     sock = tmp_path / "s.sock"
 
     def factory():
