@@ -63,9 +63,13 @@ def generate(prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, **
 @click.option("--context", default=None, type=int, help="Tokens per sequence (default: the model's context length).")
 @click.option("--memory", default="512MiB", show_default=True, callback=parse_bytes_option, help="KV cache budget.")
 @click.option("--block-size", default=16, show_default=True, type=int)
+@click.option("--total-memory", default=None, callback=parse_bytes_option,
+              help="Memory for weights + KV (e.g. 2GiB): per --weight-quant, what is left for a bfloat16 KV cache "
+                   "and how many sequences of --context fit (GGUF models).")
 @one_line_errors
-def kv_size(model, context, memory, block_size):
-    """KV cache bytes per token and sequences that fit, per cache dtype (GGUF metadata only)."""
+def kv_size(model, context, memory, block_size, total_memory):
+    """KV cache bytes per token and sequences that fit, per cache dtype (GGUF metadata only);
+    with --total-memory, the weights per --weight-quant format and what fits beside them."""
     from llmd.daemon.core.kv_size import group_summary, kv_size_rows
     from llmd.daemon.kv import make_kv_cache_groups
     from llmd.models.presets import is_random_model, preset_config
@@ -78,6 +82,11 @@ def kv_size(model, context, memory, block_size):
 
         cfg = load_config(resolve_model(model))
     context = context or cfg.max_position
+    if total_memory is not None:
+        if is_random_model(model):
+            raise LlmdError("--total-memory needs a GGUF model (a random preset has no file to size)")
+        _what_fits(model, cfg, context, total_memory, block_size)
+        return
     click.echo(f"{cfg.name}: {cfg.num_layers} layers, {cfg.num_kv_heads} KV heads x {cfg.head_dim} dims; "
                f"context {context} tokens; memory {memory} B ({memory / 2**20:.0f} MiB)")
     windows = cfg.layer_windows
@@ -89,3 +98,22 @@ def kv_size(model, context, memory, block_size):
         for r in kv_size_rows(cfg, context, memory, block_size, hybrid):
             click.echo(f"{r.name:<12}{r.bytes_per_token:>12,.0f}{r.bytes_per_sequence:>16,.0f}{r.num_blocks:>10}"
                        f"{r.sequences:>12.2f}")
+
+
+def _what_fits(model: str, cfg, context: int, total: int, block_size: int) -> None:
+    """Weights per --weight-quant (bfloat16 model) and the bfloat16 KV cache left in ``total`` bytes."""
+    from llmd.daemon.core.kv_size import kv_size_rows
+    from llmd.models.gguf_loader import open_gguf
+    from llmd.models.registry import model_class, resolve_model
+    from llmd.models.weight_quant import weight_bytes
+
+    tensors = {t.name: t for t in open_gguf(resolve_model(model)).tensors}
+    layer_tensors = model_class(cfg.architecture).layer_tensors
+    click.echo(f"{cfg.name}: bfloat16 model, context {context} tokens, total {total / 2**20:.0f} MiB for weights + KV")
+    click.echo(f"{'--weight-quant':<16}{'weights MiB':>12}{'KV MiB':>10}{'sequences':>11}")
+    for label, mode, keep in (("none", "none", False), ("auto", "gguf", True), ("gguf", "gguf", False),
+                              ("int8", "int8", False)):
+        w = weight_bytes(tensors, layer_tensors, mode, 2, keep)
+        left = total - w
+        seqs = kv_size_rows(cfg, context, left, block_size)[1].sequences if left > 0 else 0.0
+        click.echo(f"{label:<16}{w / 2**20:>12.0f}{max(left, 0) / 2**20:>10.0f}{seqs:>11.2f}")

@@ -103,3 +103,30 @@ def test_smollm2_quality_per_format(smollm2, smollm2_path, smollm2_tokenizer, fm
     row = quality_row(model, smollm2_tokenizer, ids, "auto", base, dtype="bfloat16", **kw)
     max_dnll, min_top1 = QUALITY[fmt]
     assert row.delta_nll_pct <= max_dnll and row.top1 >= min_top1, (row.delta_nll_pct, row.top1)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.F16])
+def test_weight_bytes_from_metadata_equal_the_loaded_model(tmp_path, qtype):
+    from llmd.models.gguf_loader import open_gguf
+    from llmd.models.llama import LlamaForCausalLM
+    from llmd.models.weight_quant import weight_bytes
+
+    path = tmp_path / "m.gguf"
+    write_tiny_llama(path, layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, qtype=qtype)
+    tensors = {t.name: t for t in open_gguf(str(path)).tensors}
+    for mode, keep in (("none", False), ("gguf", False), ("gguf", True), ("int8", False)):
+        model, _ = load_model(str(path), torch.bfloat16, weight_quant=mode, keep_dense=keep)
+        s = model.weight_quant_summary
+        assert weight_bytes(tensors, LlamaForCausalLM.layer_tensors, mode, 2, keep) == s.pack_bytes + s.dense_bytes
+
+
+def test_kv_size_what_fits(capsys):
+    from click.testing import CliRunner
+
+    from llmd.daemon.cli.main import main
+
+    out = CliRunner().invoke(main, ["kv-size", "--total-memory", "1GiB", "--context", "8192"]).output
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[2:]}
+    assert set(rows) == {"none", "auto", "gguf", "int8"}
+    assert float(rows["gguf"][0]) < float(rows["none"][0]) < float(rows["auto"][0])  # MiB of weights
+    assert float(rows["gguf"][2]) > float(rows["none"][2])  # more sequences fit beside smaller weights
