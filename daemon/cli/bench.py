@@ -197,6 +197,11 @@ def bench_step(batch, context, dtypes, backends, reps, bandwidth_mib, **engine_k
     sampling, beside the linears-only and KV-read floors (the KV pool is sized to fit)."""
     from llmd.daemon.bench.step import run_step_bench
 
+    if engine_kw.get("weight_quant") not in (None, "auto", "none"):
+        raise LlmdError("llmd bench step times the dense weights (its linears replay reads them); "
+                        "compare --weight-quant formats with `llmd bench single`")
+    engine_kw["weight_quant"] = "none"
+
     run_step_bench(engine_kw, dtypes, backends, batch, context, reps, bandwidth_mib, echo=click.echo)
 
 
