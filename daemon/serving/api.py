@@ -17,6 +17,9 @@ Endpoints (JSON unless noted):
   or ``{"messages"}`` → ``{"tokens", "count"}``, parsed and limited as for generation and
   tokenized by the same input processor. ``POST /v1/shutdown``: graceful stop (what
   ``llmd stop`` calls; same as SIGTERM).
+* ``GET /v1/debug/integrity``: only when ``LLMD_DEBUG_ROUTES=1`` is in the daemon's
+  environment (a test hook): the KV manager's ``check_integrity()`` run between two steps,
+  the per-request tables' sizes and the fault injector's counts; 500 when an invariant fails.
 
 Off the event loop: bodies over ``JSON_OFF_LOOP_BYTES`` are decoded on a worker thread, and
 prompts are tokenized on the engine loop's tokenizer pool; streams are written through
@@ -58,6 +61,7 @@ from llmd.daemon.serving.validation import ApiError, parse_prompt, parse_request
 log = logging.getLogger("llmd.server")
 MAX_BODY_BYTES = 8 * 2**20
 JSON_OFF_LOOP_BYTES = 64 * 2**10  # bodies above this are decoded on a worker thread (8 MiB: ~40 ms)
+DEBUG_ROUTES_ENV = "LLMD_DEBUG_ROUTES"  # "1": also serve GET /v1/debug/integrity (tests only)
 
 
 @dataclass
@@ -313,6 +317,13 @@ async def tokenize(request: web.Request) -> web.Response:
     return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": st.max_model_len})
 
 
+async def debug_integrity(request: web.Request) -> web.Response:
+    """The KV manager's audit between two steps (:meth:`EngineLoop.check_integrity`); 200 when
+    it holds, 500 naming the broken invariant. Registered only under ``LLMD_DEBUG_ROUTES=1``."""
+    report = await asyncio.wrap_future(request.app[STATE].engine_loop.check_integrity())
+    return web.json_response(report, status=200 if report["ok"] else 500)
+
+
 async def shutdown(request: web.Request) -> web.Response:
     request.app[STATE].shutdown.set()
     return web.json_response({"status": "shutting down"}, status=202)
@@ -336,4 +347,6 @@ def make_app(state: ServerState, access=None) -> web.Application:
     app.router.add_post("/v1/cache/reset", reset_cache)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/v1/shutdown", shutdown)
+    if os.environ.get(DEBUG_ROUTES_ENV) == "1":  # test hooks (the soak test); absent in production
+        app.router.add_get("/v1/debug/integrity", debug_integrity)
     return app

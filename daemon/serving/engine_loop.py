@@ -198,6 +198,16 @@ class EngineLoop:
         self._cmds.put(("abort_all", fut))
         return fut
 
+    def check_integrity(self) -> cf.Future:
+        """Audit the KV manager between two steps (``GET /v1/debug/integrity``, a test hook).
+        Future → ``{"ok", "error", "live", "faults_fired"}``: ``error`` is the failed
+        invariant of :func:`~llmd.daemon.kv.integrity.check_integrity` (None when ``ok``), ``live``
+        the sizes of the per-request tables (all 0 when idle), ``faults_fired`` the fault
+        injector's counts (None without one)."""
+        fut: cf.Future = cf.Future()
+        self._cmds.put(("check_integrity", fut))
+        return fut
+
     def snapshot(self) -> dict:
         """The latest stats snapshot (a dict in the ``protocol.py`` schema; do not mutate)."""
         return self._snapshot
@@ -278,6 +288,9 @@ class EngineLoop:
                 raise cmd[1]
             elif kind == "reset_prefix_cache":
                 result = self.engine.reset_prefix_cache()
+            elif kind == "check_integrity":
+                _resolve(fut, result=self._integrity())
+                return
             else:  # abort_all
                 result = self._abort_ids(list(self._sinks))
             self._changed |= bool(result)  # an unknown id's abort (False) changes nothing
@@ -288,6 +301,18 @@ class EngineLoop:
         except Exception as e:  # a bug must not kill the loop
             log.exception("engine command %s failed", kind)
             _resolve(fut, exc=e)
+
+    def _integrity(self) -> dict:
+        eng = self.engine
+        try:
+            eng.kv_manager.check_integrity()
+            error = None
+        except AssertionError as e:
+            error = str(e) or "assertion failed"
+        live = {"sinks": len(self._sinks), "engine_requests": len(eng.requests), "detokenizers": len(eng.detokenizers),
+                "kv_tables": len(eng.kv_manager.req_to_blocks), "used_blocks": eng.kv_manager.num_used_blocks}
+        fired = dict(eng.faults.fired) if eng.faults is not None else None
+        return {"ok": error is None, "error": error, "live": live, "faults_fired": fired}
 
     def _submit(self, parent_id, prompt, params, n, sink, cache_salt=None, priority=0):
         # one prompt, n sequences: prefilled once, then forked (parallel sampling)
