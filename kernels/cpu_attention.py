@@ -296,6 +296,9 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, 
     for i, (members, g) in enumerate(plan.decodes):
         idx = plan.decode_idx if members is None else plan.decode_idx[members]
         nd = idx.shape[0]
+        if g.bias.shape[-1] == 0:  # a bucket of padded rows only (seq_len 0, a padded CUDA-graph step): no key
+            out.index_fill_(0, idx, 0.0)
+            continue
         k, v, ks, vs = _gather_kv(plan, f"d{i}", cache, g.rows, g.bias.shape[-1], cdt)
         qd = q.index_select(0, idx).view(nd * kv_heads, group, head_dim)
         o = _attend(plan, f"d{i}", qd, k, v, g, scale, ks, vs).view(nd, num_heads, head_dim)

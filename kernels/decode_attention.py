@@ -40,7 +40,7 @@ def _decode_split_kernel(
     ks_ptr,  # [num_blocks, block_size, num_kv_heads] float32 K scales (unused unless QUANT)
     vs_ptr,  # [num_blocks, block_size, num_kv_heads] float32 V scales
     bt_ptr,  # [B, max_blocks] int32 block tables
-    seq_lens_ptr,  # [B] int32 context lengths (tokens)
+    seq_lens_ptr,  # [B] int32 context lengths (tokens; 0 = a padded row: output 0)
     acc_ptr,  # [B, num_heads, num_splits, HEAD_DIM] float32 unnormalized partial outputs
     m_ptr,  # [B, num_heads, num_splits] float32 partial running max (log-domain)
     l_ptr,  # [B, num_heads, num_splits] float32 partial running sums
@@ -58,6 +58,10 @@ def _decode_split_kernel(
     kvh = tl.program_id(1).to(tl.int64)
     sp = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
+    # split_len 0: this sequence's own split length, num_splits equal parts of its context rounded up to
+    # BLOCK_N (a CUDA graph's fixed grid serves every context; a padded row, seq_len 0, gets no token)
+    own = ((seq_len + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    split_len = tl.where(split_len > 0, split_len, own)
     lo = sp * split_len
     hi = tl.minimum(lo + split_len, seq_len)
     if USE_WINDOW:
@@ -127,10 +131,11 @@ def decode_options(dtype: torch.dtype) -> dict:
 def decode_launches(
     query: torch.Tensor, cache: PagedKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
     scale: float, sliding_window: int | None = None, num_splits: int | None = None, block_n: int = DECODE_BLOCK_N,
-    capability: int | None = None,
+    capability: int | None = None, per_seq_splits: bool = False,
 ) -> tuple[torch.Tensor, list[Launch]]:
     """The output tensor and the launches :func:`paged_decode_attention` runs (split kernel, then
-    the merge unless there is one split). ``capability`` defaults to the device's."""
+    the merge unless there is one split). ``capability`` defaults to the device's; ``per_seq_splits``
+    passes split length 0 (each program derives its sequence's own from ``seq_lens`` on the device)."""
     bsz, nh, hd = query.shape
     data = cache.data
     nkv = data.shape[3]
@@ -139,7 +144,7 @@ def decode_launches(
     group = nh // nkv
     query = query.contiguous()
     splits = num_splits or num_decode_splits(max_seq_len, block_n)
-    split_len = triton.cdiv(triton.cdiv(max_seq_len, splits), block_n) * block_n
+    split_len = 0 if per_seq_splits else triton.cdiv(triton.cdiv(max_seq_len, splits), block_n) * block_n
     dev = query.device
     out = torch.empty_like(query)
     direct = splits == 1
@@ -165,7 +170,7 @@ def decode_launches(
 def paged_decode_attention(
     query: torch.Tensor, cache: PagedKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
     scale: float, sliding_window: int | None = None, num_splits: int | None = None, block_n: int = DECODE_BLOCK_N,
-    capability: int | None = None,
+    capability: int | None = None, per_seq_splits: bool = False,
 ) -> torch.Tensor:
     """Decode attention over the paged cache.
 
@@ -173,15 +178,20 @@ def paged_decode_attention(
         query: ``[B, num_heads, head_dim]`` (one token per sequence; head_dim a power of 2 in 16..256).
         cache: the layer's :class:`PagedKVCache` (this step's K/V already stored).
         block_tables: ``[B, max_blocks]`` int32; seq_lens: ``[B]`` int32 context lengths.
-        max_seq_len: ``max(seq_lens)`` as a Python int (sizes the splits; no device sync).
-        num_splits: split-KV factor (None = :func:`num_decode_splits`).
+        max_seq_len: ``max(seq_lens)`` as a Python int (sizes the splits; no device sync), or any
+            bound on it (a CUDA graph passes ``--max-model-len``).
+        num_splits: split-KV factor (None = :func:`num_decode_splits` of ``max_seq_len``).
         capability: compute capability to launch for (None = the device's; tests force 80 under
             the interpreter to run the software e4m3 path).
+        per_seq_splits: the grid keeps ``num_splits`` splits per sequence, but each sequence's
+            split length is ``ceil(ceil(seq_len / num_splits) / block_n) * block_n`` computed on
+            the device instead of one host value from ``max_seq_len`` (CUDA-graph decode:
+            arguments fixed at capture, any context up to ``max_seq_len`` at replay).
     Returns:
         ``[B, num_heads, head_dim]`` in ``query.dtype``.
     """
     out, launches = decode_launches(query, cache, block_tables, seq_lens, max_seq_len, scale, sliding_window,
-                                    num_splits, block_n, capability)
+                                    num_splits, block_n, capability, per_seq_splits)
     for launch in launches:
         launch()
     return out

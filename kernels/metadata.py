@@ -30,6 +30,10 @@ class AttentionMetadata:
             the per-sequence oracle) or "triton" (the Triton kernels).
         plans: per-step derived data a backend builds once for all layers of the group (e.g. the
             cpu backend's gather indices and masks), keyed by the backend; empty when built.
+        decode_max_seq_len: None, or a fixed bound on ``seq_lens`` (tokens) for a decode step
+            captured as a CUDA graph (``llmd.daemon.core.cuda_graphs``): the triton decode then
+            takes its split count from this bound (``--max-model-len``) and each sequence's split
+            length from ``seq_lens`` on the device, so no launch argument depends on the step.
     """
 
     slot_mapping: torch.Tensor
@@ -41,6 +45,7 @@ class AttentionMetadata:
     block_size: int
     attn_backend: str = "torch"
     plans: dict = field(default_factory=dict, repr=False, compare=False)
+    decode_max_seq_len: int | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -46,8 +46,10 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, 
     if max(meta.query_lens_cpu) == 1:
         from llmd.kernels.decode_attention import paged_decode_attention
 
-        return paged_decode_attention(query, cache, meta.block_tables, meta.seq_lens, max(meta.seq_lens_cpu),
-                                      scale, sliding_window)
+        fixed = meta.decode_max_seq_len  # a captured decode: splits from the bound, lengths on the device
+        return paged_decode_attention(query, cache, meta.block_tables, meta.seq_lens,
+                                      fixed or max(meta.seq_lens_cpu), scale, sliding_window,
+                                      per_seq_splits=fixed is not None)
     from llmd.kernels.prefill_attention import paged_prefill_attention
 
     return paged_prefill_attention(query, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,

@@ -83,9 +83,15 @@ def engine_options(fn):
         click.option("--device", default=None, help="cpu or cuda (default: cuda if available)."),
         click.option("--block-size", default=16, show_default=True, type=int, help="Tokens per KV block."),
         click.option("--kv-cache-memory", default=None, callback=parse_bytes_option,
-                     help="KV cache size, e.g. 512MiB (default: 512MiB on CPU, 80% of free memory on CUDA)."),
-        click.option("--max-num-seqs", default=64, show_default=True, type=int,
-                     help="Sequences running at once at most."),
+                     help="KV cache size, e.g. 512MiB (default: 512MiB on CPU; on CUDA what "
+                          "--gpu-memory-utilization leaves)."),
+        click.option("--gpu-memory-utilization", default=0.9, show_default=True, type=float,
+                     help="CUDA: fraction of the device's total memory for weights + activations + KV cache "
+                          "(vLLM's meaning); the KV cache gets what is left."),
+        click.option("--enforce-eager", is_flag=True, default=False,
+                     help="CUDA: no CUDA graphs for decode steps (vLLM's flag); every step runs eagerly."),
+        click.option("--max-num-seqs", default=None, type=int,
+                     help="Sequences running at once at most (default: 256 on CUDA, 64 on CPU)."),
         click.option("--max-num-batched-tokens", default=None, type=int,
                      help="Token budget per step (default: 512 on CPU, 4096 on CUDA)."),
         click.option("--max-model-len", default=None, type=int, help="Context cap in tokens (default: the model's)."),

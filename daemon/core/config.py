@@ -14,7 +14,8 @@ ATTENTION_BACKENDS = ("cpu", "torch", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy values
 WEIGHT_QUANT_CHOICES = ("auto", "none", "gguf", "int8")  # llmd.models.weight_quant modes, and auto
 DEFAULT_KV_CACHE_MEMORY_CPU = 512 * 1024**2  # bytes
-CUDA_KV_CACHE_FRACTION = 0.8  # of free device memory after the weights are loaded
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
+MAX_NUM_SEQS_CPU, MAX_NUM_SEQS_CUDA = 64, 256
 
 
 @dataclass
@@ -30,10 +31,17 @@ class EngineConfig:
             ``llmd bench kv-quality --dtype float64`` comparison with HF transformers.
         device: "cpu" / "cuda"; ``None`` picks CUDA when available.
         block_size: tokens per KV block.
-        kv_cache_memory: bytes for the KV cache; ``None`` = 512 MiB on CPU, 80 % of free
-            memory on CUDA.
-        max_num_seqs: sequences running at once at most (default 64: on the 2-core CPU the
-            mixed peer workload ran 1.21x faster than at 32, TTFT p50 0.64x, TPOT p50 1.36x).
+        kv_cache_memory: bytes for the KV cache; ``None`` = 512 MiB on CPU, on CUDA what
+            ``gpu_memory_utilization`` leaves (:mod:`llmd.daemon.core.gpu_memory`).
+        gpu_memory_utilization: fraction (0, 1] of the device's total memory the engine may use
+            for weights, activations and KV cache together (vLLM's ``--gpu-memory-utilization``,
+            default 0.9); the KV cache gets what is left after the memory already in use and the
+            activation estimate. CUDA only; ignored when ``kv_cache_memory`` is given.
+        enforce_eager: no CUDA graphs, every step eager (vLLM's ``--enforce-eager``); graphs are
+            captured only on CUDA with the triton backend.
+        max_num_seqs: sequences running at once at most; ``None`` = 256 on CUDA (nano-vllm's
+            workload), 64 on CPU (on the 2-core CPU the mixed peer workload ran 1.21x faster than
+            at 32, TTFT p50 0.64x, TPOT p50 1.36x).
         max_num_batched_tokens: token budget of one step (tokens); ``None`` = 512 on CPU,
             4096 on CUDA.
         max_model_len: context cap (prompt + output tokens); ``None`` = the model's trained length.
@@ -70,7 +78,9 @@ class EngineConfig:
     device: str | None = None
     block_size: int = 16
     kv_cache_memory: int | None = None
-    max_num_seqs: int = 64
+    max_num_seqs: int | None = None
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    enforce_eager: bool = False
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     kv_cache_dtype: str = "auto"
@@ -107,6 +117,10 @@ class EngineConfig:
             self.max_num_batched_tokens = 4096 if on_cuda else 512
         if self.max_prefill_chunk is None:
             self.max_prefill_chunk = self.max_num_batched_tokens
+        if self.max_num_seqs is None:
+            self.max_num_seqs = MAX_NUM_SEQS_CUDA if on_cuda else MAX_NUM_SEQS_CPU
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise LlmdError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "max_num_waiting"):
             if getattr(self, name) < 1:
                 raise LlmdError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

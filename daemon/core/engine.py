@@ -28,10 +28,11 @@ import time
 
 import torch
 
-from llmd.daemon.core.config import CUDA_KV_CACHE_FRACTION, DEFAULT_KV_CACHE_MEMORY_CPU, DTYPES, EngineConfig
+from llmd.daemon.core.config import DEFAULT_KV_CACHE_MEMORY_CPU, DTYPES, EngineConfig
 from llmd.daemon.core.detokenizer import IncrementalDetokenizer
 from llmd.daemon.core.errors import LlmdError, RequestError, ServerBusyError
 from llmd.daemon.core.faults import FaultInjector
+from llmd.daemon.core.gpu_memory import activation_bytes, cuda_kv_cache_bytes
 from llmd.daemon.core.input_processor import InputProcessor, ProcessedPrompt, Prompt
 from llmd.daemon.core.kv_size import group_summary, kv_cache_block_bytes, kv_cache_bytes_per_token
 from llmd.daemon.core.model_runner import ModelRunner
@@ -126,8 +127,11 @@ class Engine:
                                                 self.config.kv_cache_dtype, kv_dtype)
         memory = config.kv_cache_memory
         if memory is None:
-            if self.config.device.startswith("cuda"):
-                memory = int(torch.cuda.mem_get_info()[0] * CUDA_KV_CACHE_FRACTION)
+            if self.config.device.startswith("cuda"):  # --gpu-memory-utilization of the device's total
+                free, total = torch.cuda.mem_get_info(torch.device(self.config.device))
+                act = activation_bytes(cfg, self.config.max_num_batched_tokens, self.config.max_num_seqs,
+                                       kv_dtype.itemsize, not self.config.enforce_eager)
+                memory = cuda_kv_cache_bytes(self.config.gpu_memory_utilization, total, free, act)
             else:
                 memory = DEFAULT_KV_CACHE_MEMORY_CPU
         self.num_blocks = num_kv_blocks(memory, config.block_size, self.block_bytes)
@@ -145,7 +149,7 @@ class Engine:
             model, self.num_blocks, config.block_size, kv_dtype, self.config.device,
             self.config.kv_cache_dtype, self.config.kv_scales, self.config.attention_backend, self.kv_cache_groups,
             max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
+            max_model_len=self.max_model_len, cuda_graphs=not self.config.enforce_eager,
         )
         self.input_processor = InputProcessor(tokenizer, cfg.vocab_size, self.max_model_len)
         self.parallel = ParallelRequests()

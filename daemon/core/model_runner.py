@@ -4,15 +4,19 @@ Owns the paged KV cache tensors (one per layer, allocated once; int8/fp8 caches 
 scales beside the data, see :mod:`llmd.quant.kv`) and turns each step's
 :class:`SchedulerOutput` into input ids, positions, the slot mapping and padded block tables
 (:mod:`llmd.daemon.core.input_batch`: vector ops into persistent buffers, vLLM v1
-``gpu_model_runner.py`` ``_prepare_inputs``; nano-vllm ``model_runner.py``).
+``gpu_model_runner.py`` ``_prepare_inputs``; nano-vllm ``model_runner.py``). Decode-only steps
+replay CUDA graphs on CUDA with the triton backend unless ``--enforce-eager``
+(:mod:`llmd.daemon.core.cuda_graphs`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
 
+from llmd.daemon.core.cuda_graphs import DecodeGraphs
 from llmd.daemon.core.errors import LlmdError
 from llmd.daemon.core.input_batch import InputBatch
 from llmd.daemon.core.outputs import ScheduledRequest, SchedulerOutput
@@ -44,6 +48,8 @@ class ModelRunner:
         kv_cache_groups: the KV cache groups (default: every layer in one full-attention group).
         max_num_seqs, max_num_batched_tokens, max_model_len: size the persistent input buffers
             (:class:`~llmd.daemon.core.input_batch.InputBatch`; they grow if a step needs more).
+        cuda_graphs: capture decode steps as CUDA graphs after the kernel warm-up (CUDA and the
+            triton backend only; elsewhere ignored). ``--enforce-eager`` turns it off.
 
     Attributes:
         caches: the ``group_size`` physical caches; layer ``k`` of every group uses ``caches[k]``
@@ -51,12 +57,17 @@ class ModelRunner:
         layer_caches: per layer, the :class:`PagedKVCache` (data + scales + format) the model reads.
         kv_caches: per layer, the data tensor ``[2, num_blocks, block_size, kv_heads, head_dim]``.
         kv_scales: per layer, float32 ``[2, num_blocks, block_size, kv_heads]`` or None (auto).
+        decode_graphs: the :class:`DecodeGraphs` padded decode path, or None (eager steps).
+        measure_device_wait: when set (benchmarks), each graph step synchronizes once after the
+            forward and the logits and adds the seconds it waited to ``device_wait_s``, so a
+            step's host time is its wall time minus that wait.
     """
 
     def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device: str | torch.device,
                  kv_cache_dtype: str = "auto", kv_scales: tuple[float, float] | None = None,
                  attention_backend: str = "torch", kv_cache_groups: list[KVCacheGroupSpec] | None = None,
-                 max_num_seqs: int = 32, max_num_batched_tokens: int = 256, max_model_len: int = 2048):
+                 max_num_seqs: int = 32, max_num_batched_tokens: int = 256, max_model_len: int = 2048,
+                 cuda_graphs: bool = False):
         self.model = model
         self.config: ModelConfig = model.config
         self.block_size = block_size
@@ -74,8 +85,33 @@ class ModelRunner:
         self.inputs = InputBatch(len(self.groups), block_size, self.device, attention_backend, max_num_seqs,
                                  max_num_batched_tokens, -(-max_model_len // block_size))
         self.num_warmed_up = 0  # Triton variants compiled at start-up (CUDA + triton backend only)
+        self.decode_graphs: DecodeGraphs | None = None
+        self.measure_device_wait, self.device_wait_s = False, 0.0
+        self._graph_limits = (max_num_seqs, max_model_len)
         if attention_backend == "triton" and self.device.type == "cuda":
             self.num_warmed_up = self.warm_up_kernels(kv_dtype, kv_cache_dtype, kv_scales is not None, max_model_len)
+            if cuda_graphs:
+                self.enable_decode_graphs(capture=True)
+
+    def enable_decode_graphs(self, capture: bool) -> int:
+        """Route decode-only steps through :class:`DecodeGraphs` (padded static inputs); with
+        ``capture`` (CUDA only) capture every bucket's graph now. Returns the graphs captured (0
+        without ``capture``: the padded steps then run eagerly, as tests do on CPU).
+
+        Raises:
+            LlmdError: a capture failed (one line with CUDA's error).
+        """
+        max_num_seqs, max_model_len = self._graph_limits
+        graphs = DecodeGraphs(self.model, self.layer_caches, self.layer_group, len(self.groups), self.block_size,
+                              max_num_seqs, max_model_len, self.device, self.attention_backend)
+        self.host_inputs = InputBatch(len(self.groups), self.block_size, "cpu", self.attention_backend,
+                                      max_num_seqs, max_num_seqs, -(-max_model_len // self.block_size))
+        try:
+            captured = graphs.capture() if capture else 0
+        except RuntimeError as e:
+            raise LlmdError(f"CUDA graph capture failed ({e}); --enforce-eager runs without graphs") from None
+        self.decode_graphs = graphs
+        return captured
 
     def warm_up_kernels(self, model_dtype: torch.dtype, kv_cache_dtype: str, static_scales: bool,
                         max_model_len: int) -> int:
@@ -138,8 +174,14 @@ class ModelRunner:
         ``[num_sampling_seqs, vocab]`` float32 logits of the last position of every sequence
         with ``sample=True`` (batch order), on the model's device (a GPU samples them there)."""
         self.copy_blocks(out.blocks_to_copy)
-        input_ids, positions, meta, logits_indices = self.prepare_inputs(out)
-        hidden = self.model(input_ids, positions, self.layer_caches, meta)
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.accepts(out):
+            step = self.host_inputs.prepare(out)  # host tensors: the padded copies go to the static buffers
+            hidden = graphs.replay(step) if graphs.graphs else graphs.run_eager(step)
+            logits_indices = step.logits_indices
+        else:
+            input_ids, positions, meta, logits_indices = self.prepare_inputs(out)
+            hidden = self.model(input_ids, positions, self.layer_caches, meta)
         if not logits_indices:
             return torch.empty(0, self.config.vocab_size)
         first, last = logits_indices[0], logits_indices[-1]
@@ -147,7 +189,12 @@ class ModelRunner:
             hidden = hidden[first : last + 1]
         else:
             hidden = hidden[torch.tensor(logits_indices, device=hidden.device)]
-        return self.model.compute_logits(hidden).float()
+        logits = self.model.compute_logits(hidden).float()
+        if self.measure_device_wait and graphs is not None and graphs.graphs and self.device.type == "cuda":
+            t0 = time.perf_counter()
+            torch.cuda.synchronize(self.device)
+            self.device_wait_s += time.perf_counter() - t0
+        return logits
 
     @torch.inference_mode()
     def prefill_logits(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
