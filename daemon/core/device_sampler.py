@@ -148,12 +148,16 @@ def filter_mask_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: 
     return keep
 
 
-def sample_on_device(logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+def sample_on_device(logits: torch.Tensor, requests: Sequence[Request],
+                     masks: dict[int, torch.Tensor] | None = None) -> SamplerOutput:
     """Sample one token per row of ``logits [B, V]`` (any float dtype, any device) for ``requests``.
 
-    Row b samples output position ``requests[b].num_output_tokens``. Rows whose logits are not
-    usable (a NaN or +inf, or every entry -inf) and rows whose penalties name an out-of-range
-    token fail alone (:attr:`SamplerOutput.failed`). Returns the same structure as the host sampler.
+    Row b samples output position ``requests[b].num_output_tokens``. ``masks``: row → ``[V]``
+    bool (CPU) of the tokens its grammar allows (structured outputs; those rows alone are masked
+    to −inf after the penalties; logprobs stay raw). Rows whose logits are not usable (a NaN or
+    +inf, or every entry -inf), rows whose penalties name an out-of-range token and constrained
+    rows left with no allowed finite token fail alone (:attr:`SamplerOutput.failed`). Returns the
+    same structure as the host sampler.
     """
     n = len(requests)
     raw = logits.detach().to(torch.float32)
@@ -164,6 +168,10 @@ def sample_on_device(logits: torch.Tensor, requests: Sequence[Request]) -> Sampl
     if any(has_penalties(p) for p in params):
         apply_penalties_batched(work, requests, skip=failed.keys())
     dev = work.device
+    if masks:
+        rows = torch.tensor(list(masks), device=dev)
+        allowed = torch.stack(list(masks.values())).to(dev)
+        work[rows] = work[rows].masked_fill(~allowed, float("-inf"))
     temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
     greedy = temp == 0.0
     tokens = work.argmax(dim=-1)
@@ -203,6 +211,11 @@ def sample_on_device(logits: torch.Tensor, requests: Sequence[Request]) -> Sampl
             k = min(params[b].logprobs, len(lp_rows[1][i]))
             top = [(int(t), max(float(v), MIN_LOGPROB)) for t, v in zip(lp_rows[2][i][:k], lp_rows[1][i][:k])]
             logprobs[b] = TokenLogprobs(token_id=token_list[b], logprob=max(float(lp_rows[0][i]), MIN_LOGPROB), top=top)
+    if masks:
+        picked = work[rows, tokens[rows]].cpu().tolist()
+        for (b, m), v in zip(masks.items(), picked):
+            if not (bool(m[token_list[b]]) and v > float("-inf")):
+                failed.setdefault(b, "sampling failed: ValueError: the output grammar allows no token here")
     for b in failed:
         token_list[b], logprobs[b] = 0, None
     return SamplerOutput(sampled_token_ids=token_list, logprobs=logprobs, failed=failed)

@@ -33,6 +33,7 @@ from llmd.daemon.core.detokenizer import IncrementalDetokenizer
 from llmd.daemon.core.errors import LlmdError, RequestError, ServerBusyError
 from llmd.daemon.core.faults import FaultInjector
 from llmd.daemon.core.gpu_memory import activation_bytes, cuda_kv_cache_bytes
+from llmd.daemon.core.grammar import GrammarCompiler, GrammarState
 from llmd.daemon.core.input_processor import InputProcessor, ProcessedPrompt, Prompt
 from llmd.daemon.core.kv_size import group_summary, kv_cache_block_bytes, kv_cache_bytes_per_token
 from llmd.daemon.core.model_runner import ModelRunner
@@ -152,6 +153,7 @@ class Engine:
             max_model_len=self.max_model_len, cuda_graphs=not self.config.enforce_eager,
         )
         self.input_processor = InputProcessor(tokenizer, cfg.vocab_size, self.max_model_len)
+        self.grammars = GrammarCompiler(tokenizer.hf, cfg.vocab_size, tokenizer.eos_token_ids)  # structured outputs
         self.parallel = ParallelRequests()
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.last_scheduler_output: SchedulerOutput | None = None
@@ -248,8 +250,12 @@ class Engine:
 
     def add_parallel_request(self, prompt: Prompt, params: SamplingParams | None, request_ids: list[str],
                              cache_salt: str | None = None, priority: int = 0,
-                             parent_id: str | None = None) -> list[str]:
+                             parent_id: str | None = None, grammar=None) -> list[str]:
         """Queue ``len(request_ids)`` sequences of one prompt (parallel sampling, OpenAI ``n``).
+
+        ``params.structured`` constrains each sequence with its own grammar matcher; ``grammar``
+        is its compiled grammar when the caller compiled it already (the daemon, on its
+        tokenizer pool), else it is compiled here (:attr:`grammars`, cached per spec).
 
         The prompt is prefilled once; the siblings then share its blocks by reference count
         and sample with generators derived from (seed, sibling index, output position) (the
@@ -258,22 +264,26 @@ class Engine:
         Raises as :meth:`add_request`; every refusal counts in ``counters.requests_rejected``.
         """
         try:
-            return self._add(prompt, params or SamplingParams(), list(request_ids), cache_salt, priority, parent_id)
+            return self._add(prompt, params or SamplingParams(), list(request_ids), cache_salt, priority, parent_id,
+                             grammar)
         except LlmdError:
             self.counters.requests_rejected += 1
             raise
 
     def _add(self, prompt: Prompt, params: SamplingParams, request_ids: list[str], cache_salt: str | None,
-             priority: int, parent_id: str | None) -> list[str]:
+             priority: int, parent_id: str | None, grammar=None) -> list[str]:
         if parent_id is not None:
             self.parallel.check_new(parent_id)
         params.validate()
+        if params.structured is not None and grammar is None:
+            grammar = self.grammars.compile(params.structured)
         # a ProcessedPrompt comes from the engine loop's tokenizer thread (process() already ran there)
         processed = prompt if isinstance(prompt, ProcessedPrompt) else self.input_processor.process(prompt, params)
         ids = processed.token_ids
         eos = frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
         reqs = [Request(rid, list(ids), dataclasses.replace(params), eos_token_ids=eos, cache_salt=cache_salt,
-                        sibling_index=i, priority=priority) for i, rid in enumerate(request_ids)]
+                        sibling_index=i, priority=priority, grammar=None if grammar is None else GrammarState(grammar))
+                for i, rid in enumerate(request_ids)]  # each sibling its own matcher
         try:
             self.scheduler.add_request(reqs[0], reqs[1:])
         except RequestError as e:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from llmd.daemon.core.errors import RequestError
+from llmd.daemon.core.grammar import GrammarSpec, GrammarState
 
 
 class RequestStatus(enum.IntEnum):
@@ -64,6 +65,9 @@ class SamplingParams:
         ignore_eos: keep generating past the model's end-of-sequence tokens.
         logprobs: number of top logprobs to return per token (0 = only the chosen one),
             ``None`` for none. Logprobs are of the raw model distribution (vLLM's convention).
+        structured: a structured-output constraint (:class:`~llmd.daemon.core.grammar.GrammarSpec`:
+            JSON schema, JSON object, regex, EBNF grammar, choices) or ``None``; each request
+            built with it gets its own matcher (:attr:`Request.grammar`).
     """
 
     max_tokens: int | None = 16
@@ -79,6 +83,7 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -133,6 +138,8 @@ class Request:
         priority: scheduling priority, lower runs first (FCFS among equals); also the
             preemption order (largest value, then latest arrival, is preempted first).
         arrival_time: ``time.monotonic()`` at creation (seconds) unless given.
+        grammar: this sequence's own :class:`~llmd.daemon.core.grammar.GrammarState` (structured
+            outputs; the sampler masks its logits row with it), advanced by every appended token.
 
     Attributes:
         token_ids: prompt + generated tokens, one list (``all_token_ids`` is this list: no copy).
@@ -150,7 +157,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
                  eos_token_ids: frozenset[int] = frozenset(), output_token_ids: Sequence[int] = (), *,
                  cache_salt: str | None = None, sibling_index: int = 0, priority: int = 0,
-                 arrival_time: float | None = None):
+                 arrival_time: float | None = None, grammar: GrammarState | None = None):
         self.request_id = request_id
         self.token_ids: list[int] = [*prompt_token_ids, *output_token_ids]
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -168,6 +175,10 @@ class Request:
         self.followers: list[Request] = []
         self.priority = priority
         self.num_preemptions = 0
+        self.grammar = grammar
+        if grammar is not None:  # tokens generated already (tests) put the matcher where they end
+            for t in output_token_ids:
+                grammar.accept(t)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.num_prompt_tokens} prompt + {self.num_output_tokens} output "
@@ -210,3 +221,5 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = self.last_token_time
         self.token_ids.append(token_id)
+        if self.grammar is not None:  # the sampler only picks tokens the grammar allows
+            self.grammar.accept(token_id)

@@ -17,6 +17,12 @@ Pipeline per row (order as in vLLM's ``vllm/v1/sample/sampler.py`` and HF transf
    surviving tokens, and draw with the exponential race ``argmax(probs / q)``,
    ``q ~ Exp(1)`` i.i.d. (vLLM ``random_sample``; the Gumbel-max trick in disguise).
 
+Structured outputs: a row whose request has a grammar (:attr:`Request.grammar`) has every
+token its grammar does not allow set to −inf after the penalties (between steps 3 and 4), before
+greedy or temperature sampling; only those rows are masked (:func:`~llmd.daemon.core.grammar.allowed_tokens`),
+the others' logits are never touched. Logprobs stay those of the raw, unmasked distribution.
+A constrained row whose grammar allows no finite-logit token fails alone.
+
 Rows that cannot be sampled fail alone (:attr:`SamplerOutput.failed`, row → one-line
 reason), never the batch: a row whose logits are not usable (any NaN or +inf, or every
 entry −inf: e.g. float16 overflow in the model) is detected by one vectorized check per step
@@ -53,8 +59,8 @@ from llmd.daemon.core.request import Request, SamplingParams
 MIN_LOGPROB = -9999.0
 NON_FINITE = "the model produced non-finite logits (NaN or inf; e.g. float16 overflow)"
 
-__all__ = ["Sampler", "SamplerOutput", "TokenLogprobs", "apply_penalties", "filter_candidates", "is_plain_greedy",
-           "row_seed"]
+__all__ = ["Sampler", "SamplerOutput", "TokenLogprobs", "apply_penalties", "constrained_masks", "filter_candidates",
+           "is_plain_greedy", "row_seed"]
 
 
 @dataclass
@@ -175,6 +181,18 @@ def filter_candidates(logits: torch.Tensor, top_k: int, top_p: float,
     return idx
 
 
+def constrained_masks(requests: Sequence[Request], vocab: int) -> dict[int, torch.Tensor]:
+    """Row → ``[V]`` bool mask of the tokens its grammar allows, for the rows with a grammar
+    only (empty, and xgrammar never imported, when no request is constrained)."""
+    rows = [b for b, req in enumerate(requests) if req.grammar is not None]
+    if not rows:
+        return {}
+    from llmd.daemon.core.grammar import allowed_tokens
+
+    masks = allowed_tokens([requests[b].grammar for b in rows], vocab)
+    return {b: masks[i] for i, b in enumerate(rows)}
+
+
 def is_plain_greedy(params: SamplingParams) -> bool:
     """Greedy with no penalties and no logprobs: the token is ``argmax(raw logits)``, so such
     rows share one batched argmax (no per-row clone, penalty pass or generator)."""
@@ -206,13 +224,15 @@ class Sampler:
         if logits.device.type != "cpu":  # batched where the logits live; only ids and asked-for logprobs come back
             from llmd.daemon.core.device_sampler import sample_on_device
 
-            return sample_on_device(logits, requests)
+            return sample_on_device(logits, requests, constrained_masks(requests, logits.shape[1]))
         cpu = logits.detach().to(device="cpu", dtype=torch.float32)
         n = len(requests)
         tokens: list[int] = [0] * n
         logprobs: list[TokenLogprobs | None] = [None] * n
-        plain = [b for b, req in enumerate(requests) if is_plain_greedy(req.sampling_params)]
-        rest = [b for b in range(n) if not is_plain_greedy(requests[b].sampling_params)] if len(plain) < n else []
+        masks = constrained_masks(requests, cpu.shape[1])
+        plain = [b for b, req in enumerate(requests) if is_plain_greedy(req.sampling_params) and b not in masks]
+        plain_set = set(plain)
+        rest = [b for b in range(n) if b not in plain_set] if len(plain) < n else []
         peaks = np.empty(n, dtype=np.float32)  # each row's maximum: finite iff the row is usable
         if plain:  # one argmax for all of them: exact, first index on ties (NaN first), as row by row;
             # numpy's argmax is vectorized (4 us for 49k floats here, torch's CPU argmax 43 us)
@@ -228,23 +248,30 @@ class Sampler:
             if b in failed:
                 continue
             try:  # clone(): a fresh contiguous buffer per row, so no kernel sees batch layout.
-                tokens[b], logprobs[b] = self.sample_row(cpu[b].clone(), requests[b])
+                tokens[b], logprobs[b] = self.sample_row(cpu[b].clone(), requests[b], masks.get(b))
             except Exception as e:  # this row's request fails; the batch goes on
                 failed[b] = f"sampling failed: {type(e).__name__}: {e}"
         return SamplerOutput(sampled_token_ids=tokens, logprobs=logprobs, failed=failed)
 
     @staticmethod
-    def sample_row(row: torch.Tensor, req: Request) -> tuple[int, TokenLogprobs | None]:
+    def sample_row(row: torch.Tensor, req: Request,
+                   allowed: torch.Tensor | None = None) -> tuple[int, TokenLogprobs | None]:
         """Sample one token for ``req`` from ``row`` (``[V]`` float32 CPU; consumed).
 
+        ``allowed``: ``[V]`` bool, the tokens its grammar allows (structured outputs), or None.
         Returns ``(token_id, TokenLogprobs | None)``; see the module docstring for the order.
         A ``seed`` of ``None`` (never the case after ``SamplingParams.__post_init__``) acts as 0.
+
+        Raises:
+            ValueError: the grammar allows no token with a finite logit.
         """
         params = req.sampling_params
         raw_logprobs = torch.log_softmax(row, dim=-1) if params.logprobs is not None else None
 
         n, history = req.num_prompt_tokens, req.token_ids
         logits = apply_penalties(row, params, history[:n], history[n:]) if has_penalties(params) else row
+        if allowed is not None:
+            logits.masked_fill_(~allowed, float("-inf"))
         if params.temperature == 0.0:
             token = int(torch.argmax(logits))
         else:
@@ -259,6 +286,8 @@ class Sampler:
             q.clamp_min_(torch.finfo(torch.float32).tiny)  # no 0/0 on a zero-probability token
             j = int(torch.argmax(probs / q))
             token = j if idx is None else int(idx[j])
+        if allowed is not None and not (bool(allowed[token]) and logits[token] > float("-inf")):
+            raise ValueError("the output grammar allows no token here")
 
         if raw_logprobs is None:
             return token, None

@@ -270,6 +270,8 @@ class Scheduler:
         if (not sp.ignore_eos and token in req.eos_token_ids) or token in sp.stop_token_ids:
             req.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
+        if req.grammar is not None and req.grammar.is_terminated:  # its stop token, under ignore_eos
+            return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
