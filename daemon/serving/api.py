@@ -188,7 +188,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             raise engine_error(e, chat) from None
         tok = st.engine_loop.engine.tokenizer.hf
         text_of = (lambda i: f"token_id:{i}") if parsed.tokens_as_ids else _token_text(tok)
-        builder = ResponseBuilder(rid, st.model_id, chat, parsed.n, parsed.logprobs, text_of)
+        builder = ResponseBuilder(rid, st.model_id, chat, parsed.n, parsed.logprobs, text_of, parsed.tool_calling)
         builder.num_prompt_tokens = n_prompt
         if parsed.stream:
             try:

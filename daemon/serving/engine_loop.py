@@ -147,8 +147,9 @@ class EngineLoop:
         carries its ``index``).
 
         ``prompt`` is text, token ids, or a list of chat messages (rendered with the model's
-        template); it is tokenized and length-checked on the tokenizer pool, then queued for
-        the engine thread as token ids. The future resolves to ``(child_ids,
+        template); it is tokenized and length-checked on the tokenizer pool, and a structured-
+        output constraint (``params.structured``) compiled there too (cached per spec), then
+        queued for the engine thread as token ids. The future resolves to ``(child_ids,
         num_prompt_tokens)`` or raises :class:`LlmdError` (nothing was queued then).
         Cancelling the future before the engine thread takes it drops the request.
         """
@@ -162,9 +163,14 @@ class EngineLoop:
             if exc is not None:  # counted and resolved by the engine thread, in order
                 self._cmds.put(("rejected", exc, fut))
             else:
-                self._cmds.put(("submit", parent_id, done.result(), params, n, sink, cache_salt, priority, fut))
+                self._cmds.put(("submit", parent_id, *done.result(), params, n, sink, cache_salt, priority, fut))
 
-        self._on_tokenizer(lambda: self.engine.input_processor.process(prompt, params)).add_done_callback(queue_it)
+        def prepare():  # on the tokenizer thread: (ProcessedPrompt, compiled grammar or None)
+            processed = self.engine.input_processor.process(prompt, params)
+            spec = params.structured
+            return processed, None if spec is None else self.engine.grammars.compile(spec)
+
+        self._on_tokenizer(prepare).add_done_callback(queue_it)
         return fut
 
     def _on_tokenizer(self, fn: Callable) -> cf.Future:
@@ -314,11 +320,11 @@ class EngineLoop:
         fired = dict(eng.faults.fired) if eng.faults is not None else None
         return {"ok": error is None, "error": error, "live": live, "faults_fired": fired}
 
-    def _submit(self, parent_id, prompt, params, n, sink, cache_salt=None, priority=0):
-        # one prompt, n sequences: prefilled once, then forked (parallel sampling)
+    def _submit(self, parent_id, prompt, grammar, params, n, sink, cache_salt=None, priority=0):
+        # one prompt, n sequences: prefilled once, then forked (parallel sampling); each its own matcher
         children = self.engine.add_parallel_request(prompt, dataclasses.replace(params),
                                                     child_request_ids(parent_id, n), cache_salt, priority,
-                                                    parent_id=parent_id)
+                                                    parent_id=parent_id, grammar=grammar)
         for i, rid in enumerate(children):
             self._sinks[rid], self._index[rid] = sink, i
         self.num_live += len(children)

@@ -11,6 +11,12 @@ penalties, temperature, top-k/top-p; vLLM's convention), in each endpoint's shap
   within the concatenated token texts);
 * ``/v1/chat/completions``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs":
   [{"token", "logprob", "bytes"}]}]}``.
+
+Tool calls (``tool_choice`` required or a named function; ``structured.py``): a chat reply that
+completes its grammar answers ``message: {"role": "assistant", "content": null, "tool_calls":
+[...]}`` with ``finish_reason: "tool_calls"``; streamed, the text is held back and the last
+chunk of the choice carries the whole ``tool_calls`` delta (each call with its ``index``). A
+reply cut by ``max_tokens`` keeps ``finish_reason: "length"`` and its text as ``content``.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from llmd.daemon.core.outputs import RequestOutput
+from llmd.daemon.serving.structured import ToolCalling, tool_calls
 
 
 @dataclass
@@ -43,11 +50,13 @@ class ResponseBuilder:
         n: number of choices.
         logprobs: top logprobs per token, or None when logprobs were not asked for.
         token_text: token id → its text (for logprobs).
+        tool_calling: report chat replies as ``tool_calls`` (see the module docstring), or None.
     """
 
     def __init__(self, request_id: str, model: str, chat: bool, n: int, logprobs: int | None,
-                 token_text: Callable[[int], str]):
+                 token_text: Callable[[int], str], tool_calling: ToolCalling | None = None):
         self.id, self.model, self.chat, self.logprobs = request_id, model, chat, logprobs
+        self.tool_calling = tool_calling if chat else None
         self.created = int(time.time())
         self.token_text = token_text
         self.choices = [_Choice() for _ in range(n)]
@@ -117,7 +126,9 @@ class ResponseBuilder:
 
     def delta_chunk(self, index: int, out: RequestOutput, with_usage: bool) -> dict | None:
         """The chunk for one output, or None when it carries nothing (text held back, no logprobs)."""
-        _, lp = self._absorb(index, out)
+        choice, lp = self._absorb(index, out)
+        if self.tool_calling is not None:
+            return self._tool_delta(index, choice, out, lp, with_usage)
         delta = out.new_text
         if not delta and lp is None and not out.finished:
             return None
@@ -127,6 +138,25 @@ class ResponseBuilder:
         else:
             body["text"] = delta
         return self._chunk([body], with_usage)
+
+    def _tool_delta(self, index: int, choice: _Choice, out: RequestOutput, lp, with_usage: bool) -> dict | None:
+        if not out.finished:
+            return None if lp is None else self._chunk([{"index": index, "delta": {}, "logprobs": lp,
+                                                         "finish_reason": None}], with_usage)
+        message, reason = self._message(choice)
+        calls = message.get("tool_calls")
+        delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]} if calls else \
+            {"content": message["content"]}
+        return self._chunk([{"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}], with_usage)
+
+    def _message(self, choice: _Choice) -> tuple[dict, str | None]:
+        """A chat choice's ``message`` and ``finish_reason`` (tool calls when they parse)."""
+        calls = None
+        if self.tool_calling is not None and choice.finish_reason == "stop":
+            calls = tool_calls(choice.text, self.tool_calling)
+        if calls:
+            return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+        return {"role": "assistant", "content": choice.text}, choice.finish_reason
 
     def usage_chunk(self) -> dict:
         """The final chunk of ``stream_options.include_usage``: empty choices plus usage."""
@@ -143,8 +173,8 @@ class ResponseBuilder:
         for i, c in enumerate(self.choices):
             if self.chat:
                 lp = {"content": c.content} if self.logprobs is not None else None
-                choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
-                                "logprobs": lp, "finish_reason": c.finish_reason})
+                message, reason = self._message(c)
+                choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
             else:
                 lp = None
                 if self.logprobs is not None:

@@ -10,7 +10,9 @@ Ranges follow the OpenAI API where it has one (temperature 0–2, penalties −2
 logprobs/top_logprobs 0–20) and vLLM's extras otherwise (top_k, min_p,
 repetition_penalty, ignore_eos, stop_token_ids). Unknown fields are ignored, as OpenAI
 clients send extras (``user``, ``metadata``); fields llmd cannot honour (``echo``,
-``best_of`` > n, ``suffix``, tools) are rejected rather than silently dropped.
+``best_of`` > n, ``suffix``, ``functions``) are rejected rather than silently dropped. Output
+constraints (``response_format``, ``structured_outputs`` / ``guided_*``, ``tools`` +
+``tool_choice``) are parsed by ``structured.py``.
 
 Size limits are checked here, on the event loop, before anything is tokenized or queued, and
 each is checked by counting *before* any per-element pass (a body of a million token ids is
@@ -62,6 +64,8 @@ class ParsedRequest:
             ``i`` draws from generators derived from (seed, i, output position) (``sampler.row_seed``).
         stream, include_usage: SSE streaming and a final usage chunk.
         logprobs: top logprobs per token (0 = only the chosen token), None = no logprobs.
+        tool_calling: set when ``tool_choice`` asks for a tool call (``structured.py``): the
+            reply is reported as ``tool_calls``; ``params.structured`` holds the constraint.
     """
 
     chat: bool
@@ -74,6 +78,7 @@ class ParsedRequest:
     tokens_as_ids: bool = False
     cache_salt: str | None = None
     priority: int = 0
+    tool_calling: object | None = None  # a structured.ToolCalling
 
 
 def json_type(v) -> str:
@@ -226,9 +231,12 @@ def parse_request(body, chat: bool, model_ids: tuple[str, ...], vocab_size: int,
     model = body.get("model")
     if model is not None and model not in model_ids:
         raise ApiError(f"model {_short(model)} is not served here; available: {', '.join(model_ids)}", "model")
-    for name in ("echo", "suffix", "tools", "functions", "response_format"):
-        if body.get(name) not in (None, False, "", [], {"type": "text"}):
+    for name in ("echo", "suffix", "functions"):
+        if body.get(name) not in (None, False, "", []):
             raise ApiError(f"{name} is not supported by llmd", name)
+    from llmd.daemon.serving.structured import parse_structured  # it imports this module's ApiError
+
+    structured, tool_calling = parse_structured(body, chat)
     prompt = parse_prompt(body, chat, vocab_size, max_model_len)
     n = _int(body, "n", 1, 1, MAX_N)
     best_of = _int(body, "best_of", None, 1, MAX_N)
@@ -274,9 +282,9 @@ def parse_request(body, chat: bool, model_ids: tuple[str, ...], vocab_size: int,
         frequency_penalty=_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
         presence_penalty=_float(body, "presence_penalty", 0.0, -2.0, 2.0),
         seed=seed, stop=stop, stop_token_ids=stop_ids,
-        ignore_eos=_bool(body, "ignore_eos"), logprobs=logprobs,
+        ignore_eos=_bool(body, "ignore_eos"), logprobs=logprobs, structured=structured,
     )
-    return ParsedRequest(chat=chat, prompt=prompt, params=params, n=n, stream=stream,
+    return ParsedRequest(chat=chat, prompt=prompt, params=params, n=n, stream=stream, tool_calling=tool_calling,
                          include_usage=include_usage, logprobs=logprobs,
                          tokens_as_ids=_bool(body, "return_tokens_as_token_ids"), cache_salt=_cache_salt(body),
                          priority=_int(body, "priority", 0, -(2**31), 2**31 - 1))

@@ -1,0 +1,178 @@
+"""Structured outputs and tool calls over HTTP: the in-process aiohttp app on an EngineLoop around
+the real SmolLM2 (float32). ``response_format`` (json_schema, json_object), vLLM's
+``structured_outputs`` / ``guided_*``, streaming with n > 1, ``tool_choice`` named and
+required (OpenAI ``tool_calls``), and the 400s for bad constraints (nothing queued)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import jsonschema
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from llmd.daemon.serving.api import ServerState, make_app
+from llmd.daemon.serving.engine_loop import EngineLoop
+
+pytestmark = pytest.mark.slow
+
+RATING = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                           "score": {"type": "integer", "minimum": 0, "maximum": 10}},
+          "required": ["color", "score"]}
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}]
+
+
+@pytest.fixture(scope="module")
+def engine_loop(make_engine):
+    loop = EngineLoop(make_engine(), "smollm2-135m").start()
+    yield loop
+    loop.stop()
+
+
+def run(engine_loop, scenario, timeout=120.0):
+    async def main():
+        eng = engine_loop.engine
+        state = ServerState(engine_loop=engine_loop, model_id="smollm2-135m", model_ids=("smollm2-135m",),
+                            vocab_size=eng.model_config.vocab_size, max_model_len=eng.max_model_len,
+                            shutdown=asyncio.Event())
+        async with TestClient(TestServer(make_app(state))) as client:
+            return await asyncio.wait_for(scenario(client), timeout)
+
+    return asyncio.run(main())
+
+
+def chat(text: str, **kw) -> dict:
+    return {"messages": [{"role": "user", "content": text}], "max_tokens": 48, "temperature": 0, **kw}
+
+
+async def events(resp) -> list:
+    out = []
+    async for line in resp.content:
+        line = line.strip()
+        if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
+            out.append(json.loads(line[5:]))
+    return out
+
+
+def test_json_schema_json_object_regex_and_streamed_n(engine_loop):
+    """Non-streamed json_schema and json_object replies parse (and validate); a streamed n = 2
+    sampled json_schema request joins to two valid replies per index; /v1/completions takes
+    ``structured_outputs.regex`` and ``guided_choice``."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "rating", "schema": RATING, "strict": True}}
+
+    async def scenario(client):
+        a = await (await client.post("/v1/chat/completions", json=chat("Rate the sky.", response_format=fmt))).json()
+        b = await (await client.post("/v1/chat/completions",
+                                     json=chat("Give a JSON object about cats.", max_tokens=24,
+                                               response_format={"type": "json_object"}))).json()
+        resp = await client.post("/v1/chat/completions", json=chat("Rate the sea.", response_format=fmt, n=2,
+                                                                   temperature=0.9, seed=5, stream=True))
+        streamed = await events(resp)
+        c = await (await client.post("/v1/completions", json={"prompt": "The year is", "max_tokens": 8,
+                                                              "temperature": 0,
+                                                              "structured_outputs": {"regex": "[0-9]{4}"}})).json()
+        d = await (await client.post("/v1/completions", json={"prompt": "Is water wet?", "max_tokens": 8,
+                                                              "guided_choice": ["yes", "no"]})).json()
+        return a, b, streamed, c, d
+
+    a, b, streamed, c, d = run(engine_loop, scenario)
+    assert a["choices"][0]["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(a["choices"][0]["message"]["content"]), RATING)
+    obj = b["choices"][0]
+    assert obj["message"]["content"].startswith("{")
+    if obj["finish_reason"] == "stop":  # a length cut keeps the truncated text
+        assert isinstance(json.loads(obj["message"]["content"]), dict)
+    texts, finish = {0: "", 1: ""}, {}
+    for ev in streamed:
+        for ch in ev["choices"]:
+            texts[ch["index"]] += ch["delta"].get("content") or ""
+            finish[ch["index"]] = ch["finish_reason"] or finish.get(ch["index"])
+    assert finish == {0: "stop", 1: "stop"}
+    for t in texts.values():
+        jsonschema.validate(json.loads(t), RATING)
+    assert len(c["choices"][0]["text"]) == 4 and c["choices"][0]["text"].isdigit()
+    assert d["choices"][0]["text"] in ("yes", "no") and d["choices"][0]["finish_reason"] == "stop"
+
+
+def test_tool_choice_named_and_required_return_tool_calls(engine_loop):
+    """A named function: one tool call whose arguments validate against its parameters
+    (finish_reason "tool_calls", content null), streamed as one tool_calls delta; "required":
+    calls of listed tools whose arguments validate."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+
+    async def scenario(client):
+        a = await (await client.post("/v1/chat/completions", json=chat("Weather in Paris?", tools=TOOLS,
+                                                                       tool_choice=named))).json()
+        resp = await client.post("/v1/chat/completions", json=chat("Weather in Rome?", tools=TOOLS, tool_choice=named,
+                                                                   stream=True))
+        streamed = await events(resp)
+        b = await (await client.post("/v1/chat/completions", json=chat("What time is it in UTC?", tools=TOOLS,
+                                                                       tool_choice="required", max_tokens=64,
+                                                                       parallel_tool_calls=False))).json()
+        return a, streamed, b
+
+    a, streamed, b = run(engine_loop, scenario)
+    choice = a["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_") and call["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER)
+    last = streamed[-1]["choices"][0]
+    assert last["finish_reason"] == "tool_calls"
+    assert not any(ch["delta"].get("content") for ev in streamed[:-1] for ch in ev["choices"])
+    (scall,) = last["delta"]["tool_calls"]
+    assert scall["index"] == 0 and scall["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(scall["function"]["arguments"]), WEATHER)
+    choice = b["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    (call,) = choice["message"]["tool_calls"]  # parallel_tool_calls false: exactly one
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[call["function"]["name"]]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"guided_regex": "([a-z"}, "guided_regex"),
+    ({"structured_outputs": {"grammar": "root ::= "}}, "structured_outputs.grammar"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_regex": "a+", "response_format": {"type": "json_object"}}, "guided_regex"),
+    ({"tools": TOOLS}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}], "tool_choice": "required"},
+     "tools[0].function.name"),
+])
+def test_bad_constraints_are_400_naming_the_field(engine_loop, extra, param):
+    """Each malformed or uncompilable constraint is a 400 whose ``param`` names the field;
+    nothing is queued (no request reaches the scheduler)."""
+    async def scenario(client):
+        resp = await client.post("/v1/chat/completions", json=chat("Hi", **extra))
+        return resp.status, await resp.json()
+
+    admitted = engine_loop.engine.counters.requests_finished.copy()
+    status, body = run(engine_loop, scenario)
+    assert status == 400 and body["error"]["param"] == param, body
+    assert param.split(".")[0].split("[")[0] in body["error"]["message"]
+    assert engine_loop.engine.counters.requests_finished == admitted and not engine_loop.engine.requests
+
+
+def test_tools_on_completions_are_refused(engine_loop):
+    async def scenario(client):
+        resp = await client.post("/v1/completions", json={"prompt": "Hi", "tools": TOOLS, "tool_choice": "required"})
+        return resp.status, await resp.json()
+
+    status, body = run(engine_loop, scenario)
+    assert status == 400 and body["error"]["param"] == "tools"
