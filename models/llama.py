@@ -31,12 +31,15 @@ class LlamaDecoderLayer(nn.Module):
     ``forward(x [T, hidden], rope (cos, sin) [T, 1, head_dim], kv_cache, meta) -> [T, hidden]``.
     """
 
+    qk_norm = False  # per-head RMSNorm of Q and K before RoPE (Qwen3)
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = PagedAttention(
             cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.layer_rope_theta(layer_idx), dtype,
             sliding_window=cfg.layer_window(layer_idx), scale=cfg.softmax_scale,
+            qk_norm_eps=cfg.rms_norm_eps if self.qk_norm else None,
         )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, "silu")

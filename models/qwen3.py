@@ -15,13 +15,9 @@ with NEOX (rotate-half) RoPE, like HF; only the ``llama`` architecture's convert
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
-from llmd.models.config import ModelConfig
 from llmd.models.decoder import DecoderForCausalLM
-from llmd.models.layers import GatedMLP, PagedAttention, RMSNorm
-from llmd.models.llama import LlamaForCausalLM
+from llmd.models.layers import RMSNorm
+from llmd.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 LAYER_TENSORS = {
     **LlamaForCausalLM.layer_tensors,
@@ -30,27 +26,14 @@ LAYER_TENSORS = {
 }
 
 
-class Qwen3DecoderLayer(nn.Module):
-    """One pre-norm Qwen3 block: ``x + attn(norm(x))`` (Q and K RMS-normed per head before
-    RoPE), then ``x + mlp(norm(x))`` (SwiGLU).
+class Qwen3DecoderLayer(LlamaDecoderLayer):
+    """One pre-norm Qwen3 block: Llama's (``x + attn(norm(x))``, then ``x + mlp(norm(x))``,
+    SwiGLU) with Q and K RMS-normed per head before RoPE.
 
     ``forward(x [T, hidden], rope (cos, sin) [T, 1, head_dim], kv_cache, meta) -> [T, hidden]``.
     """
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype):
-        super().__init__()
-        h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.input_layernorm = RMSNorm(h, eps, dtype)
-        self.self_attn = PagedAttention(
-            h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.layer_rope_theta(layer_idx), dtype,
-            sliding_window=cfg.layer_window(layer_idx), qk_norm_eps=eps, scale=cfg.softmax_scale,
-        )
-        self.post_attention_layernorm = RMSNorm(h, eps, dtype)
-        self.mlp = GatedMLP(h, cfg.intermediate_size, dtype, "silu")
-
-    def forward(self, x, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    qk_norm = True
 
 
 class Qwen3ForCausalLM(DecoderForCausalLM):
