@@ -229,3 +229,24 @@ def tool_calls(text: str, calling: ToolCalling) -> list[dict] | None:
         return None
     return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": n, "arguments": a}}
             for n, a in pairs]
+
+
+def tool_calls_text(calls, field: str) -> str:
+    """An earlier assistant turn's ``tool_calls`` as the text it stands for in the prompt (the
+    chat templates here render no tool calls): ``[{"name": ..., "parameters": {...}}]``, the
+    ``required`` reply format, so a client can send the conversation back after running a tool.
+
+    Raises:
+        ApiError: ``calls`` is not a list of ``{"function": {"name", "arguments"}}`` objects.
+    """
+    out = []
+    for i, c in enumerate(calls if isinstance(calls, list) else [None]):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not isinstance(f.get("arguments"), str):
+            raise ApiError(f"{field}[{i}] must be {{type: 'function', function: {{name, arguments}}}}", f"{field}[{i}]")
+        try:
+            args = json.loads(f["arguments"])
+        except json.JSONDecodeError:
+            args = f["arguments"]
+        out.append({"name": f["name"], "parameters": args})
+    return json.dumps(out, ensure_ascii=False)

@@ -185,6 +185,10 @@ def _messages(body: dict) -> list[dict]:
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
             raise ApiError(f"{where}.role must be one of {', '.join(ROLES)}, got {_short(role)}", f"{where}.role")
+        if role == "assistant" and content in (None, "") and m.get("tool_calls"):
+            from llmd.daemon.serving.structured import tool_calls_text
+
+            content = tool_calls_text(m["tool_calls"], f"{where}.tool_calls")
         if isinstance(content, list):  # [{"type": "text", "text": ...}]
             if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
                        for c in content):

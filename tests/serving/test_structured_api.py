@@ -104,7 +104,8 @@ def test_json_schema_json_object_regex_and_streamed_n(engine_loop):
 def test_tool_choice_named_and_required_return_tool_calls(engine_loop):
     """A named function: one tool call whose arguments validate against its parameters
     (finish_reason "tool_calls", content null), streamed as one tool_calls delta; "required":
-    calls of listed tools whose arguments validate."""
+    calls of listed tools whose arguments validate; the call sent back as an assistant turn
+    (content null) with the tool's result is accepted, a malformed one is a 400."""
     named = {"type": "function", "function": {"name": "get_weather"}}
 
     async def scenario(client):
@@ -116,9 +117,19 @@ def test_tool_choice_named_and_required_return_tool_calls(engine_loop):
         b = await (await client.post("/v1/chat/completions", json=chat("What time is it in UTC?", tools=TOOLS,
                                                                        tool_choice="required", max_tokens=64,
                                                                        parallel_tool_calls=False))).json()
-        return a, streamed, b
+        call = a["choices"][0]["message"]["tool_calls"][0]
+        turns = [{"role": "user", "content": "Weather in Paris?"},
+                 {"role": "assistant", "content": None, "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": call["id"], "content": "22 C, sunny"}]
+        back = await client.post("/v1/chat/completions", json={"messages": turns, "max_tokens": 4, "tools": TOOLS,
+                                                               "tool_choice": "none"})
+        turns[1]["tool_calls"] = [{"type": "function", "function": {"name": "get_weather"}}]
+        bad = await client.post("/v1/chat/completions", json={"messages": turns, "max_tokens": 4})
+        return a, streamed, b, (back.status, await back.json()), (bad.status, await bad.json())
 
-    a, streamed, b = run(engine_loop, scenario)
+    a, streamed, b, back, bad = run(engine_loop, scenario)
+    assert back[0] == 200 and isinstance(back[1]["choices"][0]["message"]["content"], str)  # the round trip
+    assert bad[0] == 400 and bad[1]["error"]["param"] == "messages[1].tool_calls[0]"
     choice = a["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     (call,) = choice["message"]["tool_calls"]
