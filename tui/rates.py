@@ -14,6 +14,15 @@ SERIES = [("prompt_tps", "prompt tok/s", "{:7.1f}"), ("gen_tps", "gen tok/s", "{
 POINTS = 120
 
 
+def spark_data(vals: list[float]) -> list[float]:
+    """What the sparkline draws for ``vals``. Textual scales bars from the data's minimum to its
+    maximum, so a constant series would sit at the bottom like zero: a constant non-zero one is
+    handed over as one point (drawn as full bars), one point ``v`` or none as ``[0, v]`` / ``[0]``."""
+    if vals and min(vals) == max(vals) != 0:
+        return vals[-1:]
+    return vals if len(vals) > 1 else [0.0] + vals
+
+
 class Rates(Vertical):
     """One row per series: a label with the latest value, then its sparkline."""
 
@@ -34,7 +43,7 @@ class Rates(Vertical):
         for key, label, fmt in SERIES:
             vals = history.series(key, min(POINTS, width))
             latest = fmt.format(vals[-1]) if vals else "      -"
-            text, data = f"{label:<12}{latest}", (vals if len(vals) > 1 else [0.0] + vals)
+            text, data = f"{label:<12}{latest}", spark_data(vals)
             if self._shown.get(key) != text:  # repaint only on change (a label update re-lays out)
                 self._shown[key] = text
                 self.query_one(f"#rate-label-{key}", Label).update(text)

@@ -81,7 +81,10 @@ def groups(stats) -> list[dict]:
 
 
 def windows_text(stats) -> str:
-    """Attention windows per group: ``full``, ``1 full + 5 × 512`` (or names when sizes are unknown)."""
+    """Attention windows per group: ``full``, ``1 full + 5 × 512`` (or names when sizes are unknown);
+    ``-`` (not shown) without a ``kv_cache`` in ``stats`` (no daemon yet: nothing is known)."""
+    if not isinstance(get(stats, "kv_cache"), dict):
+        return "-"
     full, windowed = 0, {}
     for g in groups(stats):
         w = g.get("sliding_window", g.get("window"))
