@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
+import tempfile
 
 import jsonschema
 import pytest
@@ -187,3 +190,53 @@ def test_tools_on_completions_are_refused(engine_loop):
 
     status, body = run(engine_loop, scenario)
     assert status == 400 and body["error"]["param"] == "tools"
+
+
+def test_openai_sdk_parse_and_tool_call_over_the_socket(engine_loop):
+    """The official ``openai`` SDK over a Unix socket (its httpx transport with ``uds``):
+    ``chat.completions.parse`` with a pydantic model (OpenAI's strict json_schema) returns a
+    parsed object, and a named tool call comes back as ``tool_calls``."""
+    openai = pytest.importorskip("openai")
+    base = openai._base_client
+    httpx = getattr(base, "httpx", None) or getattr(base, "httpx2")  # httpx, or the fork this SDK is built on
+    from aiohttp import web
+    from pydantic import BaseModel
+
+    from llmd.daemon.serving.api import ServerState
+
+    class Rating(BaseModel):
+        color: str
+        score: int
+
+    sock = os.path.join(tempfile.mkdtemp(prefix="llmd", dir="/tmp"), "s.sock")  # short: AF_UNIX's 107 bytes
+
+    async def main():
+        eng = engine_loop.engine
+        state = ServerState(engine_loop=engine_loop, model_id="smollm2-135m", model_ids=("smollm2-135m",),
+                            vocab_size=eng.model_config.vocab_size, max_model_len=eng.max_model_len,
+                            shutdown=asyncio.Event())
+        runner = web.AppRunner(make_app(state), handler_cancellation=True)
+        await runner.setup()
+        await web.UnixSite(runner, sock).start()
+        try:
+            client = openai.AsyncOpenAI(base_url="http://llmd/v1", api_key="unused", max_retries=0,
+                                        http_client=httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=sock)))
+            msgs = [{"role": "user", "content": "Rate the colour of the sky."}]
+            parsed = await client.chat.completions.parse(model="smollm2-135m", messages=msgs, response_format=Rating,
+                                                         max_tokens=48, temperature=0)
+            called = await client.chat.completions.create(
+                model="smollm2-135m", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS,
+                tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=48, temperature=0)
+            await client.close()
+            return parsed, called
+        finally:
+            await runner.cleanup()
+
+    try:
+        parsed, called = asyncio.run(asyncio.wait_for(main(), 120))
+    finally:
+        shutil.rmtree(os.path.dirname(sock), ignore_errors=True)
+    assert isinstance(parsed.choices[0].message.parsed, Rating)
+    call = called.choices[0].message.tool_calls[0]
+    assert called.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
