@@ -153,7 +153,9 @@ class Engine:
             max_model_len=self.max_model_len, cuda_graphs=not self.config.enforce_eager,
         )
         self.input_processor = InputProcessor(tokenizer, cfg.vocab_size, self.max_model_len)
-        self.grammars = GrammarCompiler(tokenizer.hf, cfg.vocab_size, tokenizer.eos_token_ids)  # structured outputs
+        # structured outputs (None for a tokenizer-less engine, e.g. llmd bench step's, which adds no requests)
+        self.grammars = (GrammarCompiler(tokenizer.hf, cfg.vocab_size, tokenizer.eos_token_ids)
+                         if tokenizer is not None else None)
         self.parallel = ParallelRequests()
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.last_scheduler_output: SchedulerOutput | None = None
