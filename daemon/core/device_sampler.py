@@ -1,7 +1,7 @@
 """Batched sampling on the logits' own device (the CUDA path of :class:`~llmd.daemon.core.sampler.Sampler`).
 
 The same pipeline and semantics as the host sampler (its module docstring: raw logprobs,
-repetition / frequency / presence penalties, greedy, temperature, top-k, top-p, min-p, the
+``logit_bias``, repetition / frequency / presence penalties, greedy, temperature, top-k, top-p, min-p, the
 exponential race ``argmax(probs / q)``), but as a few ``[B, V]`` tensor ops over every row at
 once where the logits live; only the token ids, the failed-row flags and the logprobs a request
 asked for are copied back (one small copy each).
@@ -85,6 +85,30 @@ def history_error(req: Request, vocab: int) -> str | None:
     return None
 
 
+def bias_error(req: Request, vocab: int) -> str | None:
+    """Why ``req``'s ``logit_bias`` cannot be applied (a token id outside ``[0, V)``), or None."""
+    bias = req.sampling_params.logit_bias
+    if bias and (min(bias) < 0 or max(bias) >= vocab):
+        return f"sampling failed: ValueError: logit_bias token id out of range for vocab size {vocab}"
+    return None
+
+
+def add_logit_bias(logits: torch.Tensor, requests: Sequence[Request], skip=frozenset()) -> None:
+    """Add each request's ``logit_bias`` to its row of ``logits [B, V]`` float32, in place (one
+    scatter for all the biased rows; rows without a bias and rows in ``skip`` are untouched)."""
+    rows, toks, vals = [], [], []
+    for b, req in enumerate(requests):
+        bias = req.sampling_params.logit_bias
+        if bias and b not in skip:
+            rows += [b] * len(bias)
+            toks += list(bias)
+            vals += list(bias.values())
+    if rows:
+        dev = logits.device
+        logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(toks, device=dev)),
+                          torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
+
+
 def apply_penalties_batched(logits: torch.Tensor, requests: Sequence[Request], skip=frozenset()) -> torch.Tensor:
     """Repetition (prompt + output tokens), frequency and presence (output tokens) penalties on
     ``logits [B, V]`` float32, in place, with the host formulas
@@ -155,7 +179,7 @@ def sample_on_device(logits: torch.Tensor, requests: Sequence[Request],
     Row b samples output position ``requests[b].num_output_tokens``. ``masks``: row → ``[V]``
     bool (CPU) of the tokens its grammar allows (structured outputs; those rows alone are masked
     to −inf after the penalties; logprobs stay raw). Rows whose logits are not usable (a NaN or
-    +inf, or every entry -inf), rows whose penalties name an out-of-range token and constrained
+    +inf, or every entry -inf), rows whose penalties or ``logit_bias`` name an out-of-range token and constrained
     rows left with no allowed finite token fail alone (:attr:`SamplerOutput.failed`). Returns the
     same structure as the host sampler.
     """
@@ -163,15 +187,18 @@ def sample_on_device(logits: torch.Tensor, requests: Sequence[Request],
     raw = logits.detach().to(torch.float32)
     params = [r.sampling_params for r in requests]
     vocab = raw.shape[1]
-    failed = {b: e for b, req in enumerate(requests) if (e := history_error(req, vocab)) is not None}
+    failed = {b: e for b, req in enumerate(requests)
+              if (e := history_error(req, vocab) or bias_error(req, vocab)) is not None}
     work = raw.clone()
+    if any(p.logit_bias for p in params):  # before the penalties, as on the host
+        add_logit_bias(work, requests, skip=failed.keys())
     if any(has_penalties(p) for p in params):
         apply_penalties_batched(work, requests, skip=failed.keys())
     dev = work.device
     if masks:
-        rows = torch.tensor(list(masks), device=dev)
+        mask_rows = torch.tensor(list(masks), device=dev)
         allowed = torch.stack(list(masks.values())).to(dev)
-        work[rows] = work[rows].masked_fill(~allowed, float("-inf"))
+        work[mask_rows] = work[mask_rows].masked_fill(~allowed, float("-inf"))
     temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
     greedy = temp == 0.0
     tokens = work.argmax(dim=-1)
@@ -212,7 +239,7 @@ def sample_on_device(logits: torch.Tensor, requests: Sequence[Request],
             top = [(int(t), max(float(v), MIN_LOGPROB)) for t, v in zip(lp_rows[2][i][:k], lp_rows[1][i][:k])]
             logprobs[b] = TokenLogprobs(token_id=token_list[b], logprob=max(float(lp_rows[0][i]), MIN_LOGPROB), top=top)
     if masks:
-        picked = work[rows, tokens[rows]].cpu().tolist()
+        picked = work[mask_rows, tokens[mask_rows]].cpu().tolist()
         for (b, m), v in zip(masks.items(), picked):
             if not (bool(m[token_list[b]]) and v > float("-inf")):
                 failed.setdefault(b, "sampling failed: ValueError: the output grammar allows no token here")

@@ -68,6 +68,10 @@ class SamplingParams:
         structured: a structured-output constraint (:class:`~llmd.daemon.core.grammar.GrammarSpec`:
             JSON schema, JSON object, regex, EBNF grammar, choices) or ``None``; each request
             built with it gets its own matcher (:attr:`Request.grammar`).
+        logit_bias: token id → bias (OpenAI's ``logit_bias``, in [-100, 100]) added to that row's
+            raw logits before the penalties (vLLM's order), or ``None``; logprobs stay those of
+            the raw, unbiased distribution. Ids must lie in the vocabulary (the API checks them;
+            the sampler fails a row whose ids do not).
     """
 
     max_tokens: int | None = 16
@@ -84,6 +88,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     structured: GrammarSpec | None = None
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -117,6 +122,8 @@ class SamplingParams:
             raise RequestError("stop strings must be non-empty strings", "stop")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise RequestError(f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs")
+        if self.logit_bias and not all(isinstance(t, int) and -100 <= b <= 100 for t, b in self.logit_bias.items()):
+            raise RequestError("logit_bias must map integer token ids to biases in [-100, 100]", "logit_bias")
 
     @property
     def greedy(self) -> bool:

@@ -17,6 +17,11 @@ Pipeline per row (order as in vLLM's ``vllm/v1/sample/sampler.py`` and HF transf
    surviving tokens, and draw with the exponential race ``argmax(probs / q)``,
    ``q ~ Exp(1)`` i.i.d. (vLLM ``random_sample``; the Gumbel-max trick in disguise).
 
+``logit_bias`` (OpenAI's {token id: bias}): a row whose request carries one has the biases
+added to its logits between steps 1 and 2 (vLLM v1 applies it before the penalties too), so
+greedy and sampling see them and logprobs do not; rows without one are not touched, and a
+plain greedy row with a bias leaves the batched argmax (:func:`is_plain_greedy`).
+
 Structured outputs: a row whose request has a grammar (:attr:`Request.grammar`) has every
 token its grammar does not allow set to −inf after the penalties (between steps 3 and 4), before
 greedy or temperature sampling; only those rows are masked (:func:`~llmd.daemon.core.grammar.allowed_tokens`),
@@ -59,8 +64,8 @@ from llmd.daemon.core.request import Request, SamplingParams
 MIN_LOGPROB = -9999.0
 NON_FINITE = "the model produced non-finite logits (NaN or inf; e.g. float16 overflow)"
 
-__all__ = ["Sampler", "SamplerOutput", "TokenLogprobs", "apply_penalties", "constrained_masks", "filter_candidates",
-           "is_plain_greedy", "row_seed"]
+__all__ = ["Sampler", "SamplerOutput", "TokenLogprobs", "apply_logit_bias", "apply_penalties", "constrained_masks",
+           "filter_candidates", "is_plain_greedy", "row_seed"]
 
 
 @dataclass
@@ -118,6 +123,18 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams,
         _check_ids(ids, vocab)
         cnt = torch.tensor(list(counts.values()), dtype=torch.float32)
         logits[ids] -= cnt * params.frequency_penalty + params.presence_penalty
+    return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tensor:
+    """Add ``bias`` (token id → bias, OpenAI's ``logit_bias``) to one ``[V]`` float32 row, in place.
+
+    Raises:
+        ValueError: a token id is outside ``[0, V)``.
+    """
+    ids = torch.tensor(list(bias), dtype=torch.long)
+    _check_ids(ids, logits.shape[0])
+    logits[ids] += torch.tensor(list(bias.values()), dtype=logits.dtype)
     return logits
 
 
@@ -194,9 +211,10 @@ def constrained_masks(requests: Sequence[Request], vocab: int) -> dict[int, torc
 
 
 def is_plain_greedy(params: SamplingParams) -> bool:
-    """Greedy with no penalties and no logprobs: the token is ``argmax(raw logits)``, so such
-    rows share one batched argmax (no per-row clone, penalty pass or generator)."""
-    return params.temperature == 0.0 and params.logprobs is None and not has_penalties(params)
+    """Greedy with no penalties, no ``logit_bias`` and no logprobs: the token is ``argmax(raw
+    logits)``, so such rows share one batched argmax (no per-row clone, penalty pass or generator)."""
+    return (params.temperature == 0.0 and params.logprobs is None and not has_penalties(params)
+            and not params.logit_bias)
 
 
 class Sampler:
@@ -263,11 +281,14 @@ class Sampler:
         A ``seed`` of ``None`` (never the case after ``SamplingParams.__post_init__``) acts as 0.
 
         Raises:
-            ValueError: the grammar allows no token with a finite logit.
+            ValueError: the grammar allows no token with a finite logit, or a ``logit_bias`` id
+                is outside the vocabulary.
         """
         params = req.sampling_params
         raw_logprobs = torch.log_softmax(row, dim=-1) if params.logprobs is not None else None
 
+        if params.logit_bias:
+            apply_logit_bias(row, params.logit_bias)
         n, history = req.num_prompt_tokens, req.token_ids
         logits = apply_penalties(row, params, history[:n], history[n:]) if has_penalties(params) else row
         if allowed is not None:

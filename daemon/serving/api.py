@@ -54,6 +54,7 @@ from llmd.daemon.protocol import SSE_DONE, error_body, sse, stats_with_cells
 from llmd.daemon.serving.connections import ServingLimits
 from llmd.daemon.serving.engine_health import DEFAULT_STALL_TIMEOUT_S
 from llmd.daemon.serving.engine_loop import EngineLoop
+from llmd.daemon.serving.multi_prompt import PromptBatch, echo_texts
 from llmd.daemon.serving.responses import ResponseBuilder
 from llmd.daemon.serving.streaming import OutputBuffer, write
 from llmd.daemon.serving.validation import ApiError, parse_prompt, parse_request
@@ -87,8 +88,9 @@ OPEN_WHILE_LOADING = frozenset({"/health", "/metrics", "/v1/shutdown"})
 
 
 def json_error(message: str, param: str | None = None, status: int = 400,
-               type_: str = "invalid_request_error") -> web.Response:
-    return web.json_response(error_body(message, param, type_, status), status=status)
+               type_: str = "invalid_request_error", code: str | None = None) -> web.Response:
+    """The error response; the body's ``code`` is ``code`` (OpenAI's string) or the status."""
+    return web.json_response(error_body(message, param, type_, code or status), status=status)
 
 
 @web.middleware
@@ -97,7 +99,7 @@ async def error_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except ApiError as e:
-        resp = json_error(e.message, e.param, e.status)
+        resp = json_error(e.message, e.param, e.status, code=e.code)
         resp.headers.update(e.headers)
         return resp
     except web.HTTPException as e:
@@ -174,30 +176,33 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     if not st.engine_loop.alive:
         raise ApiError("the engine is not running (see the daemon log)", None, 503)
     parsed = parse_request(await read_json(request), chat, st.model_ids, st.vocab_size, st.max_model_len)
-    check_size(parsed.prompt, st.max_model_len, chat)
+    prompts = parsed.prompts or [parsed.prompt]  # a /v1/completions batch: one engine request each
+    for p in prompts:
+        check_size(p, st.max_model_len, chat)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     outputs = OutputBuffer()  # engine thread → event loop; deltas merge while the client is behind
-    fut = st.engine_loop.submit(rid, parsed.prompt, parsed.params, parsed.n, outputs.sink(asyncio.get_running_loop()),
-                                cache_salt=parsed.cache_salt, priority=parsed.priority)
+    batch = PromptBatch(st.engine_loop, rid, prompts, parsed, outputs.sink(asyncio.get_running_loop()))
     done = False
     try:
         try:
-            children, n_prompt = await asyncio.wrap_future(fut)
+            num_seqs, n_prompts = await batch.wait()
         except LlmdError as e:
-            done = True
+            done = len(prompts) == 1  # a batch's other prompts may be queued: `finally` aborts them
             raise engine_error(e, chat) from None
         tok = st.engine_loop.engine.tokenizer.hf
         text_of = (lambda i: f"token_id:{i}") if parsed.tokens_as_ids else _token_text(tok)
-        builder = ResponseBuilder(rid, st.model_id, chat, parsed.n, parsed.logprobs, text_of, parsed.tool_calling)
-        builder.num_prompt_tokens = n_prompt
+        echo = await echo_texts(prompts, tok) if parsed.echo else None
+        builder = ResponseBuilder(rid, st.model_id, chat, parsed.n, parsed.logprobs, text_of, parsed.tool_calling,
+                                  len(prompts), echo, parsed.continuous_usage)
+        builder.prompt_tokens = n_prompts
         if parsed.stream:
             try:
-                await _stream(request, builder, outputs, parsed, len(children))
+                await _stream(request, builder, outputs, parsed, num_seqs, batch.abort)
             except ConnectionResetError:  # the client left mid-stream: abort (finally), no traceback
                 log.debug("client of %s disconnected", rid)
                 return request["sse_response"]
         else:
-            remaining = len(children)
+            remaining = num_seqs
             while remaining:
                 for out in await outputs.take():
                     if out.finish_reason == "error":  # 500; `finally` aborts the siblings
@@ -210,12 +215,14 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         return web.json_response(builder.final_body())
     finally:
         if not done:  # client went away or we failed: free the engine's blocks
-            st.engine_loop.abort(rid)
+            batch.abort()
 
 
-async def _stream(request: web.Request, builder: ResponseBuilder, outputs: OutputBuffer, parsed, n: int) -> None:
-    """Write the SSE stream: every write bounded by ``limits.write_timeout`` (a stalled reader
-    is disconnected: ConnectionResetError); what is pending meanwhile merges in ``outputs``."""
+async def _stream(request: web.Request, builder: ResponseBuilder, outputs: OutputBuffer, parsed, n: int,
+                  abort) -> None:
+    """Write the SSE stream of ``n`` sequences: every write bounded by ``limits.write_timeout``
+    (a stalled reader is disconnected: ConnectionResetError); what is pending meanwhile merges
+    in ``outputs``; ``abort()`` aborts every sequence (one failed in the engine)."""
     timeout = request.app[STATE].limits.write_timeout
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     request["sse_response"] = resp
@@ -230,7 +237,7 @@ async def _stream(request: web.Request, builder: ResponseBuilder, outputs: Outpu
         for out in await outputs.take():
             remaining -= out.finished
             if out.finish_reason == "error":  # an error event, [DONE], and the siblings aborted
-                request.app[STATE].engine_loop.abort(builder.id)
+                abort()
                 chunks.append(sse(error_body(engine_failure(out), None, "server_error", 500)))
                 remaining, usage = 0, False
                 break

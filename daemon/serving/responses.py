@@ -17,6 +17,13 @@ completes its grammar answers ``message: {"role": "assistant", "content": null, 
 [...]}`` with ``finish_reason: "tool_calls"``; streamed, the text is held back and the last
 chunk of the choice carries the whole ``tool_calls`` delta (each call with its ``index``). A
 reply cut by ``max_tokens`` keeps ``finish_reason: "length"`` and its text as ``content``.
+
+Several prompts (``multi_prompt.py``): choice ``index = i·n + j`` for prompt ``i``'s sequence
+``j``; ``usage`` sums every prompt's tokens (each counted once) and every choice's. ``echo``
+prepends prompt ``i``'s text to its choices' text (streamed: a first chunk per choice).
+``stream_options.continuous_usage_stats``: every chunk's ``usage`` is its choice's so far
+(``prompt_tokens`` of its prompt, ``completion_tokens`` of that choice; vLLM's shape), the
+final usage chunk the sum as always.
 """
 
 from __future__ import annotations
@@ -51,25 +58,36 @@ class ResponseBuilder:
         logprobs: top logprobs per token, or None when logprobs were not asked for.
         token_text: token id → its text (for logprobs).
         tool_calling: report chat replies as ``tool_calls`` (see the module docstring), or None.
+        prompts: how many prompts (choices ``prompts × n``).
+        echo: each prompt's text to prepend to its choices (completions ``echo``), or None.
+        continuous_usage: usage in every streamed chunk (needs ``with_usage`` in the calls).
+    Attributes:
+        prompt_tokens, cached_tokens: per prompt, tokens and prefix-cache hits (from the outputs).
     """
 
     def __init__(self, request_id: str, model: str, chat: bool, n: int, logprobs: int | None,
-                 token_text: Callable[[int], str], tool_calling: ToolCalling | None = None):
+                 token_text: Callable[[int], str], tool_calling: ToolCalling | None = None, prompts: int = 1,
+                 echo: list[str] | None = None, continuous_usage: bool = False):
         self.id, self.model, self.chat, self.logprobs = request_id, model, chat, logprobs
         self.tool_calling = tool_calling if chat else None
         self.created = int(time.time())
         self.token_text = token_text
-        self.choices = [_Choice() for _ in range(n)]
-        self.num_prompt_tokens = 0
-        self.num_cached_tokens = 0
+        self.n, self.echo, self.continuous_usage = n, echo, continuous_usage
+        self.choices = [_Choice() for _ in range(n * prompts)]
+        self.prompt_tokens = [0] * prompts
+        self.cached_tokens = [0] * prompts
 
     # ---- pieces ---------------------------------------------------------------------
     def usage(self) -> dict:
-        """OpenAI usage: prompt counted once, completion summed over choices."""
-        completion = sum(c.num_tokens for c in self.choices)
-        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.num_prompt_tokens + completion,
-                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
+        """OpenAI usage: each prompt counted once, completion summed over choices."""
+        completion, prompt = sum(c.num_tokens for c in self.choices), sum(self.prompt_tokens)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)}}
+
+    def choice_usage(self, index: int) -> dict:
+        """Choice ``index``'s usage so far (``continuous_usage_stats``)."""
+        prompt, completion = self.prompt_tokens[index // self.n], self.choices[index].num_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _logprobs(self, choice: _Choice, out: RequestOutput) -> dict | None:
         """Logprobs of ``out``'s tokens (and record them in ``choice``); None if not asked."""
@@ -103,26 +121,30 @@ class ResponseBuilder:
         lp = self._logprobs(choice, out)
         choice.text += out.new_text
         choice.num_tokens = max(choice.num_tokens, out.num_output_tokens)
-        self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
-        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        p = index // self.n
+        self.prompt_tokens[p] = out.num_prompt_tokens or self.prompt_tokens[p]
+        self.cached_tokens[p] = max(self.cached_tokens[p], out.num_cached_tokens)
         if out.finished:
             choice.finish_reason = out.finish_reason
         return choice, lp
 
     # ---- streaming ------------------------------------------------------------------
-    def _chunk(self, choices: list[dict], with_usage: bool) -> dict:
+    def _chunk(self, choices: list[dict], with_usage: bool, index: int | None = None) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         chunk = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
         if with_usage:
-            chunk["usage"] = None
+            chunk["usage"] = self.choice_usage(index) if self.continuous_usage and index is not None else None
         return chunk
 
     def role_chunks(self, with_usage: bool) -> list[dict]:
-        """Chat streams open each choice with ``delta: {"role": "assistant", "content": ""}``."""
+        """Chat streams open each choice with ``delta: {"role": "assistant", "content": ""}``;
+        completions with ``echo`` open each with its prompt's text."""
         if not self.chat:
-            return []
+            return [self._chunk([{"index": i, "text": self.echo[i // self.n], "logprobs": None,
+                                  "finish_reason": None}], with_usage, i)
+                    for i in range(len(self.choices))] if self.echo else []
         return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}], with_usage) for i in range(len(self.choices))]
+                              "finish_reason": None}], with_usage, i) for i in range(len(self.choices))]
 
     def delta_chunk(self, index: int, out: RequestOutput, with_usage: bool) -> dict | None:
         """The chunk for one output, or None when it carries nothing (text held back, no logprobs)."""
@@ -137,17 +159,18 @@ class ResponseBuilder:
             body["delta"] = {"content": delta} if delta or not out.finished else {}
         else:
             body["text"] = delta
-        return self._chunk([body], with_usage)
+        return self._chunk([body], with_usage, index)
 
     def _tool_delta(self, index: int, choice: _Choice, out: RequestOutput, lp, with_usage: bool) -> dict | None:
         if not out.finished:
             return None if lp is None else self._chunk([{"index": index, "delta": {}, "logprobs": lp,
-                                                         "finish_reason": None}], with_usage)
+                                                         "finish_reason": None}], with_usage, index)
         message, reason = self._message(choice)
         calls = message.get("tool_calls")
         delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]} if calls else \
             {"content": message["content"]}
-        return self._chunk([{"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}], with_usage)
+        return self._chunk([{"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}], with_usage,
+                           index)
 
     def _message(self, choice: _Choice) -> tuple[dict, str | None]:
         """A chat choice's ``message`` and ``finish_reason`` (tool calls when they parse)."""
@@ -181,7 +204,8 @@ class ResponseBuilder:
                     lp = dict(c.lp)
                     if self.logprobs == 0:
                         lp["top_logprobs"] = None
-                choices.append({"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
+                text = self.echo[i // self.n] + c.text if self.echo else c.text
+                choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
         obj = "chat.completion" if self.chat else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage()}

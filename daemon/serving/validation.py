@@ -9,8 +9,11 @@ prompt (too long for the context, can never fit the KV pool) are the engine's
 Ranges follow the OpenAI API where it has one (temperature 0–2, penalties −2–2,
 logprobs/top_logprobs 0–20) and vLLM's extras otherwise (top_k, min_p,
 repetition_penalty, ignore_eos, stop_token_ids). Unknown fields are ignored, as OpenAI
-clients send extras (``user``, ``metadata``); fields llmd cannot honour (``echo``,
-``best_of`` > n, ``suffix``, ``functions``) are rejected rather than silently dropped. Output
+clients send extras (``user``, ``metadata``); the SDK's typed fields llmd cannot honour
+(``best_of`` > n, ``suffix``, ``functions``, ``echo`` with ``logprobs``, ...) are rejected
+rather than silently dropped (``request_fields.py``; ``logit_bias`` and ``stream_options``
+are parsed there too, a list of prompts and ``echo`` in ``multi_prompt.py``). An unknown
+``model`` is a 404 with OpenAI's ``code: "model_not_found"``. Output
 constraints (``response_format``, ``structured_outputs`` / ``guided_*``, ``tools`` +
 ``tool_choice``) are parsed by ``structured.py``.
 
@@ -20,9 +23,8 @@ refused in microseconds): token-id prompts of ``max_model_len`` or more tokens (
 generate), more than ``MAX_MESSAGES`` chat messages (OpenAI's cap, 2048; 20k short messages
 would hold the GIL ~135 ms in the chat template), more than ``MAX_STOP`` stop strings or one
 longer than ``MAX_STOP_CHARS`` characters, more than ``MAX_STOP_TOKEN_IDS`` stop token ids
-(deduplicated: the scheduler keeps them as a set), and ``logit_bias``, which llmd does not
-apply, refused as unsupported (over ``MAX_LOGIT_BIAS`` entries, OpenAI's 300, the message says
-so first).
+(deduplicated: the scheduler keeps them as a set), more than ``MAX_LOGIT_BIAS`` ``logit_bias``
+entries (OpenAI's 300), and more than ``multi_prompt.MAX_PROMPTS`` prompts (64).
 """
 
 from __future__ import annotations
@@ -43,11 +45,14 @@ ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
 class ApiError(Exception):
-    """A client error: ``message`` (one line), ``param`` (offending field), HTTP ``status``."""
+    """A client error: ``message`` (one line), ``param`` (offending field), HTTP ``status``, and
+    the body's ``code`` (OpenAI's string code, e.g. ``"model_not_found"``; None: the status)."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400, headers: dict | None = None):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, headers: dict | None = None,
+                 code: str | None = None):
         super().__init__(message)
         self.message, self.param, self.status, self.headers = message, param, status, headers or {}
+        self.code = code
 
 
 @dataclass
@@ -66,6 +71,9 @@ class ParsedRequest:
         logprobs: top logprobs per token (0 = only the chosen token), None = no logprobs.
         tool_calling: set when ``tool_choice`` asks for a tool call (``structured.py``): the
             reply is reported as ``tool_calls``; ``params.structured`` holds the constraint.
+        prompts: every prompt of a /v1/completions batch (``prompt`` is the first), or None.
+        echo: prepend each prompt's text to its choices (``multi_prompt.py``).
+        continuous_usage: ``stream_options.continuous_usage_stats``: usage in every chunk.
     """
 
     chat: bool
@@ -79,6 +87,9 @@ class ParsedRequest:
     cache_salt: str | None = None
     priority: int = 0
     tool_calling: object | None = None  # a structured.ToolCalling
+    prompts: list | None = None
+    echo: bool = False
+    continuous_usage: bool = False
 
 
 def json_type(v) -> str:
@@ -234,14 +245,16 @@ def parse_request(body, chat: bool, model_ids: tuple[str, ...], vocab_size: int,
         raise ApiError(f"the request body must be a JSON object, got {json_type(body)}")
     model = body.get("model")
     if model is not None and model not in model_ids:
-        raise ApiError(f"model {_short(model)} is not served here; available: {', '.join(model_ids)}", "model")
-    for name in ("echo", "suffix", "functions"):
-        if body.get(name) not in (None, False, "", []):
-            raise ApiError(f"{name} is not supported by llmd", name)
-    from llmd.daemon.serving.structured import parse_structured  # it imports this module's ApiError
+        raise ApiError(f"model {_short(model)} is not served here; available: {', '.join(model_ids)}", "model",
+                       404, code="model_not_found")
+    from llmd.daemon.serving.multi_prompt import check_echo, parse_prompts  # they import this module's ApiError
+    from llmd.daemon.serving.request_fields import check_refused, parse_logit_bias, parse_stream_options
+    from llmd.daemon.serving.structured import parse_structured
 
+    check_refused(body, chat)
     structured, tool_calling = parse_structured(body, chat)
-    prompt = parse_prompt(body, chat, vocab_size, max_model_len)
+    prompts = None if chat else parse_prompts(body, lambda b: _prompt(b, vocab_size, max_model_len))
+    prompt = prompts[0] if prompts else parse_prompt(body, chat, vocab_size, max_model_len)
     n = _int(body, "n", 1, 1, MAX_N)
     best_of = _int(body, "best_of", None, 1, MAX_N)
     if best_of is not None and best_of != n:
@@ -257,7 +270,7 @@ def parse_request(body, chat: bool, model_ids: tuple[str, ...], vocab_size: int,
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(f"{field} must be an integer >= 1 (got {max_tokens}); omit it for the remaining context", field)
     stop, stop_ids = _stop(body), _stop_token_ids(body, vocab_size)
-    _logit_bias(body)
+    logit_bias = parse_logit_bias(body, vocab_size)
     seed = _int(body, "seed", None, -(2**63), 2**63 - 1)
     if chat:
         want = _bool(body, "logprobs")
@@ -267,15 +280,9 @@ def parse_request(body, chat: bool, model_ids: tuple[str, ...], vocab_size: int,
         logprobs = (top or 0) if want else None
     else:
         logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    echo = check_echo(body, chat, logprobs)
     stream = _bool(body, "stream")
-    opts = body.get("stream_options")
-    include_usage = False
-    if opts is not None:
-        if not stream:
-            raise ApiError("stream_options is only allowed with stream: true", "stream_options")
-        if not isinstance(opts, dict):
-            raise ApiError("stream_options must be an object", "stream_options")
-        include_usage = _bool(opts, "include_usage")
+    include_usage, continuous_usage = parse_stream_options(body, stream)
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
@@ -286,12 +293,13 @@ def parse_request(body, chat: bool, model_ids: tuple[str, ...], vocab_size: int,
         frequency_penalty=_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
         presence_penalty=_float(body, "presence_penalty", 0.0, -2.0, 2.0),
         seed=seed, stop=stop, stop_token_ids=stop_ids,
-        ignore_eos=_bool(body, "ignore_eos"), logprobs=logprobs, structured=structured,
+        ignore_eos=_bool(body, "ignore_eos"), logprobs=logprobs, structured=structured, logit_bias=logit_bias,
     )
     return ParsedRequest(chat=chat, prompt=prompt, params=params, n=n, stream=stream, tool_calling=tool_calling,
                          include_usage=include_usage, logprobs=logprobs,
                          tokens_as_ids=_bool(body, "return_tokens_as_token_ids"), cache_salt=_cache_salt(body),
-                         priority=_int(body, "priority", 0, -(2**31), 2**31 - 1))
+                         priority=_int(body, "priority", 0, -(2**31), 2**31 - 1), prompts=prompts, echo=echo,
+                         continuous_usage=continuous_usage)
 
 
 def _stop(body: dict) -> list[str]:
@@ -319,19 +327,6 @@ def _stop_token_ids(body: dict, vocab_size: int) -> list[int]:
         raise ApiError(f"stop_token_ids has {len(ids)} entries, more than the limit of {MAX_STOP_TOKEN_IDS}",
                        "stop_token_ids")
     return list(dict.fromkeys(_token_ids(ids, "stop_token_ids", vocab_size)))
-
-
-def _logit_bias(body: dict) -> None:
-    """Refuse ``logit_bias`` (OpenAI: {token id: bias in [-100, 100]}, at most 300 entries):
-    llmd's sampler does not apply it, so it is refused, its size stated first, rather than ignored."""
-    bias = body.get("logit_bias")
-    if bias is None or bias == {}:
-        return
-    if not isinstance(bias, dict):
-        raise ApiError(f"logit_bias must be an object of token id → bias, got {json_type(bias)}", "logit_bias")
-    if len(bias) > MAX_LOGIT_BIAS:
-        raise ApiError(f"logit_bias has {len(bias)} entries, more than the limit of {MAX_LOGIT_BIAS}", "logit_bias")
-    raise ApiError("logit_bias is not supported by llmd", "logit_bias")
 
 
 def _cache_salt(body: dict) -> str | None:

@@ -137,3 +137,20 @@ def test_bad_rows_fail_alone():
     out = sample_on_device(logits, reqs)
     assert out.failed[1] == NON_FINITE and "out of range" in out.failed[2] and 0 not in out.failed
     assert 0 <= out.sampled_token_ids[0] < V
+
+
+def test_logit_bias_equals_host_path_and_bad_ids_fail_alone():
+    """``logit_bias`` on the device path: greedy and sampled rows pick what the host picks from the
+    same biased logits (greedy exactly; a +100 bias decides a sampled row), unbiased rows are
+    untouched, raw logprobs, and an id outside the vocabulary fails only its row."""
+    logits = rand_logits(4, seed=9)
+    top = int(logits[0].argmax())
+    reqs = [req("a", temperature=0.0, logit_bias={3: 50.0, top: -30.0}, logprobs=2),
+            req("b", temperature=0.0),
+            req("c", temperature=0.8, logit_bias={17: 100.0}),
+            req("d", temperature=0.0, logit_bias={V + 1: 1.0})]
+    dev, host = sample_on_device(logits, reqs), Sampler()(logits, reqs)
+    assert dev.sampled_token_ids[:3] == host.sampled_token_ids[:3] == [3, int(logits[1].argmax()), 17]
+    assert list(dev.failed) == list(host.failed) == [3]
+    assert dev.logprobs[0].top[0][0] == top and math.isclose(dev.logprobs[0].logprob, host.logprobs[0].logprob,
+                                                             abs_tol=1e-6)

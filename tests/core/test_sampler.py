@@ -265,3 +265,24 @@ def test_non_finite_rows_fail_alone(greedy):
     assert out.sampled_token_ids[0] == alone.sampled_token_ids[0] and out.sampled_token_ids[4] == V - 1
     if not greedy:
         assert out.logprobs[4].logprob == 0.0 and out.logprobs[4].top[1][1] == -9999.0
+
+
+def test_logit_bias_moves_greedy_and_sampling_only_for_its_row_and_keeps_raw_logprobs():
+    """``logit_bias`` is added to its own row before greedy / sampling (a +100 token wins, a −100
+    argmax loses); a neighbour without one keeps its token; logprobs stay the unbiased ones; an
+    id outside the vocabulary fails that row alone."""
+    logits = rand_logits(3, seed=11)
+    top = int(logits[0].argmax())
+    other = (top + 1) % V
+    reqs = [make_req(temperature=0.0, logit_bias={other: 100.0}, logprobs=1),
+            make_req(temperature=0.0),
+            make_req(temperature=0.9, logit_bias={top: -100.0, other: 100.0})]
+    plain = sampler(logits, [make_req(temperature=0.0)] * 3).sampled_token_ids
+    out = sampler(logits, reqs)
+    assert out.sampled_token_ids[0] == other and out.sampled_token_ids[2] == other and not out.failed
+    assert out.sampled_token_ids[1] == plain[1]
+    raw = torch.log_softmax(logits[0], dim=-1)
+    assert math.isclose(out.logprobs[0].logprob, float(raw[other]), abs_tol=1e-6)
+    assert out.logprobs[0].top[0][0] == top  # the raw distribution's best, not the biased one
+    bad = sampler(logits[:2], [make_req(temperature=0.0, logit_bias={V: 5.0}), make_req(temperature=0.0)])
+    assert list(bad.failed) == [0] and "out of range" in bad.failed[0] and bad.sampled_token_ids[1] == plain[1]

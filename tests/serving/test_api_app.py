@@ -101,9 +101,10 @@ def test_errors_carry_their_field(engine_loop):
 
     results = run(engine_loop, scenario)
     for (path, body, param), (status, err) in zip(cases, results):
-        assert status == 400, (body, err)
+        code = "model_not_found" if param == "model" else 400  # an unknown model: 404, OpenAI's code
+        assert status == (404 if param == "model" else 400), (body, err)
         assert err["error"]["param"] == param, (body, err)
-        assert err["error"]["type"] == "invalid_request_error" and err["error"]["code"] == 400
+        assert err["error"]["type"] == "invalid_request_error" and err["error"]["code"] == code
     assert results[-1][0] == 400 and "not valid JSON" in results[-1][1]["error"]["message"]
     assert engine_loop.engine.kv_manager.num_used_blocks == 0  # rejected requests hold nothing
 

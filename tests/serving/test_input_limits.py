@@ -19,6 +19,7 @@ from llmd.daemon.core.errors import LlmdError
 from llmd.daemon.serving import api
 from llmd.daemon.serving.api import ServerState, make_app
 from llmd.daemon.serving.engine_loop import EngineLoop
+from llmd.daemon.serving.multi_prompt import MAX_PROMPTS
 from llmd.daemon.serving.validation import MAX_LOGIT_BIAS, MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
 from llmd.models.tokenizer import Tokenizer
 
@@ -62,7 +63,11 @@ def test_limits_are_400s_naming_the_field_before_anything_is_queued(engine_loop)
          f"limit of {MAX_STOP_CHARS}"),
         ("/v1/completions", {"prompt": "a", "logit_bias": {str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}},
          "logit_bias", f"limit of {MAX_LOGIT_BIAS}"),
-        ("/v1/completions", {"prompt": "a", "logit_bias": {"5": 10}}, "logit_bias", "not supported"),
+        ("/v1/completions", {"prompt": "a", "logit_bias": {"256": 10}}, "logit_bias", "outside the vocabulary"),
+        ("/v1/completions", {"prompt": "a", "logit_bias": {"5": 100.5}}, "logit_bias", "[-100, 100]"),
+        ("/v1/completions", {"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias", "decimal strings"),
+        ("/v1/completions", {"prompt": ["a"] * (MAX_PROMPTS + 1)}, "prompt", f"limit of {MAX_PROMPTS}"),
+        ("/v1/completions", {"prompt": ["a", [1, 999]]}, "prompt", "prompt[1]: prompt has token id 999"),
         ("/tokenize", {"prompt": [1] * ctx}, "prompt", "leaving no room"),
         ("/tokenize", {"messages": msgs(MAX_MESSAGES + 1)}, "messages", f"limit of {MAX_MESSAGES}"),
         ("/tokenize", {"prompt": "x" * (64 * ctx + 1)}, "prompt", "characters"),

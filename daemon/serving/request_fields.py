@@ -1,0 +1,111 @@
+"""OpenAI request fields beyond the prompt and the sampling ranges: ``logit_bias``,
+``stream_options``, and the SDK's typed parameters llmd ignores or refuses.
+
+Policy (the README's parameter table lists every field of the ``openai`` SDK's
+``CompletionCreateParams`` and chat ``CompletionCreateParamsBase``): a field llmd can honour is
+honoured; a field that changes nothing about the reply (bookkeeping a router or the SDK adds:
+``user``, ``metadata``, ``store``, ``service_tier``, ``safety_identifier``,
+``prompt_cache_key``, ``prompt_cache_retention``, ``prompt_cache_options``, vLLM's
+``min_tokens``, ``skip_special_tokens: true``, ``stream_options.include_obfuscation``) is
+accepted and ignored; a field whose meaning llmd cannot deliver is refused with a 400 naming
+it (:data:`REFUSED`), never silently dropped. Fields no SDK sends stay ignored (OpenAI-compatible
+servers' convention), see ``validation.py``.
+
+``logit_bias`` follows OpenAI's API reference: an object of token id (a decimal string key)
+→ bias in [-100, 100], at most ``MAX_LOGIT_BIAS`` (300) entries, ids in the vocabulary.
+``stream_options.continuous_usage_stats`` is vLLM's: with ``include_usage``, every chunk
+carries the usage of its choice so far (``prompt_tokens`` of its prompt, ``completion_tokens``
+of that choice; vLLM's ``serving_completion.py`` / ``serving_chat.py``); without
+``include_usage`` it does nothing, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+
+from llmd.daemon.serving.validation import MAX_LOGIT_BIAS, ApiError, json_type
+
+#: field → (endpoints it is refused on, why); refused when present and not null / false / empty
+REFUSED: dict[str, tuple[tuple[str, ...], str]] = {
+    "suffix": (("completions",), "suffix (text after the completion, insertion) is not supported by llmd"),
+    "functions": (("chat",), "functions is deprecated and not supported by llmd; send tools"),
+    "function_call": (("chat",), "function_call is deprecated and not supported by llmd; send tool_choice"),
+    "audio": (("chat",), "audio output is not supported by llmd (text only)"),
+    "prediction": (("chat",), "prediction (predicted outputs) is not supported by llmd"),
+    "reasoning_effort": (("chat",), "reasoning_effort is not supported by llmd (its models do not reason)"),
+    "verbosity": (("chat",), "verbosity is not supported by llmd"),
+    "web_search_options": (("chat",), "web search is not available in llmd"),
+    "moderation": (("chat",), "moderation is not available in llmd"),
+}
+EMPTY = (None, False, "", [], {})
+
+
+def check_refused(body: dict, chat: bool) -> None:
+    """Refuse the typed SDK parameters llmd cannot honour (:data:`REFUSED`, ``modalities``
+    other than ``["text"]``, ``skip_special_tokens: false``).
+
+    Raises:
+        ApiError: 400 naming the field.
+    """
+    endpoint = "chat" if chat else "completions"
+    for name, (where, why) in REFUSED.items():
+        if endpoint in where and body.get(name) not in EMPTY:
+            raise ApiError(why, name)
+    if chat and body.get("modalities") not in (None, [], ["text"]):
+        raise ApiError(f"modalities must be [\"text\"] (llmd answers text only), got {body['modalities']!r:.60}",
+                       "modalities")
+    if body.get("skip_special_tokens") is False:
+        raise ApiError("skip_special_tokens: false is not supported; llmd always leaves special tokens out of "
+                       "the text", "skip_special_tokens")
+
+
+def parse_logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
+    """``logit_bias`` as token id → bias (None when absent or empty).
+
+    Raises:
+        ApiError: not an object, over ``MAX_LOGIT_BIAS`` entries (said before any entry is
+            read), a key that is not a decimal token id, an id outside ``[0, vocab_size)``, or
+            a bias that is not a number in [-100, 100]; ``param`` is ``logit_bias``.
+    """
+    bias = body.get("logit_bias")
+    if bias is None or bias == {}:
+        return None
+    if not isinstance(bias, dict):
+        raise ApiError(f"logit_bias must be an object of token id → bias, got {json_type(bias)}", "logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ApiError(f"logit_bias has {len(bias)} entries, more than the limit of {MAX_LOGIT_BIAS}", "logit_bias")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise ApiError(f"logit_bias keys must be token ids (decimal strings), got {key!r:.40}", "logit_bias")
+        token = int(key)
+        if token >= vocab_size:
+            raise ApiError(f"logit_bias has token id {token} outside the vocabulary [0, {vocab_size})", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not -100 <= value <= 100:
+            raise ApiError(f"logit_bias[{key!r}] must be a number in [-100, 100], got {value!r:.40}", "logit_bias")
+        out[token] = float(value)
+    return out
+
+
+def parse_stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
+    """``(include_usage, continuous_usage_stats)`` of ``stream_options`` (both False when absent).
+
+    Raises:
+        ApiError: ``stream_options`` without ``stream: true``, not an object, or a field that
+            is not a boolean; ``param`` names it.
+    """
+    opts = body.get("stream_options")
+    if opts is None:
+        return False, False
+    if not stream:
+        raise ApiError("stream_options is only allowed with stream: true", "stream_options")
+    if not isinstance(opts, dict):
+        raise ApiError("stream_options must be an object", "stream_options")
+    flags = []
+    for name in ("include_usage", "continuous_usage_stats"):
+        v = opts.get(name)
+        if v is not None and not isinstance(v, bool):
+            raise ApiError(f"stream_options.{name} must be a boolean, got {json_type(v)}", f"stream_options.{name}")
+        flags.append(bool(v))
+    return flags[0], flags[0] and flags[1]
