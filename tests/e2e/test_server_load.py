@@ -148,7 +148,9 @@ def test_a2_client_disconnect_aborts(llmd_daemon):
     data = ('{"prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": true}').encode()
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: llmd\r\nContent-Type: application/json\r\n"
               b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
-    time.sleep(0.1)
+    deadline = time.monotonic() + 10  # tokenized on the pool, then queued: it shows in the next snapshot
+    while not c.stats()["requests"] and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert len(c.stats()["requests"]) == 1  # queued or running
     s.close()
     _wait_nothing_running(llmd_daemon, time.monotonic())
