@@ -1,8 +1,10 @@
 """Load a GGUF file into an llmd model: metadata → :class:`ModelConfig`, tensors → parameters.
 
-The header is parsed by ``gguf.GGUFReader`` (slow on big vocabularies: ~20 s for Gemma 3's
-262k tokens on one CPU core), so readers are cached per file and the engine's second look at
-a file (the tokenizer's header size) costs nothing.
+A cold load parses the file with ``gguf.GGUFReader`` (slow on big vocabularies: ~20 s for
+Gemma 3's 262k tokens on one CPU core; readers are cached per file). Metadata alone
+(:func:`load_config`) comes from the lazy header reader and its cache
+(:mod:`llmd.models.header_cache`), and with ``weights_cache`` a warm load maps the converted
+model from :mod:`llmd.models.weights_cache` and never opens a ``GGUFReader``.
 
 Dequantization is ``gguf.quants.dequantize`` (the ``gguf`` package from llama.cpp), which
 covers F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K and more. Every GGUF tensor
@@ -45,8 +47,11 @@ def _open_cached(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
 
 
 def load_config(path: str) -> ModelConfig:
-    """Read only the metadata of a GGUF file. Raises GGUFLoadError."""
-    return read_config(open_gguf(path), name=os.path.splitext(os.path.basename(path))[0])
+    """Read only the metadata of a GGUF file (the cached header, :mod:`llmd.models.header_cache`).
+    Raises GGUFLoadError."""
+    from llmd.models.header_cache import load_config as cached_config
+
+    return cached_config(path)
 
 
 def dequantize_tensor(t) -> np.ndarray:
@@ -78,7 +83,8 @@ def check_slots_cover(slots: dict, params: dict[str, torch.Tensor]) -> None:
 
 
 def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               weight_quant: str = "none", keep_dense: bool = False):
+               weight_quant: str = "none", keep_dense: bool = False, weights_cache: bool = False,
+               cache_dir: str | None = None):
     """Build the architecture's model and fill it from the GGUF file.
 
     Args:
@@ -87,12 +93,25 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torc
         device: where parameters live.
         weight_quant, keep_dense: :func:`llmd.models.weight_quant.quantize_linears`'s ``mode``
             and ``keep_dense`` (CPU only); its summary is ``model.weight_quant_summary``.
+        weights_cache: take the converted model from :mod:`llmd.models.weights_cache` when it
+            holds a valid entry for these settings, else load from the GGUF and store one;
+            cache_dir: its root (default the llmd cache dir; tests).
     Returns:
         ``(model, config)``; model in eval mode with ``requires_grad=False`` parameters.
     Raises:
         GGUFLoadError: unsupported architecture, unmapped tensor, shape mismatch, or a
             parameter left unfilled.
     """
+    key = None
+    if weights_cache:
+        from llmd.models import weights_cache as wc
+        from llmd.models.header_cache import header_info
+
+        info = header_info(path, cache_dir)
+        key = wc.cache_key(path, info.data_offset, dtype, weight_quant, keep_dense)
+        model = wc.load_cached(model_class(info.config.architecture), info.config, dtype, key, cache_dir)
+        if model is not None:
+            return model.to(device).eval(), info.config
     reader = open_gguf(path)
     cfg = read_config(reader, name=os.path.splitext(os.path.basename(path))[0])
     cls = model_class(cfg.architecture)
@@ -121,5 +140,7 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torc
 
     model.weight_quant_summary = quantize_linears(model, {t.name: t for t in reader.tensors}, weight_quant,
                                                   keep_dense=keep_dense)
+    if key is not None:
+        wc.store(model, key, cache_dir)
     model.to(device).eval()
     return model, cfg

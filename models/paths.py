@@ -1,7 +1,9 @@
 """Where llmd keeps its files: one helper for every user of the cache directory.
 
 ``$XDG_CACHE_HOME/llmd`` (default ``~/.cache/llmd``) holds the tokenizers built from GGUFs
-(``tokenizers/``), assembled split models (``models/``), the auto-started daemon's log
+(``tokenizers/``), assembled split models (``models/``), parsed GGUF headers (``headers/``,
+:mod:`llmd.models.header_cache`), converted weights (``weights/``,
+:mod:`llmd.models.weights_cache`), the auto-started daemon's log
 (``daemon.log``) and, without ``$XDG_RUNTIME_DIR``, the daemon's socket; it is created 0700
 (:func:`ensure_cache_dir`). Standard library only.
 """

@@ -77,7 +77,7 @@ def kv_size(model, context, memory, block_size, total_memory):
     if is_random_model(model):
         cfg = preset_config(model)
     else:
-        from llmd.models.gguf_loader import load_config
+        from llmd.models.header_cache import load_config
         from llmd.models.registry import resolve_model
 
         cfg = load_config(resolve_model(model))
@@ -103,11 +103,11 @@ def kv_size(model, context, memory, block_size, total_memory):
 def _what_fits(model: str, cfg, context: int, total: int, block_size: int) -> None:
     """Weights per --weight-quant (bfloat16 model) and the bfloat16 KV cache left in ``total`` bytes."""
     from llmd.daemon.core.kv_size import kv_size_rows
-    from llmd.models.gguf_loader import open_gguf
+    from llmd.models.header_cache import header_info
     from llmd.models.registry import model_class, resolve_model
-    from llmd.models.weight_quant import weight_bytes
+    from llmd.models.weight_bytes import weight_bytes
 
-    tensors = {t.name: t for t in open_gguf(resolve_model(model)).tensors}
+    tensors = {t.name: t for t in header_info(resolve_model(model)).tensors}  # the cached header's tensor infos
     layer_tensors = model_class(cfg.architecture).layer_tensors
     click.echo(f"{cfg.name}: bfloat16 model, context {context} tokens, total {total / 2**20:.0f} MiB for weights + KV")
     click.echo(f"{'--weight-quant':<16}{'weights MiB':>12}{'KV MiB':>10}{'sequences':>11}")

@@ -188,13 +188,16 @@ class Engine:
 
             model, _, tokenizer = load_random_model(config.model, config.torch_dtype, config.device)
             return cls(model, tokenizer, config)
-        from llmd.models.gguf_loader import load_model, open_gguf
+        from llmd.models import weights_cache
+        from llmd.models.gguf_loader import load_model
+        from llmd.models.header_cache import header_info
         from llmd.models.registry import resolve_model
         from llmd.models.tokenizer import load_tokenizer
 
         path = resolve_model(config.model)
-        model, cfg = load_model(path, config.torch_dtype, config.device, config.weight_quant, config.keep_dense)
-        tokenizer = load_tokenizer(path, cfg, open_gguf(path).data_offset)
+        model, cfg = load_model(path, config.torch_dtype, config.device, config.weight_quant, config.keep_dense,
+                                weights_cache=weights_cache.enabled())  # a warm start maps the converted weights
+        tokenizer = load_tokenizer(path, cfg, header_info(path).data_offset)
         return cls(model, tokenizer, config)
 
     def capacity_summary(self) -> str:

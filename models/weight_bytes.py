@@ -1,0 +1,58 @@
+"""Weight bytes per ``--weight-quant`` from GGUF tensor infos alone (``llmd kv-size --total-memory``).
+
+Mirrors what :func:`llmd.models.weight_quant.quantize_linears` keeps (tested equal to a load's
+summary in ``tests/models/test_weight_quant.py``), without torch, numpy or gguf: the tensor
+infos come from :mod:`llmd.models.header_cache` and the GGML type ids are the GGUF spec's
+(equal to :data:`llmd.quant.gguf_packs.INT4_TYPES` / ``INT8_TYPES``, tested).
+"""
+
+from __future__ import annotations
+
+GROUP = 32  # the int4 kernels' group size (llmd.quant.gguf_packs.GROUP)
+INT4_TYPES = frozenset({2, 3, 12})  # Q4_0, Q4_1, Q4_K
+INT8_TYPES = frozenset({8})  # Q8_0
+
+
+def weight_bytes(tensors: dict, layer_tensors: dict, mode: str, elem_bytes: int, keep_dense: bool = False) -> int:
+    """Bytes :func:`quantize_linears` leaves in memory for ``mode``, from GGUF tensor infos alone.
+
+    Args:
+        tensors: GGUF tensor name → ``GGUFReader`` tensor (only ``tensor_type`` and ``shape`` are read).
+        layer_tensors: the architecture's ``layer_tensors`` (GGUF stem → parameter, or
+            ``(fused module, part)``): parts of one fused projection are one layer, as at load.
+        mode: one of :data:`WEIGHT_QUANT_MODES`; elem_bytes: the model dtype's bytes (2 for bfloat16).
+        keep_dense: packed layers keep their dense weights too (``--weight-quant auto``).
+    Returns:
+        Weight bytes (int4 packs: K/2 bytes per row and a (scale, zero) pair per 32; int8: K
+        bytes per row and one scale; dense: ``elem_bytes`` per element), embedding table included.
+    """
+    groups: dict = {}
+    total = 0
+    for name, t in tensors.items():
+        n_rows, k = (int(t.shape[1]), int(t.shape[0])) if len(t.shape) == 2 else (1, int(t.shape[0]))
+        parts = name.split(".")
+        stem = parts[2] if name.startswith("blk.") and len(parts) == 4 else None
+        target = layer_tensors.get(stem) if stem else None
+        if len(t.shape) != 2 or name == "token_embd.weight" or target is None and name != "output.weight":
+            total += n_rows * k * elem_bytes  # norms, the embedding table
+        if len(t.shape) == 2 and (target is not None or name == "output.weight"):
+            key = (parts[1], target[0]) if isinstance(target, tuple) else name
+            groups.setdefault(key, []).append((t.tensor_type, n_rows, k))
+    tied = "output.weight" not in tensors
+    if tied and mode != "none":  # a packed head beside the embedding table (which batches reuse)
+        emb = tensors["token_embd.weight"]
+        groups["lm_head"] = [(emb.tensor_type, int(emb.shape[1]), int(emb.shape[0]))]
+    for key, members in groups.items():
+        types = {m[0] for m in members}
+        n, k = sum(m[1] for m in members), members[0][2]
+        head = key in ("lm_head", "output.weight")
+        extra = n * k * elem_bytes if keep_dense and key != "lm_head" else 0  # a tied head reuses the table
+        if mode == "none":
+            total += n * k * elem_bytes
+        elif mode == "gguf" and types <= INT4_TYPES and k % GROUP == 0 and n % 16 == 0:
+            total += n * k // 2 + n * (k // GROUP) * 2 * elem_bytes + extra
+        elif mode == "int8" or types <= INT8_TYPES or head:
+            total += n * k + n * elem_bytes + extra
+        else:
+            total += n * k * elem_bytes
+    return total
