@@ -16,6 +16,10 @@ REPO = Path(__file__).resolve().parents[1]
 # helpers come from tests/fixtures/ (pytest's ``pythonpath``).
 sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() not in (REPO, REPO / "tests")]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# engines and daemons in tests load cold (as before the cache) and never write the converted-weights
+# cache in ~/.cache/llmd, whose few entries would be evicted by tiny test GGUFs; tests/models/
+# test_weights_cache.py turns it on with its own cache dir. LLMD_WEIGHTS_CACHE=1 pytest ... opts in.
+os.environ.setdefault("LLMD_WEIGHTS_CACHE", "0")
 
 import torch  # noqa: E402
 
