@@ -14,7 +14,10 @@ looped per sequence:
   for a batched matmul, in one contiguous copy (no ``repeat_interleave``, no permute copies).
   int8/fp8 caches gather codes (1 byte each) and their float32 scales ``[B * kv_heads, L]`` with
   the same indices; ``code × scale`` is applied as scores × k_scale and probabilities × v_scale
-  (the Triton kernels' order), so no pass over dequantized K/V is needed.
+  (the Triton kernels' order), so no pass over dequantized K/V is needed. int4 caches gather
+  packed codes (half a byte each) and their per-16-channel scales ``[rows, head_dim // 16]``,
+  then unpack and dequantize the gathered rows (a scale per group cannot be folded into a
+  per-key product): :func:`_gather_int4`.
 * **Decodes batched together** (in up to 4 length buckets, so short contexts are not padded to
   the step's longest): the query ``[B, heads, head_dim]`` viewed as ``[B * kv_heads,
   group, head_dim]`` (GQA without copies of K/V), scores ``[B * kv_heads, group, L]``, keys past
@@ -39,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmd.kernels.metadata import AttentionMetadata
-from llmd.quant.kv import SCALE_FLOOR, PagedKVCache
+from llmd.quant.kv import SCALE_FLOOR, PagedKVCache, dequantize
 
 
 @dataclass
@@ -215,6 +218,8 @@ def _gather_kv(plan: StepPlan, role: str, cache: PagedKVCache, rows: torch.Tenso
         probabilities by ``v_scales``: ``q·(code × s) = (q·code) × s``, the dequantization
         folded into ``[N, group, L]``-sized products instead of a pass over K and V.
     """
+    if cache.fmt.packed:
+        return _gather_int4(plan, role, cache, rows, length, dtype)
     data = cache.data
     head_dim = data.shape[-1]
     shape = (rows.shape[0] // length, length, head_dim)
@@ -232,6 +237,28 @@ def _gather_kv(plan: StepPlan, role: str, cache: PagedKVCache, rows: torch.Tenso
     ks, vs = (cache.scales[i].view(-1).index_select(0, rows).view(-1, 1, length).to(sdt) for i in (0, 1))
     # masked keys may read never-written slots (scale 0): -inf · 0 would be NaN in the scores
     return kv[0], kv[1], ks.clamp_min_(SCALE_FLOOR), vs
+
+
+def _gather_int4(plan: StepPlan, role: str, cache: PagedKVCache, rows: torch.Tensor, length: int,
+                 dtype: torch.dtype):
+    """:func:`_gather_kv` for a packed int4 cache: gather ``[rows, head_dim // 2]`` uint8 codes
+    and ``[rows, head_dim // 16]`` float16 scales, unpack and multiply in float32 (float64 for
+    float64 compute), then cast to ``dtype``. Never-written slots (scale 0) read as zeros.
+
+    Returns:
+        ``(k, v, None, None)``: K and V ``[N * kv_heads, length, head_dim]`` in ``dtype``, already
+        dequantized (no scales left to fold).
+    """
+    data, scales = cache.data, cache.scales
+    packed_dim, groups = data.shape[-1], scales.shape[-1]
+    sdt = torch.float64 if dtype == torch.float64 else torch.float32
+    kv = []
+    for i in (0, 1):
+        raw = plan.buffer(f"{role}{i}", (rows.shape[0], packed_dim), data.dtype)
+        torch.index_select(data[i].view(-1, packed_dim), 0, rows, out=raw)
+        vals = dequantize(raw, scales[i].view(-1, groups).index_select(0, rows), sdt)
+        kv.append(vals.to(dtype).view(rows.shape[0] // length, length, 2 * packed_dim))
+    return kv[0], kv[1], None, None
 
 
 def _attend(plan: StepPlan, role: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: _Gather,

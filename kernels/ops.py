@@ -6,6 +6,12 @@ the kernels in ``kv_store.py``, ``decode_attention.py`` (batches of decodes only
 ``prefill_attention.py`` (any batch with a prefill chunk). The Triton modules are imported on
 first use, so ``TRITON_INTERPRET=1`` (the interpreter that runs them on CPU for tests) can be
 set after ``llmd`` is imported.
+
+``--kv-rotation`` (:mod:`llmd.quant.rotation`, QuaRot arXiv:2404.00456) lives here, around
+every backend: :func:`store_kv` stores ``K H`` (K after RoPE) and ``V H`` for a cache whose
+``rotation`` is not "none", and :func:`paged_attention` attends with ``q H`` and returns the
+output times ``H`` (``H H = I``), so scores and outputs equal the unrotated ones in exact
+arithmetic and no backend needs to know (the Triton kernels included).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import torch
 from llmd.kernels import cpu_attention, reference
 from llmd.kernels.metadata import AttentionMetadata
 from llmd.quant.kv import PagedKVCache
+from llmd.quant.rotation import rotate
 
 BACKENDS = ("cpu", "torch", "triton")
 
@@ -22,7 +29,9 @@ BACKENDS = ("cpu", "torch", "triton")
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache,
              slot_mapping: torch.Tensor, backend: str = "torch") -> None:
     """Write ``key``/``value`` ``[T, num_kv_heads, head_dim]`` at ``slot_mapping`` ``[T]`` int64,
-    quantizing on write for int8/fp8 caches."""
+    quantizing on write for int8/fp8/int4 caches (rotated first for a ``--kv-rotation`` cache)."""
+    rot = _rotation(kv_cache)
+    key, value = rotate(key, rot), rotate(value, rot)
     if backend == "triton":
         from llmd.kernels.kv_store import store_kv as triton_store_kv
 
@@ -37,6 +46,19 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, 
     ``meta.attn_backend`` ("cpu", "torch" or "triton"). Returns ``[T, num_heads, head_dim]`` in
     ``query.dtype``. The torch backend computes in float32, or float64 for a float64 model
     (``--dtype float64`` reference runs, where every product must stay float64)."""
+    rot = _rotation(kv_cache)
+    if rot == "none":
+        return _paged_attention(query, kv_cache, meta, scale, sliding_window)
+    return rotate(_paged_attention(rotate(query, rot), kv_cache, meta, scale, sliding_window), rot)
+
+
+def _rotation(kv_cache: torch.Tensor | PagedKVCache) -> str:
+    return kv_cache.rotation if isinstance(kv_cache, PagedKVCache) else "none"
+
+
+def _paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, meta: AttentionMetadata,
+                     scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """:func:`paged_attention` without the rotation, on ``meta.attn_backend``."""
     if meta.attn_backend == "cpu":
         return cpu_attention.paged_attention(query, kv_cache, meta, scale, sliding_window)
     if meta.attn_backend != "triton":

@@ -21,7 +21,9 @@ from llmd.quant.kv import PagedKVCache, compute_scales, dequantize, quantize
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache,
              slot_mapping: torch.Tensor) -> None:
-    """Write new K/V rows into the paged cache, in place, quantizing on write for int8/fp8.
+    """Write new K/V rows into the paged cache, in place, quantizing on write for int8/fp8/int4
+    (int4: packed codes and per-32-channel scales, :mod:`llmd.quant.kv`). K/V arrive already
+    rotated for a ``--kv-rotation`` cache (:func:`llmd.kernels.ops.store_kv` rotates them).
 
     Args:
         key, value: ``[T, num_kv_heads, head_dim]``, any float dtype (cast to the cache dtype).
@@ -40,14 +42,14 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor | Pa
         flat[0, slot_mapping] = key.to(data.dtype)
         flat[1, slot_mapping] = value.to(data.dtype)
         return
-    flat_scales = cache.scales.view(2, num_blocks * block_size, data.shape[3])
+    flat_scales = cache.scales.view(2, num_blocks * block_size, *cache.scales.shape[3:])
     for i, x in enumerate((key, value)):
         if cache.static_scales is None:
             s = compute_scales(x, fmt)
         else:
             s = torch.full(x.shape[:2], cache.static_scales[i], dtype=torch.float32, device=x.device)
         flat[i, slot_mapping] = quantize(x, s, fmt)
-        flat_scales[i, slot_mapping] = s
+        flat_scales[i, slot_mapping] = s.to(flat_scales.dtype)  # exact: float16 scales are rounded already
 
 
 def gather_kv(
@@ -57,7 +59,8 @@ def gather_kv(
 
     Returns:
         (K, V), each ``[seq_len, num_kv_heads, head_dim]``: the cache dtype for ``auto``,
-        ``code × scale`` computed in ``dtype`` for int8/fp8.
+        ``code × scale`` computed in ``dtype`` for int8/fp8, and for int4 after unpacking the
+        two codes of each byte (each group of 16 channels times its own float16 scale).
     """
     cache = PagedKVCache.wrap(kv_cache)
     data = cache.data
@@ -67,8 +70,8 @@ def gather_kv(
     k = data[0, ids].reshape(-1, *data.shape[3:])[:seq_len]
     v = data[1, ids].reshape(-1, *data.shape[3:])[:seq_len]
     if cache.fmt.quantized:
-        ks = cache.scales[0, ids].reshape(-1, data.shape[3])[:seq_len]
-        vs = cache.scales[1, ids].reshape(-1, data.shape[3])[:seq_len]
+        ks = cache.scales[0, ids].reshape(-1, *cache.scales.shape[3:])[:seq_len]
+        vs = cache.scales[1, ids].reshape(-1, *cache.scales.shape[3:])[:seq_len]
         k, v = dequantize(k, ks, dtype), dequantize(v, vs, dtype)
     return k, v
 

@@ -30,8 +30,12 @@ import torch
 from llmd.daemon.core.config import EngineConfig
 from llmd.daemon.core.engine import Engine
 from llmd.quant.kv import SCALE_FLOOR, KVCacheFormat, get_format
+from llmd.quant.rotation import rotate
 
 KV_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
+#: the ``llmd bench kv-quality`` rows: every dtype, each without and with the rotation
+BENCH_KV_DTYPES = (*KV_DTYPES, "int4")
+ROTATIONS = ("none", "hadamard")
 
 
 @dataclass
@@ -45,6 +49,12 @@ class QualityRow:
     delta_nll_pct: float
     top1: float
     argmax: torch.Tensor = field(repr=False, default=None)
+    kv_rotation: str = "none"
+
+    @property
+    def label(self) -> str:
+        """``int8`` or ``int8+hadamard``."""
+        return self.kv_cache_dtype + ("" if self.kv_rotation == "none" else f"+{self.kv_rotation}")
 
 
 def nll_and_argmax(logits: torch.Tensor, ids: list[int]) -> tuple[float, torch.Tensor]:
@@ -59,47 +69,57 @@ def quality_row(model, tokenizer, ids: list[int], kv_cache_dtype: str, base: Qua
     """Teacher-forced quality of one KV dtype on a loaded model, relative to ``base`` (the
     ``auto`` row; None = this run is the base). ``cached_prefix``: tokens served from the
     prefix cache (:meth:`Engine.teacher_forced_logits`). ``engine_kw``: EngineConfig fields (device,
-    dtype, attention_backend, kv_cache_memory, ...)."""
+    dtype, attention_backend, kv_cache_memory, kv_rotation (None = the dtype's default), ...)."""
     engine = Engine(model, tokenizer, EngineConfig(kv_cache_dtype=kv_cache_dtype, **engine_kw))
     nll, top = nll_and_argmax(engine.teacher_forced_logits(ids, chunk, cached_prefix), ids)
     base_nll, base_top = (nll, top) if base is None else (base.nll, base.argmax)
     return QualityRow(kv_cache_dtype, engine.bytes_per_token, nll, 100 * (nll - base_nll) / base_nll,
-                      (top == base_top).float().mean().item(), top)
+                      (top == base_top).float().mean().item(), top, engine.config.kv_rotation)
 
 
-def kv_quality(model, tokenizer, ids: list[int], kv_dtypes=KV_DTYPES, chunk: int = 64, cached_prefix: int = 0,
-               kv_scales: tuple[float, float] | None = None, **engine_kw) -> list[QualityRow]:
-    """:func:`quality_row` for ``auto`` and then each other dtype in ``kv_dtypes``; ``kv_scales``
+def kv_quality(model, tokenizer, ids: list[int], kv_dtypes=BENCH_KV_DTYPES, chunk: int = 64, cached_prefix: int = 0,
+               kv_scales: tuple[float, float] | None = None, rotations=ROTATIONS, **engine_kw) -> list[QualityRow]:
+    """:func:`quality_row` for ``auto`` and then each other dtype in ``kv_dtypes`` under each of
+    ``rotations`` (``--kv-rotation`` values; ``(None,)`` = each dtype's default); ``kv_scales``
     (static per-tensor k, v scales) apply to the quantized dtypes, None = dynamic scales."""
     base = quality_row(model, tokenizer, ids, "auto", None, chunk, cached_prefix, **engine_kw)
-    return [base] + [quality_row(model, tokenizer, ids, n, base, chunk, cached_prefix, kv_scales=kv_scales, **engine_kw)
-                     for n in kv_dtypes if n != "auto"]
+    return [base] + [quality_row(model, tokenizer, ids, n, base, chunk, cached_prefix, kv_scales=kv_scales,
+                                 kv_rotation=r, **engine_kw)
+                     for n in kv_dtypes if n != "auto" for r in rotations]
 
 
-def fake_quant_reference(x: torch.Tensor, fmt: KVCacheFormat) -> torch.Tensor:
+def fake_quant_reference(x: torch.Tensor, fmt: KVCacheFormat, rotation: str = "none") -> torch.Tensor:
     """Independent fake quantization from the spec, for the HF reference: per (token, KV head)
+    (int4: per 16 channels, the scale clamped to float16's normal range and rounded to float16)
     ``scale = max(amax / qmax, SCALE_FLOOR)`` in float32, ``clamp(x / scale, ±qmax)``, torch's
-    own cast to the fp8 dtype (round to nearest, ties to even) or ``torch.round`` for int8, times
-    the scale (the product taken exactly in float64, then rounded once to x's dtype: float32's own
-    correctly rounded product for float32 models, the exact value for float64 ones).
+    own cast to the fp8 dtype (round to nearest, ties to even) or ``torch.round`` for int8/int4,
+    times the scale (the product taken exactly in float64, then rounded once to x's dtype:
+    float32's own correctly rounded product for float32 models, the exact value for float64 ones).
+    With a rotation ``H`` the result is ``Q(x H) H`` (``H H = I``): what llmd's rotated scores
+    and outputs equal in exact arithmetic.
 
     Args:
         x: ``[..., head_dim]`` float, quantized over the last dim.
     """
     if not fmt.quantized:
         return x
-    xf = x.float()
+    xf = rotate(x.float() if x.dtype != torch.float64 else x, rotation).float()
+    if fmt.group_size:
+        xf = xf.unflatten(-1, (-1, fmt.group_size))
     scale = torch.clamp(xf.abs().amax(-1, keepdim=True) / fmt.qmax, min=SCALE_FLOOR)
+    if fmt.scale_dtype == torch.float16:
+        scale = scale.clamp(2.0**-14, 65504.0).half().float()
     y = torch.clamp(xf / scale, -fmt.qmax, fmt.qmax)
     codes = y.to(fmt.dtype).double() if fmt.is_fp8 else torch.round(y).double()
-    return (codes * scale.double()).to(x.dtype)
+    out = (codes * scale.double()).flatten(-2) if fmt.group_size else codes * scale.double()
+    return rotate(out, rotation).to(x.dtype)
 
 
 HF_ATTN_NAME = "llmd_fake_quant"
 
 
 @torch.inference_mode()
-def hf_fake_quant(hf_model, ids: list[int], kv_cache_dtype: str) -> tuple[float, torch.Tensor]:
+def hf_fake_quant(hf_model, ids: list[int], kv_cache_dtype: str, rotation: str = "none") -> tuple[float, torch.Tensor]:
     """Mean NLL and argmax ``[N - 1]`` (as :func:`nll_and_argmax`) from HF transformers with K
     (after RoPE) and V fake-quantized per (token, KV head) by :func:`fake_quant_reference`.
 
@@ -122,7 +142,7 @@ def hf_fake_quant(hf_model, ids: list[int], kv_cache_dtype: str) -> tuple[float,
     def fake_quant_attention(module, query, key, value, attention_mask, **kw):
         # key/value: [B, kv_heads, L, head_dim] -> quantized over head_dim per (token, head);
         # kw carries the layer's scaling (and sliding_window, which the mask already encodes)
-        key, value = fake_quant_reference(key, fmt), fake_quant_reference(value, fmt)
+        key, value = fake_quant_reference(key, fmt, rotation), fake_quant_reference(value, fmt, rotation)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
 
     AttentionInterface.register(HF_ATTN_NAME, fake_quant_attention)
@@ -136,9 +156,9 @@ def hf_fake_quant(hf_model, ids: list[int], kv_cache_dtype: str) -> tuple[float,
     return nll_and_argmax(logits, ids)
 
 
-def hf_fake_quant_nll(hf_model, ids: list[int], kv_cache_dtype: str) -> float:
+def hf_fake_quant_nll(hf_model, ids: list[int], kv_cache_dtype: str, rotation: str = "none") -> float:
     """Mean NLL of :func:`hf_fake_quant` (the independent reference of case Q4)."""
-    return hf_fake_quant(hf_model, ids, kv_cache_dtype)[0]
+    return hf_fake_quant(hf_model, ids, kv_cache_dtype, rotation)[0]
 
 
 def hf_reference_table(engine: Engine, ids: list[int], rows: list[QualityRow]) -> list[str]:
@@ -159,16 +179,16 @@ def hf_reference_table(engine: Engine, ids: list[int], rows: list[QualityRow]) -
         base = nll_and_argmax(hf(torch.tensor([ids])).logits[0], ids)[0]
     lines = [f"HF transformers fake-quant reference: NLL {base:.4f} ({engine.config.dtype})"]
     for r in rows[1:]:
-        ref = 100 * (hf_fake_quant_nll(hf, ids, r.kv_cache_dtype) - base) / base
-        lines.append(f"{r.kv_cache_dtype:<10} ΔNLL llmd {r.delta_nll_pct:.3f}%  HF fake-quant {ref:.3f}%  "
+        ref = 100 * (hf_fake_quant_nll(hf, ids, r.kv_cache_dtype, r.kv_rotation) - base) / base
+        lines.append(f"{r.label:<19} ΔNLL llmd {r.delta_nll_pct:.3f}%  HF fake-quant {ref:.3f}%  "
                      f"|diff| {abs(r.delta_nll_pct - ref):.3f} pp")
     return lines
 
 
 def format_table(rows: list[QualityRow]) -> list[str]:
     """Lines of the ``llmd bench kv-quality`` table."""
-    lines = [f"{'kv dtype':<10}{'B/token':>9}{'mean NLL':>10}{'ΔNLL':>9}{'top-1 agree':>13}"]
+    lines = [f"{'kv dtype':<19}{'B/token':>9}{'mean NLL':>10}{'ΔNLL':>9}{'top-1 agree':>13}"]
     for r in rows:
-        lines.append(f"{r.kv_cache_dtype:<10}{r.bytes_per_token:>9,}{r.nll:>10.4f}{r.delta_nll_pct:>8.3f}%"
+        lines.append(f"{r.label:<19}{r.bytes_per_token:>9,}{r.nll:>10.4f}{r.delta_nll_pct:>8.3f}%"
                      f"{100 * r.top1:>12.2f}%")
     return lines

@@ -64,11 +64,19 @@ def bench_single(formats, prompt_len, decode, repeats, weight_quant, **engine_kw
 @engine_options
 @one_line_errors
 def bench_kv_quality(chunk, hf_reference, cached_prefix, kv_cache_dtype, **engine_kw):
-    """Teacher-forced ΔNLL and top-1 agreement per KV dtype on a fixed ~1,000-token text (cases Q1/Q4)."""
-    from llmd.daemon.bench.kv_quality import KV_DTYPES, format_table, hf_reference_table, kv_quality
+    """Teacher-forced ΔNLL and top-1 agreement per KV dtype on a fixed ~1,000-token text (cases Q1/Q4).
+
+    Every quantized dtype runs without and with --kv-rotation hadamard unless --kv-rotation is
+    given; --kv-cache-dtype other than auto keeps only that dtype's rows (and the auto base)."""
+    from llmd.daemon.bench.kv_quality import BENCH_KV_DTYPES, ROTATIONS, format_table, hf_reference_table, kv_quality
     from llmd.daemon.bench.kv_quality_text import QUALITY_TEXT
 
     kv_scales = engine_kw.pop("kv_scales", None)  # for the quantized rows (the first engine is auto)
+    rotation = engine_kw.pop("kv_rotation", None)
+    rotations = ROTATIONS if rotation is None else (rotation,)
+    kv_dtypes = BENCH_KV_DTYPES if kv_cache_dtype == "auto" else ("auto", kv_cache_dtype)
+    if kv_scales is not None:  # static scales exist for the 8-bit formats only
+        kv_dtypes = tuple(n for n in kv_dtypes if n != "int4")
     if kv_scales is not None:  # fail before the weights load
         from llmd.daemon.core.config import EngineConfig
 
@@ -84,7 +92,8 @@ def bench_kv_quality(chunk, hf_reference, cached_prefix, kv_cache_dtype, **engin
         raise LlmdError(f"--cached-prefix must be in [0, {len(ids)}) tokens, got {cached_prefix}")
     if cached_prefix and not engine.config.enable_prefix_caching:
         raise LlmdError("--cached-prefix needs prefix caching (drop --no-prefix-caching)")
-    rows = kv_quality(engine.runner.model, engine.tokenizer, ids, KV_DTYPES, chunk, cached_prefix, kv_scales, **kw)
+    rows = kv_quality(engine.runner.model, engine.tokenizer, ids, kv_dtypes, chunk, cached_prefix, kv_scales,
+                      rotations, **kw)
     bs = engine.config.block_size
     served = f", first {cached_prefix // bs * bs} from the prefix cache" if cached_prefix else ""
     served += f", static KV scales k={kv_scales[0]:g} v={kv_scales[1]:g}" if kv_scales else ""

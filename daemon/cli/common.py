@@ -95,10 +95,13 @@ def engine_options(fn):
         click.option("--max-num-batched-tokens", default=None, type=int,
                      help="Token budget per step (default: 512 on CPU, 4096 on CUDA)."),
         click.option("--max-model-len", default=None, type=int, help="Context cap in tokens (default: the model's)."),
-        click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8_e4m3", "fp8_e5m2", "int8"]), default="auto",
-                     show_default=True,
+        click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]),
+                     default="auto", show_default=True,
                      help="KV cache storage: auto = model dtype; 8-bit formats keep float32 scales per "
-                          "(token, KV head)."),
+                          "(token, KV head); int4 packs two codes per byte with a float16 scale per 16 channels."),
+        click.option("--kv-rotation", type=click.Choice(["none", "hadamard"]), default=None,
+                     help="Rotate K (after RoPE) and V per head by a Walsh-Hadamard matrix before quantizing "
+                          "(the query and the output are rotated to match; default: hadamard for int8/int4)."),
         click.option("--kv-scales", default=None, callback=parse_kv_scales_option,
                      help="Static per-tensor KV scales k,v (vLLM convention: stored = x / scale); default: dynamic."),
         click.option("--attention-backend", type=click.Choice(["cpu", "torch", "triton"]), default=None,

@@ -94,10 +94,13 @@ def kv_size(model, context, memory, block_size, total_memory):
                else [(True, " (hybrid KV cache groups)"), (False, " (every layer global)")])
     for hybrid, title in layouts:
         click.echo(group_summary(make_kv_cache_groups(windows, hybrid), block_size) + title)
-        click.echo(f"{'kv dtype':<12}{'B/token':>12}{'B/sequence':>16}{'blocks':>10}{'sequences':>12}")
-        for r in kv_size_rows(cfg, context, memory, block_size, hybrid):
+        click.echo(f"{'kv dtype':<12}{'B/token':>12}{'B/sequence':>16}{'blocks':>10}{'sequences':>12}"
+                   f"{'x 16-bit':>10}")
+        rows = kv_size_rows(cfg, context, memory, block_size, hybrid)
+        half = next(r.num_blocks for r in rows if r.name == "bf16/fp16")
+        for r in rows:
             click.echo(f"{r.name:<12}{r.bytes_per_token:>12,.0f}{r.bytes_per_sequence:>16,.0f}{r.num_blocks:>10}"
-                       f"{r.sequences:>12.2f}")
+                       f"{r.sequences:>12.2f}{r.num_blocks / half:>9.2f}x")
 
 
 def _what_fits(model: str, cfg, context: int, total: int, block_size: int) -> None:

@@ -15,6 +15,8 @@ SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy values
 WEIGHT_QUANT_CHOICES = ("auto", "none", "gguf", "int8")  # llmd.models.weight_quant modes, and auto
 DEFAULT_KV_CACHE_MEMORY_CPU = 512 * 1024**2  # bytes
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
+#: --kv-rotation when not given, per --kv-cache-dtype (README "Quantized KV cache": measured wins)
+DEFAULT_KV_ROTATION = {"int8": "hadamard", "int4": "hadamard"}
 MAX_NUM_SEQS_CPU, MAX_NUM_SEQS_CUDA = 64, 256
 
 
@@ -45,7 +47,10 @@ class EngineConfig:
         max_num_batched_tokens: token budget of one step (tokens); ``None`` = 512 on CPU,
             4096 on CUDA.
         max_model_len: context cap (prompt + output tokens); ``None`` = the model's trained length.
-        kv_cache_dtype: "auto" (model dtype), "int8", "fp8_e4m3", "fp8_e5m2" (``llmd.quant.kv``).
+        kv_cache_dtype: "auto" (model dtype), "int8", "fp8_e4m3", "fp8_e5m2", "int4" (``llmd.quant.kv``).
+        kv_rotation: "none" or "hadamard" (``llmd.quant.rotation``: K after RoPE and V stored
+            rotated by a normalized Walsh-Hadamard matrix); ``None`` = :data:`DEFAULT_KV_ROTATION`
+            of the KV dtype (hadamard for int8 and int4, none otherwise).
         kv_scales: static (k_scale, v_scale) per-tensor KV scales; ``None`` = dynamic scales.
         attention_backend: "cpu" (the fast batched CPU path) / "torch" (``kernels/reference.py``,
             the pure-torch oracle) / "triton"; ``None`` = triton on CUDA, cpu on CPU (torch with
@@ -85,6 +90,7 @@ class EngineConfig:
     max_model_len: int | None = None
     kv_cache_dtype: str = "auto"
     kv_scales: tuple[float, float] | None = None
+    kv_rotation: str | None = None
     attention_backend: str | None = None
     disable_hybrid_kv_cache_manager: bool = False
     enable_prefix_caching: bool = True
@@ -173,6 +179,16 @@ class EngineConfig:
             if len(self.kv_scales) != 2 or not all(s > 0 and s != float("inf") for s in self.kv_scales):
                 raise LlmdError(f"--kv-scales must be two positive finite numbers k,v; got {self.kv_scales}")
             self.kv_scales = (float(self.kv_scales[0]), float(self.kv_scales[1]))
+        if self.kv_scales is not None and KV_CACHE_FORMATS[self.kv_cache_dtype].packed:
+            raise LlmdError(f"--kv-scales needs an 8-bit --kv-cache-dtype; {self.kv_cache_dtype} has dynamic "
+                            "per-group scales only")
+        if self.kv_rotation is None:
+            self.kv_rotation = DEFAULT_KV_ROTATION.get(self.kv_cache_dtype, "none")
+        if self.kv_rotation not in ("none", "hadamard"):
+            raise LlmdError(f"--kv-rotation must be none or hadamard, got {self.kv_rotation!r}")
+        if self.kv_rotation != "none" and self.kv_cache_dtype == "auto":
+            raise LlmdError("--kv-rotation hadamard needs a quantized --kv-cache-dtype (int8, int4, fp8_e4m3, "
+                            "fp8_e5m2); auto stores K/V unrounded")
         if self.attention_backend is None:  # float64 runs are reference runs: the oracle
             self.attention_backend = "triton" if on_cuda else ("torch" if self.dtype == "float64" else "cpu")
         if self.attention_backend not in ATTENTION_BACKENDS:

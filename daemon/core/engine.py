@@ -57,6 +57,8 @@ from llmd.daemon.kv import KVCacheManager, make_kv_cache_groups
 from llmd.kernels.launch import check_triton_config
 from llmd.models.config import ModelConfig
 from llmd.models.tokenizer import Tokenizer
+from llmd.quant.kv import get_format
+from llmd.quant.rotation import check_rotation
 
 log = logging.getLogger("llmd.engine")
 #: architectures whose activations overflow float16 (vLLM's ``_FLOAT16_NOT_SUPPORTED_MODELS``)
@@ -87,6 +89,16 @@ def check_triton_backend(cfg: ModelConfig, model_dtype: torch.dtype, block_size:
         check_triton_config(cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, model_dtype, block_size, kv_cache_dtype)
     except ValueError as e:
         raise LlmdError(str(e)) from None
+
+def check_kv_layout(cfg: ModelConfig, kv_cache_dtype: str, kv_rotation: str) -> None:
+    """Refuse a head_dim the KV format's scale groups or the rotation cannot take (int4: a
+    multiple of 16; hadamard: a power of two), with one line. Raises LlmdError."""
+    try:
+        get_format(kv_cache_dtype).check_head_dim(cfg.head_dim)
+        check_rotation(kv_rotation, cfg.head_dim)
+    except ValueError as e:
+        raise LlmdError(str(e)) from None
+
 
 class Engine:
     """Continuous-batching engine over a paged KV cache.
@@ -120,6 +132,7 @@ class Engine:
         cfg = self.model_config
         if self.config.attention_backend == "triton":
             check_triton_backend(cfg, kv_dtype, self.config.block_size, self.config.kv_cache_dtype)
+        check_kv_layout(cfg, self.config.kv_cache_dtype, self.config.kv_rotation)
         self.max_model_len = min(config.max_model_len or cfg.max_position, cfg.max_position)
         self.bytes_per_token = kv_cache_bytes_per_token(cfg, self.config.kv_cache_dtype, kv_dtype)
         self.kv_cache_groups = make_kv_cache_groups(cfg.layer_windows,
@@ -141,7 +154,7 @@ class Engine:
             self.num_blocks, config.block_size, self.kv_cache_groups, enable_caching=self.config.enable_prefix_caching,
             prefix_cache_seed=self.config.prefix_cache_seed,
             model_id=f"{cfg.name}|{cfg.architecture}|{self.config.dtype}",
-            kv_cache_dtype=f"{self.config.kv_cache_dtype}|{self.config.kv_scales}",
+            kv_cache_dtype=f"{self.config.kv_cache_dtype}|{self.config.kv_scales}|{self.config.kv_rotation}",
         )
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, self.config.max_prefill_chunk, self.config.max_num_waiting,
@@ -151,6 +164,7 @@ class Engine:
             self.config.kv_cache_dtype, self.config.kv_scales, self.config.attention_backend, self.kv_cache_groups,
             max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_model_len=self.max_model_len, cuda_graphs=not self.config.enforce_eager,
+            kv_rotation=self.config.kv_rotation,
         )
         self.input_processor = InputProcessor(tokenizer, cfg.vocab_size, self.max_model_len)
         # structured outputs (None for a tokenizer-less engine, e.g. llmd bench step's, which adds no requests)
@@ -235,7 +249,13 @@ class Engine:
             return c.dtype
         scales = (f"static scales k={c.kv_scales[0]:g}, v={c.kv_scales[1]:g}" if c.kv_scales
                   else "dynamic float32 scales")
-        return f"{c.kv_cache_dtype} + {scales}; attention {c.attention_backend}"
+        fmt = get_format(c.kv_cache_dtype)
+        if fmt.group_size:
+            scales += f" per {fmt.group_size} channels"
+        rotation = "" if c.kv_rotation == "none" else f", {c.kv_rotation} rotation"
+        full = kv_cache_block_bytes(self.model_config, self.kv_cache_groups, c.block_size, "auto", torch.bfloat16)
+        return (f"{c.kv_cache_dtype} + {scales}{rotation}, {full / self.block_bytes:.2f}x the blocks of "
+                f"16-bit; attention {c.attention_backend}")
 
     # ---- requests -----------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,

@@ -3,7 +3,9 @@
 bytes/token = 2 · layers · kv_heads · (head_dim · bytes_per_element + scale_bytes), where the
 8-bit formats store one float32 scale per (token, KV head) for K and for V (the scale layout
 of :mod:`llmd.quant.kv`). SmolLM2 (30 layers, 3 KV heads × 64): 23,040 B/token in 16-bit,
-12,240 with int8/fp8 + float32 scales (1.88× the tokens in the same memory).
+12,240 with int8/fp8 + float32 scales (1.88× the tokens in the same memory), 7,200 with int4
+(two codes per byte + a float16 scale per 16 channels: 3.2×). Per (token, KV head) the bytes
+come from :meth:`llmd.quant.kv.KVCacheFormat.head_bytes`.
 
 With KV cache groups (:mod:`llmd.daemon.kv.groups`) one block holds ``block_size`` tokens of
 ``group_size`` layers, and a sequence needs, per group, every block (full attention) or at
@@ -22,9 +24,10 @@ from llmd.models.config import ModelConfig
 from llmd.quant.kv import get_format
 
 #: ``llmd kv-size`` rows: (name, ``--kv-cache-dtype``, model dtype); bytes come from the formats
-#: of :mod:`llmd.quant.kv` (``bytes_per_element``, ``scale_bytes``), never a table of their own
+#: of :mod:`llmd.quant.kv` (``KVCacheFormat.head_bytes``), never a table of their own
 KV_SIZE_ROWS = [("float32", "auto", torch.float32), ("bf16/fp16", "auto", torch.bfloat16),
-                ("fp8", "fp8_e4m3", torch.float32), ("int8", "int8", torch.float32)]
+                ("fp8", "fp8_e4m3", torch.float32), ("int8", "int8", torch.float32),
+                ("int4", "int4", torch.float32)]
 
 
 @dataclass(frozen=True)
@@ -56,8 +59,7 @@ def kv_bytes_per_token(cfg: ModelConfig, element_bytes: int, scale_bytes: int = 
 
 def kv_cache_bytes_per_token(cfg: ModelConfig, kv_cache_dtype: str, model_dtype: torch.dtype) -> int:
     """Bytes per token of all layers in the cache ``--kv-cache-dtype`` allocates (scales included)."""
-    fmt = get_format(kv_cache_dtype)
-    return kv_bytes_per_token(cfg, fmt.bytes_per_element(model_dtype), fmt.scale_bytes)
+    return 2 * cfg.num_layers * cfg.num_kv_heads * get_format(kv_cache_dtype).head_bytes(cfg.head_dim, model_dtype)
 
 
 def kv_block_bytes(cfg: ModelConfig, groups: list[KVCacheGroupSpec], block_size: int, element_bytes: int,
@@ -70,8 +72,9 @@ def kv_block_bytes(cfg: ModelConfig, groups: list[KVCacheGroupSpec], block_size:
 def kv_cache_block_bytes(cfg: ModelConfig, groups: list[KVCacheGroupSpec], block_size: int, kv_cache_dtype: str,
                          model_dtype: torch.dtype) -> int:
     """Bytes of one block of the cache ``--kv-cache-dtype`` allocates (scales included)."""
-    fmt = get_format(kv_cache_dtype)
-    return kv_block_bytes(cfg, groups, block_size, fmt.bytes_per_element(model_dtype), fmt.scale_bytes)
+    group_size = max(len(g.layer_ids) for g in groups)
+    head = get_format(kv_cache_dtype).head_bytes(cfg.head_dim, model_dtype)
+    return block_size * 2 * group_size * cfg.num_kv_heads * head
 
 
 def blocks_per_sequence(groups: list[KVCacheGroupSpec], num_tokens: int, block_size: int, chunk_size: int) -> int:

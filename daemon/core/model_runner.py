@@ -42,7 +42,7 @@ class ModelRunner:
         block_size: tokens per block.
         kv_dtype: the model dtype (the cache dtype for ``kv_cache_dtype="auto"``).
         device: where tensors live.
-        kv_cache_dtype: "auto", "int8", "fp8_e4m3" or "fp8_e5m2".
+        kv_cache_dtype: "auto", "int8", "fp8_e4m3", "fp8_e5m2" or "int4".
         kv_scales: static (k_scale, v_scale) per-tensor scales, or None for dynamic scales.
         attention_backend: "cpu", "torch" or "triton" (set on every step's AttentionMetadata).
         kv_cache_groups: the KV cache groups (default: every layer in one full-attention group).
@@ -50,13 +50,17 @@ class ModelRunner:
             (:class:`~llmd.daemon.core.input_batch.InputBatch`; they grow if a step needs more).
         cuda_graphs: capture decode steps as CUDA graphs after the kernel warm-up (CUDA and the
             triton backend only; elsewhere ignored). ``--enforce-eager`` turns it off.
+        kv_rotation: ``--kv-rotation`` of every layer's cache ("none" / "hadamard";
+            :mod:`llmd.quant.rotation`, applied by the attention ops).
 
     Attributes:
         caches: the ``group_size`` physical caches; layer ``k`` of every group uses ``caches[k]``
             (:func:`llmd.daemon.kv.layer_placement`).
         layer_caches: per layer, the :class:`PagedKVCache` (data + scales + format) the model reads.
-        kv_caches: per layer, the data tensor ``[2, num_blocks, block_size, kv_heads, head_dim]``.
-        kv_scales: per layer, float32 ``[2, num_blocks, block_size, kv_heads]`` or None (auto).
+        kv_caches: per layer, the data tensor ``[2, num_blocks, block_size, kv_heads, head_dim]``
+            (``head_dim // 2`` uint8 for int4).
+        kv_scales: per layer, float32 ``[2, num_blocks, block_size, kv_heads]`` (int4: ``[...,
+            head_dim // 16]`` float16) or None (auto).
         decode_graphs: the :class:`DecodeGraphs` padded decode path, or None (eager steps).
         measure_device_wait: when set (benchmarks), each graph step synchronizes once after the
             forward and the logits and adds the seconds it waited to ``device_wait_s``, so a
@@ -67,7 +71,7 @@ class ModelRunner:
                  kv_cache_dtype: str = "auto", kv_scales: tuple[float, float] | None = None,
                  attention_backend: str = "torch", kv_cache_groups: list[KVCacheGroupSpec] | None = None,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 256, max_model_len: int = 2048,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, kv_rotation: str = "none"):
         self.model = model
         self.config: ModelConfig = model.config
         self.block_size = block_size
@@ -77,7 +81,8 @@ class ModelRunner:
         self.layer_group = [placement[i][0] for i in range(self.config.num_layers)]
         shape = kv_cache_shape(self.config, num_blocks, block_size)
         fmt = get_format(kv_cache_dtype)
-        self.caches = [PagedKVCache.allocate(shape, fmt, kv_dtype, self.device, kv_scales) for _ in range(group_size)]
+        self.caches = [PagedKVCache.allocate(shape, fmt, kv_dtype, self.device, kv_scales, kv_rotation)
+                       for _ in range(group_size)]
         self.layer_caches = [self.caches[placement[i][1]] for i in range(self.config.num_layers)]
         self.kv_caches = [c.data for c in self.layer_caches]
         self.kv_scales = [c.scales for c in self.layer_caches]

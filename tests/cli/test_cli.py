@@ -90,6 +90,6 @@ def test_bad_sampling_values_fail_before_the_weights_load():
         assert "loading" not in r.output, r.output
     # click's usage errors: one line too, exit code 2
     for args, text in ((["generate", "hi", "--kv-cache-memory", "0"], "byte size must be > 0"),
-                       (["generate", "hi", "--kv-cache-dtype", "int4"], "'int4' is not one of"),
+                       (["generate", "hi", "--kv-cache-dtype", "int2"], "'int2' is not one of"),
                        (["generate", "hi", "--no-such-option"], "No such option '--no-such-option'")):
         assert_one_line_error(run_cli(args), text, exit_code=2)

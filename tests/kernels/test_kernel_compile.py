@@ -225,7 +225,8 @@ def test_e4m3_before_sm89_is_bits_in_uint8():
     (dict(decode_block_n=24), "decode block_n a power of two >= 16"),
     (dict(prefill_block_n=8), "prefill block_n a power of two >= 16"),
     (dict(model_dtype=torch.float64), "float32/bfloat16/float16 models"),
-    (dict(kv_cache_dtype="int4"), "--kv-cache-dtype must be one of"),
+    (dict(kv_cache_dtype="int2"), "--kv-cache-dtype must be one of"),
+    (dict(kv_cache_dtype="int4"), "no int4 KV cache kernels yet"),
 ])
 def test_config_checks_are_one_clear_line(bad, match):
     from llmd.kernels.launch import check_triton_config

@@ -107,7 +107,8 @@ def float64_quality(quality, smollm2_path, smollm2_tokenizer, hf_smollm2):
 
     def get(name):
         if name not in runs:
-            runs[name] = (get_llmd(name), hf_fake_quant(hf, ids, name))  # noqa: F821 (deleted after the yield)
+            row = get_llmd(name)  # the dtype's default --kv-rotation (hadamard for int8), the same in HF
+            runs[name] = (row, hf_fake_quant(hf, ids, name, row.kv_rotation))  # noqa: F821 (deleted after the yield)
         return runs[name]
 
     yield get

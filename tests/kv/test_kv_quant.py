@@ -100,7 +100,7 @@ def test_engine_block_count_follows_bytes_per_token(make_engine):
 
 def test_config_validation():
     with pytest.raises(LlmdError, match="kv-cache-dtype"):
-        EngineConfig(device="cpu", kv_cache_dtype="int4").resolve()
+        EngineConfig(device="cpu", kv_cache_dtype="int2").resolve()
     with pytest.raises(LlmdError, match="kv-scales"):
         EngineConfig(device="cpu", kv_scales=(1.0, 1.0)).resolve()
     with pytest.raises(LlmdError, match="kv-scales"):
