@@ -45,9 +45,10 @@ FORMAT = 1  # bump when the entry layout changes
 MAX_ENTRIES = 4  # SmolLM2: ~350 MiB per bfloat16 entry with --weight-quant auto
 _MODELS = os.path.dirname(os.path.abspath(__file__))
 _QUANT = os.path.join(os.path.dirname(_MODELS), "quant")
-#: the conversion code the key covers: llmd.models but the modules no converted tensor depends on,
-#: and the weight packs of llmd.quant (its KV cache formats are not weights)
-_NOT_CONVERSION = ("assemble.py", "errors.py", "paths.py", "presets.py", "tokenizer.py", "__init__.py")
+#: the conversion code the key covers: llmd.models but the modules no converted tensor depends on
+#: (this one's entry layout is :data:`FORMAT`), and the weight packs of llmd.quant (not its KV formats)
+_NOT_CONVERSION = ("assemble.py", "errors.py", "paths.py", "presets.py", "tokenizer.py", "weights_cache.py",
+                   "__init__.py")
 _QUANT_SOURCES = ("gguf_packs.py", "packed_linear.py")
 
 
@@ -133,8 +134,7 @@ def store(model: nn.Module, key: str, cache_dir: str | None = None) -> str | Non
     except OSError as e:
         log.warning("weights cache not written (%s)", e)
         for p in (tmp, tmp + ".crc"):
-            if os.path.exists(p):
-                os.unlink(p)
+            _unlink(p)
         return None
     _prune(root)
     return target
@@ -152,19 +152,32 @@ def _shared_copies_apart(tensors: dict) -> dict:
     return {n: (t.clone() if by_storage[t.untyped_storage().data_ptr()] > 1 else t) for n, t in out.items()}
 
 
+def _unlink(path: str) -> None:
+    """Remove ``path``; one already gone (another process pruned it) or unremovable is no error."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.path.getmtime(path)
+    except OSError:  # removed meanwhile by another process
+        return 0.0
+
+
 def _prune(root: str) -> None:
-    entries = sorted(glob.glob(os.path.join(root, "*.safetensors")), key=os.path.getmtime, reverse=True)
+    """Keep the :data:`MAX_ENTRIES` most recently used entries of ``root``."""
+    entries = sorted(glob.glob(os.path.join(root, "*.safetensors")), key=_mtime, reverse=True)
     for old in entries[MAX_ENTRIES:]:
-        for p in (old, old + ".crc"):
-            if os.path.exists(p):
-                os.unlink(p)
+        discard(old)
 
 
 def discard(path: str) -> None:
     """Delete an entry (and its crc file)."""
     for p in (path, path + ".crc"):
-        if os.path.exists(p):
-            os.unlink(p)
+        _unlink(p)
 
 
 def load_cached(cls, cfg, dtype: torch.dtype, key: str, cache_dir: str | None = None):
@@ -205,7 +218,10 @@ def load_cached(cls, cfg, dtype: torch.dtype, key: str, cache_dir: str | None = 
                     type(e).__name__, e)
         discard(path)
         return None
-    os.utime(path)  # most recently used (pruning keeps it)
+    try:
+        os.utime(path)  # most recently used (pruning keeps it)
+    except OSError:
+        pass
     return model
 
 
