@@ -39,8 +39,10 @@ Rules:
   as the ``/v1/stats`` dict of ``protocol.py``) is rebuilt on the engine thread, so reading it
   never waits for a step: while requests run at most every ``snapshot_interval`` seconds, plus
   once after an iteration whose commands changed something (a submit, an abort that found its
-  request, a cache reset), never per command: 1,000 ``DELETE`` s of unknown ids in one burst
-  cost no rebuild at all (it is O(blocks + live requests), ~1 ms for 8k blocks).
+  request, a cache reset), and before answering an abort or reset that changed something (so
+  the caller's next ``/v1/stats`` shows it), never for a command that changed nothing: 1,000
+  ``DELETE`` s of unknown ids in one burst cost no rebuild at all (it is O(blocks + live
+  requests), ~1 ms for 8k blocks).
 * One bad request never hurts the others: a request that fails alone gets the engine's
   ``finish_reason="error"`` output. A step that raises as a whole ends every live sequence
   with one terminal ``"error"`` output, found through the *sinks*, not the scheduler (a
@@ -300,6 +302,8 @@ class EngineLoop:
             else:  # abort_all
                 result = self._abort_ids(list(self._sinks))
             self._changed |= bool(result)  # an unknown id's abort (False) changes nothing
+            if result and kind != "submit":  # read-your-writes: the caller's next /v1/stats shows the abort
+                self._publish_snapshot()
             _resolve(fut, result=result)
         except LlmdError as e:
             self._changed |= kind == "rejected"  # counters.requests_rejected
