@@ -135,6 +135,23 @@ def bench_prefix(system_tokens, users, turns, max_tokens, **engine_kw):
     engine = build_engine(**engine_kw)
     run_prefix_bench(engine, system_tokens, users, turns, max_tokens, echo=click.echo)
 
+@bench.command("beam")
+@click.option("--prompt-tokens", default=64, show_default=True, type=int, help="Prompt length (a fixed text).")
+@click.option("--output-tokens", default=64, show_default=True, type=int, help="New tokens per beam (ignore_eos).")
+@click.option("--beam-width", default=4, show_default=True, type=int, help="Beams (and independent requests).")
+@engine_options
+@one_line_errors
+def bench_beam(prompt_tokens, output_tokens, beam_width, **engine_kw):
+    """Peak KV blocks of one beam search (shared vs copied blocks) vs as many independent greedy
+    requests, prefix caching off (one run)."""
+    from llmd.daemon.bench.beam import run_beam_bench
+
+    engine = build_engine(**{**engine_kw, "enable_prefix_caching": False})
+    try:
+        run_beam_bench(engine, prompt_tokens, output_tokens, beam_width, echo=click.echo)
+    except ValueError as e:
+        raise LlmdError(str(e)) from None
+
 @bench.command("hybrid")
 @click.option("--seq-tokens", default=2048, show_default=True, type=int, help="Tokens per sequence (prompt + new).")
 @click.option("--new-tokens", default=16, show_default=True, type=int, help="Greedy tokens generated per sequence.")

@@ -20,10 +20,19 @@ from llmd.daemon.core.errors import LlmdError
 @click.option("--top-k", default=0, show_default=True, type=int, help="0 = off.")
 @click.option("--seed", default=None, type=int, help="Sampling seed (default: random).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--beam-width", default=1, show_default=True, type=click.IntRange(1),
+              help="Beam search with this many beams (greedy; >= 2), printing every beam, best first.")
+@click.option("--length-penalty", default=1.0, show_default=True, type=float,
+              help="Beam search: score = cumulative logprob / length ** this (vLLM's).")
+@click.option("--early-stopping", default="false", show_default=True, type=click.Choice(["true", "false", "never"]),
+              help="Beam search's stop rule (vLLM / HF early_stopping).")
 @engine_options
 @one_line_errors
-def generate(prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, **engine_kw):
-    """Generate a completion for PROMPT with llmd's own engine, streaming text to stdout."""
+def generate(prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, beam_width, length_penalty,
+             early_stopping, **engine_kw):
+    """Generate a completion for PROMPT with llmd's own engine, streaming text to stdout
+    (with --beam-width K: the K beams, best first, once the search ends)."""
+    from llmd.daemon.core.beam import check_beam_params
     from llmd.daemon.core.request import SamplingParams
 
     if max_tokens is not None and max_tokens < 1:
@@ -32,8 +41,14 @@ def generate(prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, **
         raise LlmdError("PROMPT is empty")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             stop=list(stop))
+    beam = beam_width > 1
+    if beam:
+        params.use_beam_search, params.length_penalty = True, length_penalty
+        params.early_stopping = {"true": True, "false": False}.get(early_stopping, early_stopping)
     try:  # before the weights load
         params.validate()
+        if beam:
+            check_beam_params(params, beam_width)
     except ValueError as e:
         raise LlmdError("--" + str(e).replace("_", "-")) from None  # "--top-p must be in (0, 1], got 2.0"
     if chat:  # fail before loading the weights (the GGUF header read is cached for the load)
@@ -44,15 +59,24 @@ def generate(prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, **
         if not cfg.chat_template:
             raise LlmdError(f"model {cfg.name} has no chat template (a base model); drop --chat")
     engine = build_engine(**engine_kw)
-    engine.add_request([{"role": "user", "content": prompt}] if chat else prompt, params)
+    from llmd.daemon.core.parallel import child_request_ids
+
+    engine.add_parallel_request([{"role": "user", "content": prompt}] if chat else prompt, params,
+                                child_request_ids("generate", beam_width))
+    beams: dict[int, str] = {}
     t0 = time.monotonic()
     n, reason = 0, None
     while engine.has_unfinished_requests():
         for out in engine.step():
             n += len(out.new_token_ids)
+            reason = out.finish_reason
+            if beam:
+                beams[out.index] = f"[beam {out.index}, {out.finish_reason}] {out.new_text}"
+                continue
             sys.stdout.write(out.new_text)
             sys.stdout.flush()
-            reason = out.finish_reason
+    if beams:
+        sys.stdout.write("\n".join(beams[i] for i in sorted(beams)))
     sys.stdout.write("\n")
     dt = time.monotonic() - t0
     click.echo(f"llmd: {n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s), finish_reason={reason}", err=True)

@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from llmd.daemon.core.beam import BeamSearch, check_beam_params, check_fits, final_outputs
 from llmd.daemon.core.config import DEFAULT_KV_CACHE_MEMORY_CPU, DTYPES, EngineConfig
 from llmd.daemon.core.detokenizer import IncrementalDetokenizer
 from llmd.daemon.core.errors import LlmdError, RequestError, ServerBusyError
@@ -171,6 +172,7 @@ class Engine:
         self.grammars = (GrammarCompiler(tokenizer.hf, cfg.vocab_size, tokenizer.eos_token_ids)
                          if tokenizer is not None else None)
         self.parallel = ParallelRequests()
+        self.beams = BeamSearch()  # use_beam_search requests (beam.py)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.last_scheduler_output: SchedulerOutput | None = None
         self._ids = itertools.count()
@@ -300,6 +302,8 @@ class Engine:
         if parent_id is not None:
             self.parallel.check_new(parent_id)
         params.validate()
+        if params.use_beam_search:
+            check_beam_params(params, len(request_ids))
         if params.structured is not None and grammar is None:
             grammar = self.grammars.compile(params.structured)
         # a ProcessedPrompt comes from the engine loop's tokenizer thread (process() already ran there)
@@ -310,12 +314,16 @@ class Engine:
                         sibling_index=i, priority=priority, grammar=None if grammar is None else GrammarState(grammar))
                 for i, rid in enumerate(request_ids)]  # each sibling its own matcher
         try:
+            if params.use_beam_search:
+                check_fits(self.scheduler, reqs[0], len(reqs))
             self.scheduler.add_request(reqs[0], reqs[1:])
         except RequestError as e:
             if processed.max_tokens_defaulted and not isinstance(e, ServerBusyError):
                 raise e.with_hint(" (max_tokens was not given, so it defaulted to the remaining context, "
                                   f"{params.max_tokens})") from None
             raise
+        if params.use_beam_search:
+            self.beams.add(reqs, self.max_model_len)
         if parent_id is not None:
             self.parallel.add(parent_id, request_ids)
         for rid in request_ids:
@@ -399,11 +407,14 @@ class Engine:
                     outputs.append(self._fail(req, result.failed[b]))
                 else:
                     sampled[req.request_id], logprobs[req.request_id] = tok, lp
-        if outputs:
+        beam_groups = self.beams.take_reports(sampling, sampled, logprobs)  # beams get no token from the scheduler
+        if outputs or beam_groups:
             kept = [(r, t) for r, t in zip(sampling, previous_token_times) if r.request_id in sampled]
             sampling, previous_token_times = [r for r, _ in kept], [t for _, t in kept]
         self._unreported = {req.request_id: req for req in sampling}
         self.scheduler.update_from_output(sched, sampled)
+        if beam_groups:
+            outputs += self._advance_beams(beam_groups)
         if self.faults is not None:
             self.faults.check_step(sampling)
         self._record_step(sched.num_prefill_tokens, sampling, previous_token_times)
@@ -414,6 +425,27 @@ class Engine:
                 log.exception("postprocessing %s failed", req.request_id)
                 outputs.append(self._fail(req, f"postprocessing failed: {type(e).__name__}: {e}"))
             self._unreported.pop(req.request_id, None)
+        return outputs
+
+    def _advance_beams(self, groups: list) -> list[RequestOutput]:
+        """Step the beam-search groups whose beams all reported (:mod:`.beam`); the final
+        outputs of those that ended: slot ``i`` carries the ``i``-th best beam, all its tokens
+        and text in one output."""
+        outputs = []
+        for g, live in self.beams.advance(groups, self.scheduler):
+            for req, hyp in final_outputs(g, live):
+                status = RequestStatus.FINISHED_STOPPED if hyp.stopped else RequestStatus.FINISHED_LENGTH
+                req.token_ids[req.num_prompt_tokens:] = hyp.output_token_ids
+                req.stop_reason = hyp.output_token_ids[-1] if hyp.stopped else None
+                self.scheduler.finish_request(req.request_id, status)
+                detok = self.detokenizers.pop(req.request_id)
+                text = detok.update(hyp.output_token_ids) + detok.finish()
+                self._finished(req, status.finish_reason)
+                outputs.append(RequestOutput(
+                    request_id=req.request_id, new_token_ids=list(hyp.output_token_ids), new_text=text,
+                    logprobs=[None] * len(hyp.output_token_ids), finished=True, finish_reason=status.finish_reason,
+                    num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+                    num_cached_tokens=req.num_cached_tokens, index=req.sibling_index))
         return outputs
 
     def _postprocess(self, req: Request, token: int, lp: TokenLogprobs | None) -> RequestOutput:
@@ -464,6 +496,7 @@ class Engine:
         reason = reason or "abort"
         self.counters.requests_finished[reason] += 1
         self.parallel.finished(req.request_id)
+        self.beams.finished(req.request_id)
         if self.log_stats:
             self._iteration.finished.append(
                 FinishedRequestStats(req.request_id, reason, time.monotonic() - req.arrival_time))

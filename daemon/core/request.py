@@ -57,6 +57,11 @@ class SamplingParams:
             1 disables. Positive logits are divided by it, negative ones multiplied.
         frequency_penalty: subtracted ``count * frequency_penalty`` for output tokens.
         presence_penalty: subtracted once for every token present in the output.
+        use_beam_search: beam search instead of sampling (vLLM's extra parameter): the engine's
+            ``n`` sequences are the beams (:mod:`llmd.daemon.core.beam`; greedy, no stream).
+        length_penalty: beam search's exponent, score = cumulative logprob / (prompt + output
+            tokens, a trailing EOS not counted) ** length_penalty (vLLM's definition).
+        early_stopping: beam search's stop rule, ``True``, ``False`` or ``"never"`` (vLLM / HF).
         seed: per-request seed; ``None`` draws a random one at creation, so a request's
             own choices are reproducible regardless of batch composition.
         stop: strings that end generation; the matched string is not returned.
@@ -82,6 +87,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)

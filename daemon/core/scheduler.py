@@ -187,8 +187,8 @@ class Scheduler:
         for req in decodes + chunks:
             if budget <= 0:
                 break
-            if req.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this step
+            if req.status != RequestStatus.RUNNING or req.num_computed_tokens >= req.num_tokens:
+                continue  # preempted earlier in this step, or a beam waiting for its siblings (beam.py)
             num_new = self._num_new_tokens(req, budget)
             start = req.num_computed_tokens
             while self.kv.allocate_slots(req.request_id, start + num_new, start) is None:
@@ -216,6 +216,8 @@ class Scheduler:
             num_new = self._num_new_tokens(req, budget)
             if self.kv.allocate_slots(req.request_id, num_cached + num_new, num_cached, blocks) is None:
                 req.num_computed_tokens = 0
+                if not out.scheduled and self._preempt_waiting_beams():
+                    continue  # only beams waiting for a sibling held the blocks: they recompute later
                 break  # head-of-line: priority/FCFS order is kept
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_cached
@@ -227,6 +229,15 @@ class Scheduler:
             budget -= num_new
         out.blocks_to_copy = self.kv.take_pending_copies()
         return out
+
+    def _preempt_waiting_beams(self) -> bool:
+        """Preempt the running beams that wait, with nothing to compute, for a preempted
+        sibling (:mod:`.beam`) when nothing else can run: otherwise their blocks could keep
+        the waiting queue's head out for good. Returns whether any was preempted."""
+        held = [r for r in self.running if r.num_computed_tokens >= r.num_tokens]
+        for r in held:
+            self._preempt(r)
+        return bool(held)
 
     def _fork_followers(self, leader: Request) -> list[Request]:
         """The leader computed the prompt: its waiting siblings share its blocks and run."""
@@ -241,7 +252,8 @@ class Scheduler:
         Args:
             out: the step's schedule.
             sampled: request_id → sampled token id, for requests with ``sample=True`` and
-                for the followers of a leader whose prompt completes in this step (they fork).
+                for the followers of a leader whose prompt completes in this step (they fork);
+                a request missing from it (a beam, :mod:`.beam`) gets no token here.
         Returns:
             Requests that finished in this step.
         """
@@ -257,7 +269,9 @@ class Scheduler:
             if not s.sample:
                 continue
             for r in [req, *(self._fork_followers(req) if req.followers else ())]:
-                token = sampled[r.request_id]
+                token = sampled.get(r.request_id)
+                if token is None:  # a beam: the beam search appends its token (beam.py)
+                    continue
                 r.append_output_token(token)
                 status = self._check_stop(r, token)
                 if status is not None:

@@ -207,14 +207,27 @@ class KVCacheManager:
         i = num_computed_tokens // self.block_size
         return [(g, i) for g, t in enumerate(tables) if i < len(t) and t[i].ref_cnt > 1]
 
-    def fork(self, parent_id: str, child_id: str) -> None:
+    def fork(self, parent_id: str, child_id: str, share: bool = True) -> None:
         """Give ``child_id`` the parent's block tables, sharing every block (ref count +1);
-        the first append into a shared partial block copies it (parallel sampling)."""
+        the first append into a shared partial block copies it (parallel sampling, beams).
+
+        ``share=False`` (the beam benchmark's baseline without sharing) gives the child fresh
+        blocks instead, each queued in :attr:`pending_copies` from the parent's. Raises
+        ``ValueError`` if the child has tables already, ``RuntimeError`` if the pool cannot
+        hold the copies (nothing allocated then)."""
         if child_id in self.req_to_blocks:
             raise ValueError(f"request {child_id!r} already has block tables")
         tables = [list(t) for t in self.req_to_blocks[parent_id]]
-        for t in tables:
-            self.block_pool.touch(t)
+        if not share:
+            real = [(g, i) for g, t in enumerate(tables) for i, b in enumerate(t) if not b.is_null]
+            if len(real) > self.num_free_blocks:
+                raise RuntimeError(f"copying {len(real)} blocks for {child_id!r}: only {self.num_free_blocks} free")
+            for (g, i), new in zip(real, self.block_pool.get_new_blocks(len(real))):
+                self.pending_copies.append((tables[g][i].block_id, new.block_id))
+                tables[g][i] = new
+        else:
+            for t in tables:
+                self.block_pool.touch(t)
         self.req_to_blocks[child_id] = tables
         for d in (self.req_extra, self.req_block_hashes, self.num_cached_block):
             if parent_id in d:

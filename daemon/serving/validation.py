@@ -282,10 +282,14 @@ def parse_request(body, chat: bool, model_ids: tuple[str, ...], vocab_size: int,
         logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
     echo = check_echo(body, chat, logprobs)
     stream = _bool(body, "stream")
+    beam = _bool(body, "use_beam_search")
+    if beam and stream:
+        raise ApiError("use_beam_search cannot stream (beams change until the search ends); send stream: false",
+                       "stream")
     include_usage, continuous_usage = parse_stream_options(body, stream)
     params = SamplingParams(
         max_tokens=max_tokens,
-        temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
+        temperature=_float(body, "temperature", 0.0 if beam else 1.0, 0.0, 2.0),
         top_k=_int(body, "top_k", 0, -1, None),
         top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         min_p=_float(body, "min_p", 0.0, 0.0, 1.0),
@@ -294,12 +298,30 @@ def parse_request(body, chat: bool, model_ids: tuple[str, ...], vocab_size: int,
         presence_penalty=_float(body, "presence_penalty", 0.0, -2.0, 2.0),
         seed=seed, stop=stop, stop_token_ids=stop_ids,
         ignore_eos=_bool(body, "ignore_eos"), logprobs=logprobs, structured=structured, logit_bias=logit_bias,
+        use_beam_search=beam, length_penalty=_float(body, "length_penalty", 1.0, -100.0, 100.0),
+        early_stopping=_early_stopping(body),
     )
+    if beam:
+        from llmd.daemon.core.beam import check_beam_params
+        from llmd.daemon.core.errors import RequestError
+
+        try:
+            check_beam_params(params, n)
+        except RequestError as e:
+            raise ApiError(str(e), e.param) from None
     return ParsedRequest(chat=chat, prompt=prompt, params=params, n=n, stream=stream, tool_calling=tool_calling,
                          include_usage=include_usage, logprobs=logprobs,
                          tokens_as_ids=_bool(body, "return_tokens_as_token_ids"), cache_salt=_cache_salt(body),
                          priority=_int(body, "priority", 0, -(2**31), 2**31 - 1), prompts=prompts, echo=echo,
                          continuous_usage=continuous_usage)
+
+
+def _early_stopping(body: dict) -> bool | str:
+    """vLLM's beam-search ``early_stopping``: true, false (default) or "never"."""
+    v = body.get("early_stopping", False)
+    if not (isinstance(v, bool) or v == "never"):
+        raise ApiError(f"early_stopping must be true, false or \"never\", got {_short(v)}", "early_stopping")
+    return v
 
 
 def _stop(body: dict) -> list[str]:
