@@ -22,8 +22,8 @@ from llmd.quant.kv import PagedKVCache, compute_scales, dequantize, quantize
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache,
              slot_mapping: torch.Tensor) -> None:
     """Write new K/V rows into the paged cache, in place, quantizing on write for int8/fp8/int4
-    (int4: packed codes and per-32-channel scales, :mod:`llmd.quant.kv`). K/V arrive already
-    rotated for a ``--kv-rotation`` cache (:func:`llmd.kernels.ops.store_kv` rotates them).
+    (int4: packed codes and per-16-channel float16 scales, :mod:`llmd.quant.kv`). K arrives already
+    rotated for a ``--kv-rotation`` cache (:func:`llmd.kernels.ops.store_kv` rotates it).
 
     Args:
         key, value: ``[T, num_kv_heads, head_dim]``, any float dtype (cast to the cache dtype).

@@ -20,7 +20,7 @@ Layout of one layer's paged cache (vLLM vocabulary: block, block_size, slot):
   channels; measured on SmolLM2 (README) groups of 16 with float16 scales beat groups of 32
   with float32 ones (ΔNLL 2.45 % vs 3.36 %) and asymmetric groups of 32 (scale + zero point in
   float16, 3.58 %). With ``--kv-rotation hadamard`` (:mod:`llmd.quant.rotation`) the stored
-  K/V are ``RoPE(K) H`` and ``V H``. KIVI (arXiv:2402.02750) groups K per channel over tokens
+  K is ``RoPE(K) H`` (V as it is). KIVI (arXiv:2402.02750) groups K per channel over tokens
   instead, which makes a block's scales change while it fills (it needs a 16-bit residual of
   the open block); per-token groups avoid that.
 
@@ -156,7 +156,7 @@ class PagedKVCache:
         fmt: the :class:`KVCacheFormat`.
         static_scales: (k_scale, v_scale) per-tensor scales, or None for dynamic scales.
         rotation: ``--kv-rotation`` ("none" or "hadamard", :mod:`llmd.quant.rotation`): the
-            stored K (and V) are rotated; the attention ops rotate the query (and the output).
+            stored K is rotated; the attention ops rotate the query the same way.
     """
 
     data: torch.Tensor

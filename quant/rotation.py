@@ -1,11 +1,12 @@
-"""Per-head orthogonal rotations of K/V for quantized KV caches (``--kv-rotation``).
+"""Per-head orthogonal rotations of K for quantized KV caches (``--kv-rotation``).
 
 QuaRot (Ashkboos et al., arXiv:2404.00456) and SpinQuant: for an orthonormal ``H``
 (``H Hᵀ = I``), ``(q H)·(k H) = q·k``, so rotating both the query and the key after RoPE leaves
 every attention score unchanged in exact arithmetic while spreading an outlier channel of
 ``k`` over all ``head_dim`` channels: the per-(token, head) amax falls towards the rms, and so
-does the quantization step ``amax / qmax``. The same holds for V if the attention output is
-rotated back (``softmax(s) (v H) Hᵀ = softmax(s) v``).
+does the quantization step ``amax / qmax``. Only K is rotated (``llmd.kernels.ops``): V could
+be too, with the output rotated back (``softmax(s) (v H) Hᵀ = softmax(s) v``), but that
+measured no better (README, "Quantized KV cache").
 
 ``hadamard``: the normalized Walsh-Hadamard matrix of order ``head_dim`` (Sylvester's
 construction, ``H_{2n} = [[H, H], [H, -H]] / sqrt(2)``): symmetric and orthonormal, so it is

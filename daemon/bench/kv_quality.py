@@ -96,7 +96,7 @@ def fake_quant_reference(x: torch.Tensor, fmt: KVCacheFormat, rotation: str = "n
     times the scale (the product taken exactly in float64, then rounded once to x's dtype:
     float32's own correctly rounded product for float32 models, the exact value for float64 ones).
     With a rotation ``H`` the result is ``Q(x H) H`` (``H H = I``): what llmd's rotated scores
-    and outputs equal in exact arithmetic.
+    equal in exact arithmetic.
 
     Args:
         x: ``[..., head_dim]`` float, quantized over the last dim.
@@ -142,7 +142,7 @@ def hf_fake_quant(hf_model, ids: list[int], kv_cache_dtype: str, rotation: str =
     def fake_quant_attention(module, query, key, value, attention_mask, **kw):
         # key/value: [B, kv_heads, L, head_dim] -> quantized over head_dim per (token, head);
         # kw carries the layer's scaling (and sliding_window, which the mask already encodes)
-        key, value = fake_quant_reference(key, fmt, rotation), fake_quant_reference(value, fmt, rotation)
+        key, value = fake_quant_reference(key, fmt, rotation), fake_quant_reference(value, fmt)  # llmd rotates K only
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
 
     AttentionInterface.register(HF_ATTN_NAME, fake_quant_attention)

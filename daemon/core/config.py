@@ -48,8 +48,8 @@ class EngineConfig:
             4096 on CUDA.
         max_model_len: context cap (prompt + output tokens); ``None`` = the model's trained length.
         kv_cache_dtype: "auto" (model dtype), "int8", "fp8_e4m3", "fp8_e5m2", "int4" (``llmd.quant.kv``).
-        kv_rotation: "none" or "hadamard" (``llmd.quant.rotation``: K after RoPE and V stored
-            rotated by a normalized Walsh-Hadamard matrix); ``None`` = :data:`DEFAULT_KV_ROTATION`
+        kv_rotation: "none" or "hadamard" (``llmd.quant.rotation``: K after RoPE stored rotated
+            by a normalized Walsh-Hadamard matrix, the query too); ``None`` = :data:`DEFAULT_KV_ROTATION`
             of the KV dtype (hadamard for int8 and int4, none otherwise).
         kv_scales: static (k_scale, v_scale) per-tensor KV scales; ``None`` = dynamic scales.
         attention_backend: "cpu" (the fast batched CPU path) / "torch" (``kernels/reference.py``,
