@@ -80,6 +80,42 @@ def spawn_lock_path(socket_path: str) -> str:
     return socket_path + ".spawn.lock"
 
 
+def lock_file(path: str, blocking: bool = True, flags: int = 0) -> int:
+    """Open ``path`` (created 0600; ``flags`` added to ``os.open``'s, e.g. ``O_NOFOLLOW``) and
+    ``flock`` it exclusively; returns the descriptor. Lock files are removed by their holder
+    before it lets go (:func:`unlock_file`), so a lock won on a file that is no longer at
+    ``path`` (its holder unlinked it meanwhile) is dropped and taken again on the new file.
+
+    Raises:
+        OSError: ``open`` fails, or ``EAGAIN``/``EACCES`` when ``blocking`` is False and
+            another process holds the lock.
+    """
+    import fcntl
+
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | flags, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            if os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False)):
+                return fd
+        except FileNotFoundError:
+            pass  # unlinked by its previous holder: take the lock on a new file
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+
+
+def unlock_file(path: str, fd: int) -> None:
+    """Remove the lock file ``path`` held through ``fd`` (:func:`lock_file`), then release it."""
+    try:
+        if os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False)):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    os.close(fd)
+
+
 def check_socket_path(path: str) -> str | None:
     """Return an error message if ``path`` cannot be an AF_UNIX socket path, else None."""
     n = len(os.fsencode(path))

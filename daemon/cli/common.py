@@ -128,18 +128,21 @@ def engine_options(fn):
     return fn
 
 
-def build_engine(**kw):
+def build_engine(name: str | None = None, **kw):
     """An :class:`Engine` from engine options, with the loading and loaded lines on stderr
-    (settings are validated before the weights load)."""
+    (settings are validated before the weights load). ``name``: the model's name in those
+    lines (the daemon's served name; default the ``--model`` value), never the GGUF's own
+    ``general.name``."""
     from llmd.daemon.core.config import EngineConfig
     from llmd.daemon.core.engine import Engine
 
     config = EngineConfig(**kw).resolve()  # bad settings fail before the weights load
     threads = f"{config.threads} thread{'' if config.threads == 1 else 's'}"
-    click.echo(f"llmd: loading {kw['model']} ({config.dtype}, {threads}) ...", err=True)
+    name = name or kw["model"]
+    click.echo(f"llmd: loading {name} ({config.dtype}, {threads}) ...", err=True)
     t0 = time.monotonic()
     engine = Engine.from_config(config)
-    click.echo(f"llmd: loaded {engine.model_config.name} in {time.monotonic() - t0:.1f} s; {engine.runtime_summary()}; "
+    click.echo(f"llmd: loaded {name} in {time.monotonic() - t0:.1f} s; {engine.runtime_summary()}; "
                f"{engine.capacity_summary()}", err=True)
     return engine
 

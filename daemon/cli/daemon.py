@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 
 import click
 
@@ -26,6 +27,16 @@ def served_id(model: str) -> str:
     return base[:-5] if base.endswith(".gguf") else base
 
 
+def serve_title(argv: list[str]) -> str:
+    """The daemon's process title: ``llmd serve`` and the arguments after ``serve`` in ``argv``
+    (the value of ``--api-key`` masked), whether it was started as the ``llmd`` script or as
+    ``python -c ...`` by ``llmd chat`` (``spawn.SERVE_COMMAND``)."""
+    args = argv[argv.index("serve") + 1:] if "serve" in argv else []
+    shown = ["***" if i and args[i - 1] == "--api-key" else a.split("=")[0] + "=***"
+             if a.startswith("--api-key=") else a for i, a in enumerate(args)]
+    return " ".join(["llmd", "serve", *shown])
+
+
 @click.command()
 @socket_option
 @click.option("--host", default=None, help="Also listen on TCP at this host (needs --port; default 127.0.0.1).")
@@ -36,7 +47,9 @@ def served_id(model: str) -> str:
 @click.option("--api-key", default=None, metavar="KEY",
               help="The key itself (as vLLM and llama-server; visible to local users in /proc: prefer the file "
                    "or $LLMD_API_KEY).")
-@click.option("--served-model-name", default=None, help="Model id in the API (default: the --model name).")
+@click.option("--served-model-name", default=None,
+              help="Model id in the API, the only name the `model` field accepts (default: the --model name; "
+                   "a GGUF path's file name without .gguf).")
 @click.option("--drain-timeout", default=30.0, show_default=True, type=float,
               help="Seconds in-flight requests get on shutdown before they are aborted.")
 @click.option("--metrics-compat", default=None, type=click.Choice(["vllm"]),
@@ -63,11 +76,15 @@ def serve(socket_path, host, port, api_key_file, api_key, served_model_name, dra
         check_bind(host or "127.0.0.1", port, key)
     path = socket_path_of(socket_path)
     lock_fd = claim_socket(path)  # fail fast, before loading the model
+    import setproctitle
+
+    setproctitle.setproctitle(serve_title(sys.argv))  # ps: `llmd serve ...`, not `python3 -c ...`
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # one served name: the `model` field accepts exactly what /v1/models lists (vLLM's rule)
     model_id = served_model_name or served_id(engine_kw["model"])
-    ids = tuple(dict.fromkeys([model_id, engine_kw["model"]]))
     # the engine loads on the engine loop's thread, the one that runs its steps (see engine_loop)
-    asyncio.run(run_server(lambda: build_engine(**engine_kw), path, model_id, ids, host=host, port=port,
+    asyncio.run(run_server(lambda: build_engine(name=model_id, **engine_kw), path, model_id, (model_id,),
+                           host=host, port=port,
                            drain_timeout=drain_timeout, lock_fd=lock_fd, metrics_compat=metrics_compat,
                            api_key=key if port is not None else None, health_stall_timeout=health_stall_timeout,
                            echo=lambda m: click.echo(m, err=True)))

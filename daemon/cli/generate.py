@@ -57,7 +57,7 @@ def generate(prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, be
 
         cfg = load_config(resolve_model(engine_kw["model"]))
         if not cfg.chat_template:
-            raise LlmdError(f"model {cfg.name} has no chat template (a base model); drop --chat")
+            raise LlmdError(f"model {engine_kw['model']} has no chat template (a base model); drop --chat")
     engine = build_engine(**engine_kw)
     from llmd.daemon.core.parallel import child_request_ids
 

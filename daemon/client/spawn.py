@@ -2,12 +2,12 @@
 
 No daemon on the socket → :func:`ensure_daemon` starts one in the background (``llmd serve``,
 its own session, logging to ``~/.cache/llmd/daemon.log``, created 0600 in a 0700 directory) under a lock
-(``<socket>.spawn.lock``) so two clients never both spawn one, with progress until
+(``<socket>.spawn.lock``, removed once the daemon answers) so two clients never both spawn one, with progress until
 ``/health`` answers. That daemon keeps running after the client exits; ``llmd stop`` ends it
 (:func:`wait_for_daemon_exit` returns once the process is gone).
 
 The daemon holds ``<socket>.lock`` (``flock``) from before it loads its model until its
-process exits; :func:`lock_held` probes it. The daemon side of the lock is
+process exits, and removes it then; :func:`lock_held` probes it. The daemon side of the lock is
 ``llmd.daemon.serving.lifecycle.claim_socket``; both name it through :mod:`llmd.daemon.protocol`.
 """
 
@@ -23,7 +23,7 @@ import click
 
 from llmd.daemon.client.client import Client
 from llmd.daemon.core.errors import LlmdError
-from llmd.daemon.protocol import default_log_path, lock_path, spawn_lock_path
+from llmd.daemon.protocol import default_log_path, lock_file, lock_path, spawn_lock_path, unlock_file
 
 STARTUP_TIMEOUT_S = 300.0
 #: how a client starts a daemon: the ``llmd`` console script's entry point, by name (not imported)
@@ -140,9 +140,8 @@ def ensure_daemon(socket_path: str, serve_args: list[str], log_path: str | None 
         return client
     log_path = log_path or default_log_path()
     os.makedirs(os.path.dirname(os.path.abspath(socket_path)), mode=0o700, exist_ok=True)
-    lock_fd = os.open(spawn_lock_path(socket_path), os.O_RDWR | os.O_CREAT, 0o600)
+    lock_fd = lock_file(spawn_lock_path(socket_path))  # a second chat waits here, then finds the daemon
     try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX)  # a second chat waits here, then finds the daemon
         if client.health():
             return client
         proc, log_start = None, 0
@@ -177,7 +176,27 @@ def ensure_daemon(socket_path: str, serve_args: list[str], log_path: str | None 
              else f"llmd: daemon ready after {time.monotonic() - t0:.1f} s")
         return client
     finally:
-        os.close(lock_fd)
+        unlock_file(spawn_lock_path(socket_path), lock_fd)  # no <socket>.spawn.lock left behind
+
+
+def reconnect(socket_path: str, serve_args: list[str], log_path: str | None = None,
+              exit_timeout: float = 60.0, **kw) -> Client:
+    """A client of a daemon on ``socket_path`` again after the last one went away mid-session
+    (``llmd chat``'s next message): wait up to ``exit_timeout`` seconds for the old process to
+    release ``<socket>.lock`` (a stopping daemon refuses connections while it drains; a crashed
+    one released it at once and its stale socket is replaced), unless a daemon answers again,
+    then :func:`ensure_daemon` (``kw``: its options) finds or starts one as at first.
+
+    Raises:
+        LlmdError: the old daemon did not exit in time, or :func:`ensure_daemon`'s errors.
+    """
+    client, deadline = Client(socket_path), time.monotonic() + exit_timeout
+    while lock_held(lock_path(socket_path)) and client.health(ready_only=False) is None:
+        if time.monotonic() > deadline:
+            raise LlmdError(f"the daemon on {socket_path} stopped answering but did not exit within "
+                            f"{exit_timeout:.0f} s")
+        time.sleep(0.1)
+    return ensure_daemon(socket_path, serve_args, log_path, **kw)
 
 
 def check_running_daemon(client: Client, model: str | None, ignored: list[str],

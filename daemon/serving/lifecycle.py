@@ -5,7 +5,8 @@ or ``$LLMD_SOCKET`` override). Its directory is created 0700 and the socket is b
 umask 077, so it is 0600 from its first instant and other users cannot connect.
 
 * A lock file ``<socket>.lock`` (``flock``) is held for the daemon's lifetime: a second
-  daemon on the same path is refused even while the first is still loading its model.
+  daemon on the same path is refused even while the first is still loading its model. It is
+  removed on exit (``protocol.unlock_file``; a lock won on a removed file is taken again).
 * A socket file that answers is a live daemon → refused; one that refuses connections is
   stale (a crashed daemon) → replaced. A path over the AF_UNIX limit → a clear error.
 * ``SIGTERM`` / ``SIGINT`` / ``POST /v1/shutdown`` (``llmd stop``): stop accepting, let
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import fcntl
 import logging
 import os
 import signal
@@ -32,7 +32,7 @@ import stat
 from aiohttp import web
 
 from llmd.daemon.core.errors import LlmdError
-from llmd.daemon.protocol import check_socket_path, default_socket_dir, lock_path
+from llmd.daemon.protocol import check_socket_path, default_socket_dir, lock_file, lock_path, unlock_file
 from llmd.daemon.serving.access import AccessPolicy, access_middleware, check_bind, is_loopback_host
 from llmd.daemon.serving.api import ServerState, make_app
 from llmd.daemon.serving.connections import ServingRunner
@@ -103,22 +103,17 @@ def claim_socket(path: str) -> int:
     prepare_socket_dir(path)
     lock = lock_path(path)
     try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        fd = lock_file(lock, blocking=False, flags=os.O_NOFOLLOW)
     except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+            raise LlmdError(f"another llmd daemon is already running (or starting) on {path}; "
+                            "stop it with `llmd stop`") from None
         raise LlmdError(f"cannot open the lock file {lock}: {e.strerror} (another user's file, or a symlink); "
                         "remove it or pick another --socket") from None
     if not _owner_is_safe(os.fstat(fd)):
         uid = os.fstat(fd).st_uid
         os.close(fd)
         raise LlmdError(f"the lock file {lock} belongs to another user (uid {uid}); pick another --socket")
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        os.close(fd)
-        if e.errno in (errno.EAGAIN, errno.EACCES):
-            raise LlmdError(f"another llmd daemon is already running (or starting) on {path}; "
-                            "stop it with `llmd stop`") from None
-        raise
     if os.path.lexists(path):
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
             os.close(fd)
@@ -159,8 +154,8 @@ async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[s
             runs its steps, which on CPU is worth ~1.4× throughput (see ``engine_loop``).
             The factory's exception propagates from here.
         socket_path: where to bind (claimed with :func:`claim_socket` first).
-        model_id, model_ids: the served id and every name accepted as ``model`` (the
-            loaded model's own name is added).
+        model_id, model_ids: the served id and every name accepted as ``model`` (what
+            ``/health`` lists; the GGUF's own ``general.name`` is not added).
         host, port: optional TCP listener, guarded by :mod:`.access` (loopback ``Host`` and
             ``Origin`` on a loopback bind, ``application/json`` bodies, and ``api_key``).
         api_key: the Bearer token TCP requests need (None: none; then only a loopback host).
@@ -210,7 +205,6 @@ async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[s
         engine = await _until_ready(eloop, state)
         if engine is None:  # a shutdown while loading: nothing was served
             return
-        state.model_ids = tuple(dict.fromkeys([*model_ids, engine.model_config.name]))
         state.vocab_size, state.max_model_len = engine.model_config.vocab_size, engine.max_model_len
         state.loaded = True
         summary = f"; {engine.runtime_summary()}" if hasattr(engine, "runtime_summary") else ""
@@ -238,5 +232,5 @@ async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[s
             os.unlink(socket_path)
         except FileNotFoundError:
             pass
-        os.close(lock_fd)
+        unlock_file(lock_path(socket_path), lock_fd)  # removes <socket>.lock, then releases it
         echo("llmd: stopped")

@@ -93,3 +93,25 @@ def test_bad_sampling_values_fail_before_the_weights_load():
                        (["generate", "hi", "--kv-cache-dtype", "int2"], "'int2' is not one of"),
                        (["generate", "hi", "--no-such-option"], "No such option '--no-such-option'")):
         assert_one_line_error(run_cli(args), text, exit_code=2)
+
+
+def test_chat_options_fail_before_a_daemon_starts(tmp_path):
+    """`llmd chat --max-tokens 0` (and other out-of-range sampling options) is a one-line error
+    at once: no daemon is started for it (it used to load one, then fail on the first message)."""
+    sock = str(tmp_path / "none.sock")
+    for args, text in ((["--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
+                       (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+                       (["--repetition-penalty", "0"], "--repetition-penalty must be > 0")):
+        r = run_cli(["chat", "--socket", sock, "-p", "hi", *args])
+        assert_one_line_error(r, text)
+        assert "starting a daemon" not in r.output and not os.path.exists(sock), r.output
+
+
+def test_generate_chat_on_a_template_less_model_names_the_given_model(tmp_path):
+    """A base model (no chat template) with --chat fails before the weights load, naming the
+    --model given (not the GGUF's general.name)."""
+    path = tmp_path / "base.gguf"
+    write_tiny_llama(path)
+    r = run_cli(["generate", "hi", "--chat", "--model", str(path)])
+    assert_one_line_error(r, f"model {path} has no chat template")
+    assert "loading" not in r.output, r.output

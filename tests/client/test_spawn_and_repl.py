@@ -54,3 +54,70 @@ def test_repl_unknown_command_is_not_sent_to_the_model(monkeypatch, capsys):
     chat.run_chat(Backend(), {}, system="be brief")
     assert sent == [["be brief", "/etc is a folder"], ["be brief", "hello"]]
     assert "unknown command /bogus" in capsys.readouterr().err
+
+
+def test_repl_notes_a_capped_reply_and_survives_a_failed_one(monkeypatch, capsys):
+    """A reply that hit its cap ends with ``[stopped at N tokens]``; ``verbose`` adds tokens/s;
+    a refused request (here a 400) prints one line and the REPL goes on without that turn."""
+    from llmd.daemon.client import chat
+    from llmd.daemon.client.client import ApiResponseError
+
+    sent = []
+
+    class Backend:
+        finish_reason, completion_tokens = None, None
+
+        def stream_chat(self, messages, params):
+            sent.append([m["content"] for m in messages])
+            if messages[-1]["content"] == "too long":
+                raise ApiResponseError(400, {"error": {"message": "prompt has 9000 tokens"}})
+            self.finish_reason, self.completion_tokens = "length", 7
+            yield "la la"
+
+    lines = iter(["sing", "too long", "again"])
+
+    def fake_input(prompt):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    chat.run_chat(Backend(), {"max_tokens": 7}, verbose=True)
+    err = capsys.readouterr().err
+    assert err.count("[stopped at 7 tokens]") == 2 and "7 tokens in " in err and " tokens/s" in err, err
+    assert "llmd: error: daemon answered 400: prompt has 9000 tokens" in err
+    assert sent[-1] == ["sing", "la la", "again"]  # the failed turn left no trace
+
+
+def test_lock_files_are_removed_and_a_lock_on_a_removed_file_is_taken_again(tmp_path):
+    """``protocol.lock_file`` / ``unlock_file``: the holder removes the file before letting go;
+    a waiter that then wins the lock on the removed file drops it and locks the new file, so two
+    holders never coexist (what ``<socket>.lock`` and ``.spawn.lock`` rely on)."""
+    import os
+    import threading
+    import time
+
+    from llmd.daemon.protocol import lock_file, unlock_file
+
+    path = str(tmp_path / "s.sock.lock")
+    fd = lock_file(path)
+    got = {}
+
+    def waiter():
+        got["fd"] = lock_file(path)  # blocks on the first file, then re-locks the new one
+        got["ino"] = os.fstat(got["fd"]).st_ino
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.3)
+    unlock_file(path, fd)
+    t.join(10)
+    assert os.path.exists(path) and got["ino"] == os.stat(path).st_ino  # the waiter holds the file at the path
+    try:
+        lock_file(path, blocking=False)
+        raise AssertionError("a second holder got the lock")
+    except BlockingIOError:
+        pass
+    unlock_file(path, got["fd"])
+    assert not os.path.exists(path)

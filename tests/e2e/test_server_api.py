@@ -34,6 +34,13 @@ def test_models_health_and_stats_schema(llmd_daemon):
     c = llmd_daemon.client()
     assert c.health()["status"] == "ok"
     assert c.models()["data"][0]["id"] == "smollm2-135m"
+    # one served name (issue 17): /health's accepted names are /v1/models' ids, and an unknown
+    # model's error lists exactly those, never the GGUF's general.name
+    assert c.health()["model_ids"] == [m["id"] for m in c.models()["data"]] == ["smollm2-135m"]
+    with pytest.raises(ApiResponseError) as ei:
+        c.chat(messages=[{"role": "user", "content": "Hi"}], max_tokens=1, model="nope")
+    assert ei.value.body["error"]["message"].endswith("available: smollm2-135m"), ei.value.body
+    assert "llmd: loaded smollm2-135m in " in llmd_daemon.log_text() and "Smollm2 135M" not in llmd_daemon.log_text()
     s = c.stats()
     assert s["schema_version"] == STATS_SCHEMA_VERSION
     kv = s["kv_cache"]
@@ -265,6 +272,7 @@ def test_chat_with_a_running_daemon_of_another_model_is_a_clear_error(llmd_daemo
     assert r.exit_code == 1, r.output
     assert "serves 'smollm2-135m', not 'gemma3-270m'" in r.output and "Traceback" not in r.output, r.output
     r = CliRunner().invoke(main, ["chat", "--socket", llmd_daemon.path, "-m", "smollm2-135m", "--kv-cache-dtype",
-                                  "int8", "-p", "What is the capital of France?", "--max-tokens", "8"])
+                                  "int8", "-p", "What is the capital of France?", "--max-tokens", "8",
+                                  "--temperature", "0"])
     assert r.exit_code == 0, r.output
     assert "--kv-cache-dtype applies only when `llmd chat` starts one" in r.output and "Paris" in r.output, r.output

@@ -234,7 +234,7 @@ def test_chat_repl_in_a_pty(llmd_daemon):
         fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
     proc = subprocess.Popen([sys.executable, "-c", "from llmd.daemon.cli.main import main; main()", "chat", "--socket",
-                             llmd_daemon.path],  # default sampling: greedy
+                             llmd_daemon.path, "--temperature", "0"],  # greedy (the chat's default samples)
                             stdin=slave, stdout=slave, stderr=slave, preexec_fn=ctty, cwd="/", close_fds=True)
     os.close(slave)
     buf = bytearray()
