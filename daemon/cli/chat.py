@@ -64,6 +64,24 @@ def check_params(params: dict) -> None:
             raise LlmdError(f"--{name.replace('_', '-')} must be {rule}, got {params[name]}")
 
 
+def check_chat_template(model: str) -> None:
+    """Before a daemon is started for ``model`` or its weights load: it must have a chat
+    template. Reads the GGUF header through ``models.header_cache`` (milliseconds once cached,
+    no torch import); a ``random:`` preset is not checked.
+
+    Raises:
+        LlmdError: no chat template (a base model), or the model cannot be resolved.
+    """
+    if model.startswith("random:"):
+        return
+    from llmd.models.header_cache import load_config
+    from llmd.models.registry import resolve_model
+
+    if not load_config(resolve_model(model)).chat_template:
+        raise LlmdError(f"model {model} has no chat template (a base model), so it cannot chat; "
+                        "use `llmd generate` for plain completions")
+
+
 @click.command()
 @socket_option
 @click.option("-p", "--prompt", default=None, help="Answer this one question and exit.")
@@ -95,10 +113,13 @@ def chat(socket_path, prompt, system, temperature, top_k, top_p, repetition_pena
               "max_tokens": max_tokens, "seed": seed}
     check_params(params)  # before any daemon starts or weights load
     if no_daemon:
+        check_chat_template(engine_kw["model"])
         backend = LocalBackend(build_engine(**engine_kw))
     else:
         path, serve_args = socket_path_of(socket_path), spawn.engine_args(engine_kw)
         already = client_for(socket_path).health() is not None
+        if not already:  # a daemon would be started for this model
+            check_chat_template(engine_kw["model"])
         client = spawn.ensure_daemon(path, serve_args, daemon_log)
         if already:
             ctx = click.get_current_context()

@@ -107,6 +107,17 @@ def test_chat_options_fail_before_a_daemon_starts(tmp_path):
         assert "starting a daemon" not in r.output and not os.path.exists(sock), r.output
 
 
+def test_chat_on_a_template_less_model_fails_before_a_daemon_starts(tmp_path):
+    """`llmd chat -m base.gguf` (no chat template): one line at once, from the GGUF header; no
+    daemon is started (it used to load the model, then refuse every message)."""
+    path, sock = tmp_path / "base.gguf", str(tmp_path / "none.sock")
+    write_tiny_llama(path)
+    for extra in ([], ["--no-daemon"]):
+        r = run_cli(["chat", "--socket", sock, "-m", str(path), "-p", "hi", *extra])
+        assert_one_line_error(r, f"model {path} has no chat template (a base model), so it cannot chat")
+        assert "starting a daemon" not in r.output and "loading" not in r.output and not os.path.exists(sock)
+
+
 def test_generate_chat_on_a_template_less_model_names_the_given_model(tmp_path):
     """A base model (no chat template) with --chat fails before the weights load, naming the
     --model given (not the GGUF's general.name)."""
