@@ -121,3 +121,52 @@ def test_lock_files_are_removed_and_a_lock_on_a_removed_file_is_taken_again(tmp_
         pass
     unlock_file(path, got["fd"])
     assert not os.path.exists(path)
+
+
+def test_daemon_backend_reconnects_once_and_reports_a_cut_reply(monkeypatch, capsys):
+    """No daemon on the socket → ``reconnect()`` gives a new client and the message is sent
+    again (the whole conversation); a stream that breaks mid-reply (a crash) drops that turn
+    with one line, and the REPL keeps the earlier history for the next message."""
+    from llmd.daemon.client import chat
+    from llmd.daemon.client.client import DaemonUnavailable
+
+    bodies = []
+
+    class GoneClient:
+        def stream(self, path, body):
+            raise DaemonUnavailable("no llmd daemon on /tmp/x.sock (No such file or directory)")
+            yield  # a generator, like Client.stream
+
+    class NewClient:
+        def __init__(self):
+            self.crash = False
+
+        def stream(self, path, body):
+            bodies.append([m["content"] for m in body["messages"]])
+            assert body["stream_options"] == {"include_usage": True}
+            yield {"choices": [{"index": 0, "delta": {"content": "Pa"}, "finish_reason": None}]}
+            if self.crash:
+                raise ConnectionResetError(104, "reset")
+            yield {"choices": [{"index": 0, "delta": {"content": "ris"}, "finish_reason": "stop"}]}
+            yield {"choices": [], "usage": {"completion_tokens": 2}}
+
+    new = NewClient()
+    reconnects = []
+    backend = chat.DaemonBackend(GoneClient(), reconnect=lambda: reconnects.append(1) or new)
+    lines = iter(["capital of France?", "and Italy?", "and Spain?"])
+
+    def fake_input(prompt):
+        try:
+            line = next(lines)
+        except StopIteration:
+            raise EOFError from None
+        new.crash = line == "and Italy?"
+        return line
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    chat.run_chat(backend, {})
+    out = capsys.readouterr()
+    assert reconnects == [1] and backend.client is new and backend.completion_tokens == 2
+    assert "reconnecting" in out.err and "broke mid-reply" in out.err and "this reply is dropped" in out.err
+    assert bodies == [["capital of France?"], ["capital of France?", "Paris", "and Italy?"],
+                      ["capital of France?", "Paris", "and Spain?"]]
