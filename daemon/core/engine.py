@@ -249,9 +249,9 @@ class Engine:
         c = self.config
         if c.kv_cache_dtype == "auto":
             return c.dtype
-        scales = (f"static scales k={c.kv_scales[0]:g}, v={c.kv_scales[1]:g}" if c.kv_scales
-                  else "dynamic float32 scales")
         fmt = get_format(c.kv_cache_dtype)
+        scales = (f"static scales k={c.kv_scales[0]:g}, v={c.kv_scales[1]:g}" if c.kv_scales
+                  else f"dynamic {str(fmt.scale_dtype).removeprefix('torch.')} scales")
         if fmt.group_size:
             scales += f" per {fmt.group_size} channels"
         rotation = "" if c.kv_rotation == "none" else f", {c.kv_rotation} rotation"

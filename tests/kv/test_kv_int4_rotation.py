@@ -153,7 +153,7 @@ def test_engine_int4_cache_and_startup_line(make_engine):
     assert e.runner.kv_scales[0].shape == (2, e.num_blocks, 16, 3, 4) and e.runner.kv_scales[0].dtype == torch.float16
     assert e.runner.layer_caches[0].rotation == "hadamard"  # the default for int4
     line = e.capacity_summary()
-    assert "7200 B/token" in line and "per 16 channels" in line and "hadamard rotation" in line
+    assert "7200 B/token" in line and "float16 scales per 16 channels" in line and "hadamard rotation" in line
     assert "3.20x the blocks of 16-bit" in line
 
 
