@@ -34,10 +34,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # first tests here ma
 # sits at the mean and its top-1 bound just above it (a coin flip per realization), and the
 # 0.05 pp agreement with an independent implementation is far below the measure's noise. Strict
 # xfails, so any change in the numbers forces these marks to be revisited.
-TOP1_MISS = ("K rounding on Gemma 3 (per-(token, head) amax over 256 dims, K amax/rms 6-11): top-1 int8 94.74 %, "
-             "e4m3 93.48 %, e5m2 88.75 % (HF fake-quant: 93.80, 94.11, 88.43 %)")
-DNLL_MISS = ("K rounding on Gemma 3: ΔNLL int8 1.175 % vs 0.2 %, e5m2 4.856 % vs 3 % (e4m3 0.659 % passes its 0.75 %) "
-             "(HF fake-quant: 1.194, 1.324, 4.311 %)")
+# Issue 19: int8 now runs with its default --kv-rotation hadamard (RoPE(K)·H stored, the query
+# rotated the same way): ΔNLL 0.213 %, top-1 97.06 % on this text (without: 1.175 % / 94.74 %).
+# The rotation spreads K's outlier channels, so int8 meets Gemma's top-1 bound (96.5 %, case Q1)
+# and misses its ΔNLL budget (0.2 %) by 0.013 pp, inside one realization's noise (±0.18 pp).
+# fp8 keeps the rotation off by default: with it, e4m3 2.444 % / 91.90 % and e5m2 13.508 % /
+# 83.91 % (worse: a float format's relative precision does not gain from a flatter vector).
+TOP1_MIN_GEMMA = {**TOP1_MIN, "int8": 0.965}
+TOP1_MISS = ("fp8 rounding on Gemma 3 (per-(token, head) amax over 256 dims, K amax/rms 6-11): top-1 "
+             "e4m3 93.48 %, e5m2 88.75 % (HF fake-quant: 94.11, 88.43 %)")
+DNLL_MISS = ("K rounding on Gemma 3: ΔNLL int8 + hadamard 0.213 % vs 0.2 %, e5m2 4.856 % vs 3 % (e4m3 0.659 % passes "
+             "its 0.75 %) (HF fake-quant without rotation: 1.194, 1.324, 4.311 %)")
 
 
 
@@ -70,10 +77,10 @@ def hf_quality(quality, hf_gemma3):
     return get
 
 
-@pytest.mark.parametrize("name", xfail_for(TOP1_MISS, "int8", "fp8_e4m3", "fp8_e5m2"))
+@pytest.mark.parametrize("name", xfail_for(TOP1_MISS, "fp8_e4m3", "fp8_e5m2"))
 def test_q1_teacher_forced_top1_agreement(quality, name):
     row = quality[1](name)
-    assert row.top1 >= TOP1_MIN[name], row
+    assert row.top1 >= TOP1_MIN_GEMMA[name], row
 
 
 @pytest.mark.parametrize("name", xfail_for(DNLL_MISS, "int8", "fp8_e5m2"))
