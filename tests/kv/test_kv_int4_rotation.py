@@ -5,19 +5,18 @@ float64 on the same stored bytes, sizes, configuration and the prefix-cache hash
 
 from __future__ import annotations
 
-import itertools
 import os
 
 import pytest
 import torch
+from kv_rotation_support import make_step, rel
 
 from llmd.daemon.core.config import EngineConfig
 from llmd.daemon.core.errors import LlmdError
 from llmd.daemon.core.kv_size import kv_cache_bytes_per_token, kv_size_rows
 from llmd.daemon.kv.prefix_cache import extra_keys
-from llmd.kernels import AttentionMetadata, ops, reference
-from llmd.kernels.bench import random_paged_layout
-from llmd.quant.kv import PagedKVCache, compute_scales, dequantize, get_format, pack_int4, quantize, unpack_int4
+from llmd.kernels import ops, reference
+from llmd.quant.kv import compute_scales, dequantize, get_format, pack_int4, quantize, unpack_int4
 from llmd.quant.rotation import hadamard, rotate
 
 INT4 = get_format("int4")
@@ -62,32 +61,6 @@ def test_hadamard_is_orthonormal_and_its_own_inverse():
     assert rotate(spiky, "hadamard").abs().max() == 64**-0.5  # an outlier spread over every channel
     with pytest.raises(ValueError, match="power of two"):
         hadamard(96)
-
-
-def make_step(fmt: str, rotation: str, backend: str, dtype: torch.dtype, seed: int = 0, head_dim: int = 64):
-    """Random K/V of decodes and prefill chunks written through ``ops.store_kv`` into a paged
-    cache (``[2, blocks, 16, 2, head_dim]``), and the step's metadata and queries (GQA 3)."""
-    g = torch.Generator().manual_seed(seed)
-    ctx_q = [(0, 1), (37, 1), (130, 1), (0, 21), (45, 17)]
-    seq_lens = [c + q for c, q in ctx_q]
-    tables, seq_slots, num_blocks = random_paged_layout(seq_lens, 16, g)
-    cache = PagedKVCache.allocate((2, num_blocks, 16, 2, head_dim), get_format(fmt), dtype, "cpu", rotation=rotation)
-    keys = []
-    for s, slots in zip(seq_lens, seq_slots):
-        k, v = (torch.randn(s, 2, head_dim, generator=g, dtype=dtype) for _ in range(2))
-        k[:, :, 7] *= 8  # an outlier channel, as after Gemma 3's k_norm + RoPE
-        ops.store_kv(k, v, cache, slots, backend)
-        keys.append((k, v))
-    qlens = [q for _, q in ctx_q]
-    query = torch.randn(sum(qlens), 6, head_dim, generator=g, dtype=dtype)
-    qsl = torch.tensor([0] + list(itertools.accumulate(qlens)), dtype=torch.int32)
-    new = torch.cat([sl[c:] for (c, _), sl in zip(ctx_q, seq_slots)])
-    meta = AttentionMetadata(new, tables, qsl, torch.tensor(seq_lens, dtype=torch.int32), qlens, seq_lens, 16, backend)
-    return meta, query, cache, keys
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 @pytest.mark.parametrize("backend,dtype,tol", [("torch", torch.float64, 1e-13), ("torch", torch.float32, 1e-5),
