@@ -54,11 +54,15 @@ def test_fast_backend_greedy_tokens_equal_reference(model, request):
 
 
 @pytest.mark.slow
-def test_fast_backend_int8_matches_reference(make_engine):
+@pytest.mark.parametrize("rotation,tol", [("none", 3e-2), ("hadamard", 1e-1)])
+def test_fast_backend_int8_matches_reference(make_engine, rotation, tol):
+    """int8 with and without its default K rotation (issue 19). Rotated, the backends' ulp-level
+    differences flip other stored codes, which moved a logprob by up to 0.063 here (measured;
+    3e-2 holds without the rotation); the greedy tokens stay equal."""
     results = {}
     for backend in ("torch", "cpu"):
-        engine = make_engine(attention_backend=backend, kv_cache_dtype="int8", **ENGINE)
+        engine = make_engine(attention_backend=backend, kv_cache_dtype="int8", kv_rotation=rotation, **ENGINE)
         results[backend] = run(engine, prompts_for(engine.tokenizer)[:4], logprobs=0)[0]
     for fast, ref in zip(results["cpu"], results["torch"]):
         assert [lp.token_id for lp in fast] == [lp.token_id for lp in ref]
-        assert max(abs(a.logprob - b.logprob) for a, b in zip(fast, ref)) < 3e-2
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(fast, ref)) < tol
