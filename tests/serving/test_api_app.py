@@ -8,47 +8,22 @@ import asyncio
 import json
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
-from tiny_engine import tiny_engine
+from app_harness import run_app, sse_events, start_loop
 
 from llmd.daemon.protocol import STATS_SCHEMA_VERSION
-from llmd.daemon.serving.api import ServerState, make_app
-from llmd.daemon.serving.engine_loop import EngineLoop
-from llmd.daemon.serving.metrics import DaemonMetrics
 
 
 @pytest.fixture(scope="module")
 def engine_loop(tmp_path_factory):
     """One engine loop for the module: at most 2 sequences running and 1 waiting."""
-    engine = tiny_engine(tmp_path_factory.mktemp("tiny") / "tiny.gguf", max_num_seqs=2, max_num_waiting=1)
-    loop = EngineLoop(engine, "tiny", metrics=DaemonMetrics("tiny")).start()
+    loop = start_loop(tmp_path_factory, metrics=True, max_num_seqs=2, max_num_waiting=1)
     yield loop
     loop.stop()
 
 
 def run(engine_loop, scenario):
     """Run ``scenario(client)`` against a fresh app on ``engine_loop``."""
-
-    async def main():
-        eng = engine_loop.engine
-        state = ServerState(engine_loop=engine_loop, model_id="tiny", model_ids=("tiny", "tiny-alias"),
-                            vocab_size=eng.model_config.vocab_size, max_model_len=eng.max_model_len,
-                            shutdown=asyncio.Event(), metrics=engine_loop.metrics)
-        async with TestClient(TestServer(make_app(state))) as client:
-            return await scenario(client)
-
-    return asyncio.run(main())
-
-
-async def sse_events(resp) -> list:
-    """The decoded ``data:`` events of a stream, ``"[DONE]"`` kept as the string."""
-    events = []
-    async for line in resp.content:
-        line = line.strip()
-        if line.startswith(b"data:"):
-            data = line[5:].strip()
-            events.append("[DONE]" if data == b"[DONE]" else json.loads(data))
-    return events
+    return run_app(engine_loop, scenario, model_ids=("tiny", "tiny-alias"))
 
 
 def test_completion_n_choices_and_stream_equal_non_stream(engine_loop):

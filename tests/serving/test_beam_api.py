@@ -4,37 +4,23 @@ best beams as choices (best first), and 400s naming the field for what it does n
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from app_harness import run_app, start_loop
 from tiny_engine import tiny_engine
 
 from llmd.daemon.core.parallel import child_request_ids
 from llmd.daemon.core.request import SamplingParams
-from llmd.daemon.serving.api import ServerState, make_app
-from llmd.daemon.serving.engine_loop import EngineLoop
-from llmd.daemon.serving.metrics import DaemonMetrics
 
 
 @pytest.fixture(scope="module")
 def engine_loop(tmp_path_factory):
-    engine = tiny_engine(tmp_path_factory.mktemp("tiny") / "tiny.gguf", max_num_seqs=4)
-    loop = EngineLoop(engine, "tiny", metrics=DaemonMetrics("tiny")).start()
+    loop = start_loop(tmp_path_factory, metrics=True, max_num_seqs=4)
     yield loop
     loop.stop()
 
 
 def run(engine_loop, scenario):
-    async def main():
-        eng = engine_loop.engine
-        state = ServerState(engine_loop=engine_loop, model_id="tiny", model_ids=("tiny",),
-                            vocab_size=eng.model_config.vocab_size, max_model_len=eng.max_model_len,
-                            shutdown=asyncio.Event(), metrics=engine_loop.metrics)
-        async with TestClient(TestServer(make_app(state))) as client:
-            return await scenario(client)
-
-    return asyncio.run(main())
+    return run_app(engine_loop, scenario)
 
 
 def test_beam_choices_over_http(engine_loop, tmp_path):

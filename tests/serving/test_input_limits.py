@@ -12,12 +12,11 @@ import time
 
 import jinja2
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from app_harness import run_app, start_loop
 from tiny_engine import ByteHF, tiny_engine
 
 from llmd.daemon.core.errors import LlmdError
 from llmd.daemon.serving import api
-from llmd.daemon.serving.api import ServerState, make_app
 from llmd.daemon.serving.engine_loop import EngineLoop
 from llmd.daemon.serving.multi_prompt import MAX_PROMPTS
 from llmd.daemon.serving.validation import MAX_LOGIT_BIAS, MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
@@ -26,22 +25,13 @@ from llmd.models.tokenizer import Tokenizer
 
 @pytest.fixture(scope="module")
 def engine_loop(tmp_path_factory):
-    engine = tiny_engine(tmp_path_factory.mktemp("tiny") / "tiny.gguf", max_num_seqs=4)
-    loop = EngineLoop(engine, "tiny").start()
+    loop = start_loop(tmp_path_factory, max_num_seqs=4)
     yield loop
     loop.stop()
 
 
 def run(engine_loop, scenario):
-    async def main():
-        eng = engine_loop.engine
-        state = ServerState(engine_loop=engine_loop, model_id="tiny", model_ids=("tiny",),
-                            vocab_size=eng.model_config.vocab_size, max_model_len=eng.max_model_len,
-                            shutdown=asyncio.Event())
-        async with TestClient(TestServer(make_app(state))) as client:
-            return await scenario(client)
-
-    return asyncio.run(main())
+    return run_app(engine_loop, scenario)
 
 
 def msgs(k: int) -> list[dict]:

@@ -7,7 +7,6 @@ official ``openai`` SDK over a Unix socket (404 ``NotFoundError``, a multi-promp
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import tempfile
@@ -15,46 +14,25 @@ import time
 
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
-from tiny_engine import tiny_engine
+from app_harness import run_app, sse_events, start_loop, state_of
 
 from llmd.daemon.core.faults import FaultInjector
-from llmd.daemon.serving.api import ServerState, make_app
-from llmd.daemon.serving.engine_loop import EngineLoop
+from llmd.daemon.serving.api import make_app
 
 
 @pytest.fixture(scope="module")
 def engine_loop(tmp_path_factory):
-    engine = tiny_engine(tmp_path_factory.mktemp("tiny") / "tiny.gguf", max_num_seqs=4)
-    loop = EngineLoop(engine, "tiny").start()
+    loop = start_loop(tmp_path_factory, max_num_seqs=4)
     yield loop
     loop.stop()
-    assert engine.kv_manager.num_used_blocks == 0 and not engine.requests
-
-
-def state_of(engine_loop) -> ServerState:
-    eng = engine_loop.engine
-    return ServerState(engine_loop=engine_loop, model_id="tiny", model_ids=("tiny",),
-                       vocab_size=eng.model_config.vocab_size, max_model_len=eng.max_model_len,
-                       shutdown=asyncio.Event())
+    assert loop.engine.kv_manager.num_used_blocks == 0 and not loop.engine.requests
 
 
 def run(engine_loop, scenario, timeout=60.0):
-    async def main():
-        async with TestClient(TestServer(make_app(state_of(engine_loop)))) as client:
-            return await asyncio.wait_for(scenario(client), timeout)
-
-    return asyncio.run(main())
+    return run_app(engine_loop, scenario, timeout=timeout)
 
 
-async def events(resp) -> list:
-    out = []
-    async for line in resp.content:
-        line = line.strip()
-        if line.startswith(b"data:"):
-            data = line[5:].strip()
-            out.append("[DONE]" if data == b"[DONE]" else json.loads(data))
-    return out
+events = sse_events
 
 
 async def post(client, body, path="/v1/completions"):
