@@ -114,9 +114,8 @@ def quantize_linears(model: nn.Module, tensors: dict, mode: str, *, keep_dense: 
     targets = [(mod_name, mod) for mod_name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
     for mod_name, mod in targets:
         names = [n for _, n in sorted(by_param.get(f"{mod_name}.weight", []))]
-        parts = [(n, tensors[n], None) for n in names]
         sizes = getattr(mod, "sizes", None) or [mod.out_features]
-        parts = [(n, t, rows) for (n, t, _), rows in zip(parts, sizes)]
+        parts = [(n, tensors[n], rows) for n, rows in zip(names, sizes)]  # rows of each part, in row order
         packed = _pack(model, parts, mod.in_features, mode, dtype) if parts else None
         if packed is None:
             summary.dense.append(mod_name)

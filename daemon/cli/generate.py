@@ -142,5 +142,7 @@ def _what_fits(model: str, cfg, context: int, total: int, block_size: int) -> No
                               ("int8", "int8", False)):
         w = weight_bytes(tensors, layer_tensors, mode, 2, keep)
         left = total - w
-        seqs = kv_size_rows(cfg, context, left, block_size)[1].sequences if left > 0 else 0.0
+        seqs = 0.0
+        if left > 0:  # the bfloat16 KV row, by name
+            seqs = next(r.sequences for r in kv_size_rows(cfg, context, left, block_size) if r.name == "bf16/fp16")
         click.echo(f"{label:<16}{w / 2**20:>12.0f}{max(left, 0) / 2**20:>10.0f}{seqs:>11.2f}")
