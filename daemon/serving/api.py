@@ -17,6 +17,8 @@ Endpoints (JSON unless noted):
   or ``{"messages"}`` → ``{"tokens", "count"}``, parsed and limited as for generation and
   tokenized by the same input processor. ``POST /v1/shutdown``: graceful stop (what
   ``llmd stop`` calls; same as SIGTERM).
+* ``POST /v1/completions/render``, ``POST /v1/chat/completions/render``: vLLM's render (the
+  token ids and sampling parameters a request would run with, nothing generated; ``render.py``).
 * ``GET /v1/debug/integrity``: only when ``LLMD_DEBUG_ROUTES=1`` is in the daemon's
   environment (a test hook): the KV manager's ``check_integrity()`` run between two steps,
   the per-request tables' sizes and the fault injector's counts; 500 when an invariant fails.
@@ -354,6 +356,9 @@ def make_app(state: ServerState, access=None) -> web.Application:
     app.router.add_post("/v1/cache/reset", reset_cache)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/v1/shutdown", shutdown)
+    from llmd.daemon.serving.render import add_render_routes  # it imports this module's helpers
+
+    add_render_routes(app)
     if os.environ.get(DEBUG_ROUTES_ENV) == "1":  # test hooks (the soak test); absent in production
         app.router.add_get("/v1/debug/integrity", debug_integrity)
     return app

@@ -11,6 +11,15 @@ accepted and ignored; a field whose meaning llmd cannot deliver is refused with 
 it (:data:`REFUSED`), never silently dropped. Fields no SDK sends stay ignored (OpenAI-compatible
 servers' convention), see ``validation.py``.
 
+vllm-router 0.1.17 extends every body it forwards (recorded from a logging worker): completions
+with ``echo``, ``no_stop_trim``, ``ignore_eos``, ``skip_special_tokens``, ``return_hidden_states``;
+chat with ``logprobs``, ``no_stop_trim``, ``ignore_eos``, ``continue_final_message``,
+``skip_special_tokens``, ``separate_reasoning``, ``stream_reasoning``, ``return_hidden_states``,
+``include_reasoning``, each at its default (false; ``skip_special_tokens``, the reasoning
+flags: true). The defaults are accepted; ``return_hidden_states``, ``no_stop_trim`` and
+``continue_final_message`` set to true are refused (:data:`REFUSED`); the reasoning flags
+change nothing for llmd's models (they do not reason) and are ignored either way.
+
 ``logit_bias`` follows OpenAI's API reference: an object of token id (a decimal string key)
 → bias in [-100, 100], at most ``MAX_LOGIT_BIAS`` (300) entries, ids in the vocabulary.
 ``stream_options.continuous_usage_stats`` is vLLM's: with ``include_usage``, every chunk
@@ -36,6 +45,13 @@ REFUSED: dict[str, tuple[tuple[str, ...], str]] = {
     "verbosity": (("chat",), "verbosity is not supported by llmd"),
     "web_search_options": (("chat",), "web search is not available in llmd"),
     "moderation": (("chat",), "moderation is not available in llmd"),
+    # vllm-router (0.1.17) adds these to every body it forwards, false by default: accepted then
+    "return_hidden_states": (("completions", "chat"), "return_hidden_states is not supported by llmd (its replies "
+                             "carry no hidden states)"),
+    "no_stop_trim": (("completions", "chat"), "no_stop_trim (keep the matched stop string in the text) is not "
+                     "supported by llmd: stop strings are always trimmed"),
+    "continue_final_message": (("chat",), "continue_final_message is not supported by llmd: the chat template "
+                               "always opens a new assistant turn"),
 }
 EMPTY = (None, False, "", [], {})
 
