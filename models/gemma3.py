@@ -18,24 +18,11 @@ from torch import nn
 
 from llmd.models.config import ModelConfig
 from llmd.models.decoder import DecoderForCausalLM
+from llmd.models.layer_tensors import GEMMA3
 from llmd.models.layers import GatedMLP, GemmaRMSNorm, PagedAttention
 
 # GGUF per-layer tensor stem → parameter path inside a Gemma3DecoderLayer, or (fused module, part).
-LAYER_TENSORS = {
-    "attn_norm": "input_layernorm.weight",
-    "attn_q": ("self_attn.qkv_proj", "q"),
-    "attn_k": ("self_attn.qkv_proj", "k"),
-    "attn_v": ("self_attn.qkv_proj", "v"),
-    "attn_output": "self_attn.o_proj.weight",
-    "attn_q_norm": "self_attn.q_norm.weight",
-    "attn_k_norm": "self_attn.k_norm.weight",
-    "post_attention_norm": "post_attention_layernorm.weight",
-    "ffn_norm": "pre_feedforward_layernorm.weight",
-    "ffn_gate": ("mlp.gate_up_proj", "gate"),
-    "ffn_up": ("mlp.gate_up_proj", "up"),
-    "ffn_down": "mlp.down_proj.weight",
-    "post_ffw_norm": "post_feedforward_layernorm.weight",
-}
+LAYER_TENSORS = GEMMA3
 
 
 class Gemma3DecoderLayer(nn.Module):

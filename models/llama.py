@@ -12,6 +12,7 @@ from torch import nn
 
 from llmd.models.config import ModelConfig
 from llmd.models.decoder import DecoderForCausalLM
+from llmd.models.layer_tensors import LLAMA
 from llmd.models.layers import GatedMLP, PagedAttention, RMSNorm
 
 
@@ -55,13 +56,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
 
     layer_cls = LlamaDecoderLayer
     norm_cls = RMSNorm
-    layer_tensors = {
-        "attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight",
-        "attn_q": ("self_attn.qkv_proj", "q"), "attn_k": ("self_attn.qkv_proj", "k"),
-        "attn_v": ("self_attn.qkv_proj", "v"), "attn_output": "self_attn.o_proj.weight",
-        "ffn_gate": ("mlp.gate_up_proj", "gate"), "ffn_up": ("mlp.gate_up_proj", "up"),
-        "ffn_down": "mlp.down_proj.weight",
-    }
+    layer_tensors = LLAMA
 
     def transform_gguf_tensor(self, name: str, w: np.ndarray) -> np.ndarray:
         """Per-architecture fix-ups applied after dequantization (Q/K un-permutation)."""

@@ -19,11 +19,13 @@ Shapes are those of the HF ``config.json`` files:
 from __future__ import annotations
 
 import dataclasses
-
-import torch
+from typing import TYPE_CHECKING
 
 from llmd.models.config import ModelConfig
 from llmd.models.errors import LlmdError, ModelNotFoundError
+
+if TYPE_CHECKING:
+    import torch
 
 RANDOM_PREFIX = "random:"
 WEIGHT_STD = 0.02  # N(0, 0.02²) matrices (HF's initializer_range): activations stay O(1) in bf16/fp16
@@ -66,27 +68,30 @@ def preset_config(name: str) -> ModelConfig:
     return dataclasses.replace(cfg, num_layers=int(value), name=f"{cfg.name} ({value} layers)")
 
 
-@torch.no_grad()
-def build_random_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device, seed: int = 0,
+def build_random_model(cfg: ModelConfig, dtype: "torch.dtype", device: "str | torch.device", seed: int = 0,
                        std: float = WEIGHT_STD):
     """The architecture's model with random weights, allocated on ``device`` in ``dtype``.
 
     Every matrix (embeddings, projections, LM head) is ``N(0, std²)`` drawn in ``dtype`` by one
     ``torch.Generator(device)`` seeded with ``seed``, in ``named_parameters()`` order, so the
     same (seed, device, dtype) gives the same weights; every norm weight is 1. Returns the model
-    in eval mode.
+    in eval mode. (torch is imported here, not with the module: ``llmd kv-size`` reads the
+    presets' configs without it.)
     """
+    import torch
+
     from llmd.models.registry import model_class
 
     cls = model_class(cfg.architecture)
     with torch.device(device):
         model = cls(cfg, dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
-    for p in model.parameters():
-        if p.dim() == 1:
-            p.fill_(1.0)
-        else:
-            p.normal_(0.0, std, generator=gen)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=gen)
     return model.eval()
 
 
@@ -130,7 +135,7 @@ class NumericTokenizer:
         return self.hf.decode(ids)
 
 
-def load_random_model(name: str, dtype: torch.dtype, device: str | torch.device, seed: int = 0):
+def load_random_model(name: str, dtype: "torch.dtype", device: "str | torch.device", seed: int = 0):
     """``(model, config, tokenizer)`` for ``random:<preset>[:layers=N]``. Raises as :func:`preset_config`."""
     cfg = preset_config(name)
     return build_random_model(cfg, dtype, device, seed), cfg, NumericTokenizer(cfg)

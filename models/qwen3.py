@@ -16,14 +16,11 @@ with NEOX (rotate-half) RoPE, like HF; only the ``llama`` architecture's convert
 from __future__ import annotations
 
 from llmd.models.decoder import DecoderForCausalLM
+from llmd.models.layer_tensors import QWEN3
 from llmd.models.layers import RMSNorm
-from llmd.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from llmd.models.llama import LlamaDecoderLayer
 
-LAYER_TENSORS = {
-    **LlamaForCausalLM.layer_tensors,
-    "attn_q_norm": "self_attn.q_norm.weight",
-    "attn_k_norm": "self_attn.k_norm.weight",
-}
+LAYER_TENSORS = QWEN3  # Llama's plus the per-head Q/K norms
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):

@@ -69,6 +69,18 @@ def resolve_model(name_or_path: str) -> str:
     return path
 
 
+def layer_tensors(architecture: str) -> dict:
+    """The architecture's GGUF layer tensor table (:mod:`llmd.models.layer_tensors`, equal to its
+    model class's ``layer_tensors``), without importing the model code (torch).
+    Raises GGUFLoadError if unsupported."""
+    from llmd.models.layer_tensors import BY_ARCHITECTURE
+
+    if architecture not in BY_ARCHITECTURE:
+        raise GGUFLoadError(f"unsupported model architecture {architecture!r} "
+                            f"(supported: {', '.join(sorted(BY_ARCHITECTURE))})")
+    return BY_ARCHITECTURE[architecture]
+
+
 def model_class(architecture: str):
     """Model class for a GGUF ``general.architecture``. Raises GGUFLoadError if unsupported."""
     from llmd.models.gemma3 import Gemma3ForCausalLM

@@ -41,6 +41,9 @@ float32 exponent bits), so the final cast is exact; this avoids relying on the c
 rounding, which the Triton interpreter gets wrong when rounding crosses a power of two.
 Dequantization is ``code × scale`` in float32 (or float64 for oracles), never through the
 model dtype.
+
+The formats themselves (:class:`KVCacheFormat`, :data:`KV_CACHE_FORMATS`, :func:`get_format`) are
+torch-free plain data in :mod:`llmd.quant.kv_format`, re-exported here.
 """
 
 from __future__ import annotations
@@ -49,99 +52,13 @@ from dataclasses import dataclass
 
 import torch
 
+from llmd.quant.kv_format import KV_CACHE_FORMATS, KVCacheFormat, get_format  # noqa: F401 (the formats, re-exported)
+
 #: Smallest scale: an all-zero (token, head) vector gives scale 1e-8 and codes 0, never NaN.
 SCALE_FLOOR = 1e-8
 SCALE_DTYPE = torch.float32
 #: float16 scales (int4): the smallest normal float16 (tinier groups quantize to 0) and the largest finite one
 F16_SCALE_FLOOR, F16_SCALE_MAX = 2.0**-14, 65504.0
-
-
-@dataclass(frozen=True)
-class KVCacheFormat:
-    """One ``--kv-cache-dtype``.
-
-    Attributes:
-        name: "auto", "int8", "fp8_e4m3", "fp8_e5m2" or "int4".
-        dtype: storage dtype, None for ``auto`` (the model dtype); uint8 for int4 (packed).
-        qmax: largest magnitude of a code (127, 448, 57344, 7); 0 for ``auto``.
-        mantissa_bits, min_exponent: fp8 grid (3, -6 for e4m3fn; 2, -14 for e5m2); 0 for int8.
-        bits: bits per code (8, or 4 for two codes per byte).
-        group_size: channels per scale (0 = one scale per (token, KV head)).
-        scale_dtype: dtype of the stored scales (float32; float16 for int4, whose scales are
-            rounded to float16 *before* quantizing, so the codes are those of the stored scale).
-    """
-
-    name: str
-    dtype: torch.dtype | None
-    qmax: float = 0.0
-    mantissa_bits: int = 0
-    min_exponent: int = 0
-    bits: int = 8
-    group_size: int = 0
-    scale_dtype: torch.dtype = torch.float32
-
-    @property
-    def quantized(self) -> bool:
-        return self.dtype is not None
-
-    @property
-    def is_fp8(self) -> bool:
-        return self.mantissa_bits > 0
-
-    def storage_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        return self.dtype if self.dtype is not None else model_dtype
-
-    def bytes_per_element(self, model_dtype: torch.dtype) -> int:
-        return torch.empty(0, dtype=self.storage_dtype(model_dtype)).element_size()
-
-    @property
-    def scale_bytes(self) -> int:
-        """Scale bytes per (token, KV head, scale group) for each of K and V (0 for ``auto``)."""
-        return self.scale_dtype.itemsize if self.quantized else 0
-
-    @property
-    def packed(self) -> bool:
-        """Two 4-bit codes per stored byte."""
-        return self.bits == 4
-
-    def code_dim(self, head_dim: int) -> int:
-        """Stored elements per (token, KV head): ``head_dim``, or ``head_dim // 2`` packed."""
-        return head_dim // 2 if self.packed else head_dim
-
-    def scale_groups(self, head_dim: int) -> int:
-        """Scales per (token, KV head): 0 for ``auto``, 1, or ``head_dim // group_size``."""
-        if not self.quantized:
-            return 0
-        return head_dim // self.group_size if self.group_size else 1
-
-    def head_bytes(self, head_dim: int, model_dtype: torch.dtype) -> int:
-        """Bytes of one (token, KV head) of K (or of V), codes and scales: ``head_dim · 2`` for
-        16-bit ``auto``, ``head_dim + 4`` for int8/fp8, ``head_dim / 2 + 2 · head_dim / 16`` for int4."""
-        codes = self.code_dim(head_dim) * self.bytes_per_element(model_dtype)
-        return codes + self.scale_bytes * self.scale_groups(head_dim)
-
-    def check_head_dim(self, head_dim: int) -> None:
-        """Raise ValueError (one line) if ``head_dim`` cannot be stored in this format."""
-        if self.group_size and head_dim % self.group_size:
-            raise ValueError(f"--kv-cache-dtype {self.name} needs head_dim a multiple of {self.group_size}, "
-                             f"got {head_dim}")
-
-
-KV_CACHE_FORMATS: dict[str, KVCacheFormat] = {
-    "auto": KVCacheFormat("auto", None),
-    "int8": KVCacheFormat("int8", torch.int8, 127.0),
-    "fp8_e4m3": KVCacheFormat("fp8_e4m3", torch.float8_e4m3fn, 448.0, 3, -6),
-    "fp8_e5m2": KVCacheFormat("fp8_e5m2", torch.float8_e5m2, 57344.0, 2, -14),
-    "int4": KVCacheFormat("int4", torch.uint8, 7.0, bits=4, group_size=16, scale_dtype=torch.float16),
-}
-
-
-def get_format(name: str) -> KVCacheFormat:
-    """Format by ``--kv-cache-dtype`` name. Raises ValueError listing the choices."""
-    try:
-        return KV_CACHE_FORMATS[name]
-    except KeyError:
-        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_FORMATS)}, got {name!r}") from None
 
 
 @dataclass

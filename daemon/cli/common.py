@@ -36,7 +36,7 @@ def one_line_errors(fn):
 def parse_bytes_option(ctx, param, value):
     if value is None:
         return None
-    from llmd.daemon.core.config import parse_bytes
+    from llmd.daemon.core.option_values import parse_bytes
 
     try:
         return parse_bytes(value)
@@ -47,7 +47,7 @@ def parse_bytes_option(ctx, param, value):
 def parse_kv_scales_option(ctx, param, value):
     if value is None:
         return None
-    from llmd.daemon.core.config import parse_kv_scales
+    from llmd.daemon.core.option_values import parse_kv_scales
 
     try:
         return parse_kv_scales(value)

@@ -57,10 +57,19 @@ def serve_title(argv: list[str]) -> str:
 @click.option("--health-stall-timeout", default=DEFAULT_STALL_TIMEOUT_S, show_default=True,
               type=click.FloatRange(min=0, min_open=True),
               help="Seconds without a finished engine step after which GET /health answers 503 (stalled).")
+@click.option("--kv-role", type=click.Choice(["both", "producer", "consumer"]), default="both", show_default=True,
+              help="Prefill/decode disaggregation (vLLM's kv_transfer_params): producer = prefill and pin the KV for a "
+                   "consumer to pull over TCP; consumer = pull it and decode; both = no disaggregation.")
+@click.option("--kv-pin-timeout", default=60.0, show_default=True, type=float,
+              help="Producer: seconds unpulled KV stays pinned.")
+@click.option("--kv-pull-timeout", default=30.0, show_default=True, type=float,
+              help="Consumer: seconds a KV pull may take before the consumer computes the prefill itself.")
+@click.option("--kv-advertise-host", default=None,
+              help="Producer: the address consumers pull from (remote_host; default --host).")
 @engine_options
 @one_line_errors
 def serve(socket_path, host, port, api_key_file, api_key, served_model_name, drain_timeout, metrics_compat,
-          health_stall_timeout, **engine_kw):
+          health_stall_timeout, kv_role, kv_pin_timeout, kv_pull_timeout, kv_advertise_host, **engine_kw):
     """Run the daemon: OpenAI-style HTTP API on a Unix socket (SIGTERM or `llmd stop` ends it)."""
     from llmd.daemon.serving.access import check_bind, resolve_api_key
     from llmd.daemon.serving.lifecycle import claim_socket, run_server
@@ -74,6 +83,12 @@ def serve(socket_path, host, port, api_key_file, api_key, served_model_name, dra
         click.echo(line, err=True)
     if port is not None:
         check_bind(host or "127.0.0.1", port, key)
+    kv_transfer = None
+    if kv_role != "both":
+        from llmd.daemon.serving.kv_transfer.config import KVTransferConfig
+
+        kv_transfer = KVTransferConfig(kv_role, kv_advertise_host or host or "127.0.0.1", port, key, kv_pin_timeout,
+                                       kv_pull_timeout).check()
     path = socket_path_of(socket_path)
     lock_fd = claim_socket(path)  # fail fast, before loading the model
     import setproctitle
@@ -87,6 +102,7 @@ def serve(socket_path, host, port, api_key_file, api_key, served_model_name, dra
                            host=host, port=port,
                            drain_timeout=drain_timeout, lock_fd=lock_fd, metrics_compat=metrics_compat,
                            api_key=key if port is not None else None, health_stall_timeout=health_stall_timeout,
+                           kv_transfer=kv_transfer,
                            echo=lambda m: click.echo(m, err=True)))
 
 

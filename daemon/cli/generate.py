@@ -131,11 +131,12 @@ def _what_fits(model: str, cfg, context: int, total: int, block_size: int) -> No
     """Weights per --weight-quant (bfloat16 model) and the bfloat16 KV cache left in ``total`` bytes."""
     from llmd.daemon.core.kv_size import kv_size_rows
     from llmd.models.header_cache import header_info
-    from llmd.models.registry import model_class, resolve_model
+    from llmd.models.registry import layer_tensors as layer_tensors_of
+    from llmd.models.registry import resolve_model
     from llmd.models.weight_bytes import weight_bytes
 
     tensors = {t.name: t for t in header_info(resolve_model(model)).tensors}  # the cached header's tensor infos
-    layer_tensors = model_class(cfg.architecture).layer_tensors
+    layer_tensors = layer_tensors_of(cfg.architecture)  # torch-free (not the model class)
     click.echo(f"{cfg.name}: bfloat16 model, context {context} tokens, total {total / 2**20:.0f} MiB for weights + KV")
     click.echo(f"{'--weight-quant':<16}{'weights MiB':>12}{'KV MiB':>10}{'sequences':>11}")
     for label, mode, keep in (("none", "none", False), ("auto", "gguf", True), ("gguf", "gguf", False),

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from llmd.daemon.core.errors import LlmdError
+from llmd.daemon.core.option_values import parse_bytes, parse_kv_scales  # noqa: F401 (re-exported)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 DTYPE_CHOICES = ("auto", *DTYPES)
@@ -244,29 +245,3 @@ def default_threads() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # no sched_getaffinity (macOS)
         return max(1, os.cpu_count() or 1)
-
-
-def parse_kv_scales(text: str) -> tuple[float, float]:
-    """Parse ``--kv-scales k,v`` (e.g. ``0.05,0.1``). Raises LlmdError."""
-    try:
-        k, v = (float(x) for x in text.split(","))
-    except ValueError:
-        raise LlmdError(f"--kv-scales takes two numbers k,v (e.g. 0.05,0.1), got {text!r}") from None
-    return k, v
-
-
-def parse_bytes(text: str) -> int:
-    """Parse a byte size such as ``536870912``, ``512MiB``, ``2GiB``, ``300MB``. Raises LlmdError."""
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-    s = text.strip().lower().replace(" ", "")
-    num = s.rstrip("kmgib")
-    unit = s[len(num):]
-    try:
-        value = float(num)
-    except ValueError:
-        raise LlmdError(f"cannot parse byte size {text!r} (try 512MiB or 2GiB)") from None
-    if unit not in units:
-        raise LlmdError(f"cannot parse byte size {text!r} (try 512MiB or 2GiB)")
-    if value <= 0:
-        raise LlmdError(f"byte size must be > 0, got {text!r}")
-    return int(value * units[unit])

@@ -36,6 +36,7 @@ from llmd.daemon.core.faults import FaultInjector
 from llmd.daemon.core.gpu_memory import activation_bytes, cuda_kv_cache_bytes
 from llmd.daemon.core.grammar import GrammarCompiler, GrammarState
 from llmd.daemon.core.input_processor import InputProcessor, ProcessedPrompt, Prompt
+from llmd.daemon.core.kv_exchange import KVExchange
 from llmd.daemon.core.kv_size import group_summary, kv_cache_block_bytes, kv_cache_bytes_per_token
 from llmd.daemon.core.model_runner import ModelRunner
 from llmd.daemon.core.outputs import RequestOutput, SchedulerOutput, TokenLogprobs
@@ -173,6 +174,7 @@ class Engine:
                          if tokenizer is not None else None)
         self.parallel = ParallelRequests()
         self.beams = BeamSearch()  # use_beam_search requests (beam.py)
+        self.kv_exchange = KVExchange(self)  # prefill/decode disaggregation: pins, pulls, imports
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.last_scheduler_output: SchedulerOutput | None = None
         self._ids = itertools.count()
@@ -277,7 +279,8 @@ class Engine:
 
     def add_parallel_request(self, prompt: Prompt, params: SamplingParams | None, request_ids: list[str],
                              cache_salt: str | None = None, priority: int = 0,
-                             parent_id: str | None = None, grammar=None) -> list[str]:
+                             parent_id: str | None = None, grammar=None, kv_export: tuple[str, float] | None = None,
+                             kv_import=None, kv_fallback: str | None = None) -> list[str]:
         """Queue ``len(request_ids)`` sequences of one prompt (parallel sampling, OpenAI ``n``).
 
         ``params.structured`` constrains each sequence with its own grammar matcher; ``grammar``
@@ -288,17 +291,19 @@ class Engine:
         and sample with generators derived from (seed, sibling index, output position) (the
         policy of :mod:`llmd.daemon.core.parallel`). With ``parent_id``, :attr:`parallel`
         records the children under it (:meth:`abort` takes it; it must not be live already).
+        ``kv_export``, ``kv_import``, ``kv_fallback``: prefill/decode disaggregation
+        (:meth:`KVExchange.attach <llmd.daemon.core.kv_exchange.KVExchange.attach>`).
         Raises as :meth:`add_request`; every refusal counts in ``counters.requests_rejected``.
         """
         try:
             return self._add(prompt, params or SamplingParams(), list(request_ids), cache_salt, priority, parent_id,
-                             grammar)
+                             grammar, (kv_export, kv_import, kv_fallback))
         except LlmdError:
             self.counters.requests_rejected += 1
             raise
 
     def _add(self, prompt: Prompt, params: SamplingParams, request_ids: list[str], cache_salt: str | None,
-             priority: int, parent_id: str | None, grammar=None) -> list[str]:
+             priority: int, parent_id: str | None, grammar=None, kv=(None, None, None)) -> list[str]:
         if parent_id is not None:
             self.parallel.check_new(parent_id)
         params.validate()
@@ -313,6 +318,8 @@ class Engine:
         reqs = [Request(rid, list(ids), dataclasses.replace(params), eos_token_ids=eos, cache_salt=cache_salt,
                         sibling_index=i, priority=priority, grammar=None if grammar is None else GrammarState(grammar))
                 for i, rid in enumerate(request_ids)]  # each sibling its own matcher
+        if kv != (None, None, None):
+            self.kv_exchange.attach(reqs, *kv)
         try:
             if params.use_beam_search:
                 check_fits(self.scheduler, reqs[0], len(reqs))
@@ -397,6 +404,7 @@ class Engine:
         if not sched:
             return []
         reqs = {s.request_id: self.scheduler.requests[s.request_id] for s in sched.scheduled}
+        self.kv_exchange.apply_scheduled(reqs)  # pulled KV into the blocks admitted with it, before the forward
         sampling, rows = sampling_rows(sched.scheduled, reqs)  # followers fork now: their leader's row
         previous_token_times = [r.last_token_time for r in sampling]
         result = self.runner.execute(sched, sampling, rows)
@@ -472,6 +480,7 @@ class Engine:
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens,
             index=req.sibling_index,
+            kv_transfer_params=self.kv_exchange.on_finished(req) if req.is_finished else None,
         )
 
     # ---- statistics (engine thread) -------------------------------------------------
@@ -536,7 +545,7 @@ class Engine:
             scheduler=SchedulerStats(len(sched.running), len(sched.waiting),
                                      sum(1 for r in sched.waiting if r.num_preemptions)),
             prompt_tokens_per_s=prompt_rate, generation_tokens_per_s=generation_rate,
-            counters=counters, requests=requests,
+            counters=counters, requests=requests, kv_transfer=self.kv_exchange.stats(),
         )
 
     # ---- teacher forcing (``llmd bench kv-quality``) ----------------------------------

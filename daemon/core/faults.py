@@ -19,7 +19,11 @@ and fires once per request, at its ``n``-th output token (default 1):
   request that finished in that very step has already left the scheduler): every live
   request must get a terminal output;
 * ``hang``: the step sleeps ``value`` seconds (default 2) before returning, a stalled engine
-  for the health check.
+  for the health check;
+* ``kv_expire``, ``kv_pull_cut``, ``kv_pull_stall`` (prefill/decode disaggregation, the
+  producer side, when a consumer pulls the pinned KV of a request with that seed): the pin is
+  found expired; the pull's body is cut halfway (the producer dying mid-pull); the pull
+  stalls ``value`` seconds before its body (a pull timeout).
 
 Example: ``LLMD_FAULT_INJECT="postprocess:7001@2,step:7002@3,nan:7003"``.
 
@@ -34,7 +38,7 @@ import time
 from dataclasses import dataclass
 
 ENV_VAR = "LLMD_FAULT_INJECT"
-KINDS = ("postprocess", "nan", "step", "hang")
+KINDS = ("postprocess", "nan", "step", "hang", "kv_expire", "kv_pull_cut", "kv_pull_stall")
 
 
 class InjectedFault(RuntimeError):
@@ -120,6 +124,14 @@ class FaultInjector:
         for req in requests:
             if self._due("step", req, req.num_output_tokens):
                 raise InjectedFault(f"injected step fault (at {req.request_id})")
+
+    def kv_pull_fault(self, req) -> Fault | None:
+        """The ``kv_*`` fault due at a pull of ``req``'s pinned KV, or None."""
+        for kind in ("kv_expire", "kv_pull_cut", "kv_pull_stall"):
+            fault = self._due(kind, req, 1)
+            if fault is not None:
+                return fault
+        return None
 
     def nan_rows(self, requests) -> list[int]:
         """Rows of ``requests`` (about to sample their next token) whose logits become NaN."""

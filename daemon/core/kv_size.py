@@ -5,7 +5,8 @@ bytes/token = 2 · layers · kv_heads · (head_dim · bytes_per_element + scale_
 of :mod:`llmd.quant.kv`). SmolLM2 (30 layers, 3 KV heads × 64): 23,040 B/token in 16-bit,
 12,240 with int8/fp8 + float32 scales (1.88× the tokens in the same memory), 7,200 with int4
 (two codes per byte + a float16 scale per 16 channels: 3.2×). Per (token, KV head) the bytes
-come from :meth:`llmd.quant.kv.KVCacheFormat.head_bytes`.
+come from :meth:`llmd.quant.kv_format.KVCacheFormat.head_bytes`. Torch-free (model dtypes may be
+given by name), so ``llmd kv-size`` never imports torch.
 
 With KV cache groups (:mod:`llmd.daemon.kv.groups`) one block holds ``block_size`` tokens of
 ``group_size`` layers, and a sequence needs, per group, every block (full attention) or at
@@ -16,18 +17,20 @@ layer were global; a 32,768-token sequence needs ≈ 109 MB in the hybrid layout
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from llmd.daemon.kv.groups import KVCacheGroupSpec, make_kv_cache_groups
 from llmd.models.config import ModelConfig
-from llmd.quant.kv import get_format
+from llmd.quant.kv_format import get_format
 
-#: ``llmd kv-size`` rows: (name, ``--kv-cache-dtype``, model dtype); bytes come from the formats
-#: of :mod:`llmd.quant.kv` (``KVCacheFormat.head_bytes``), never a table of their own
-KV_SIZE_ROWS = [("float32", "auto", torch.float32), ("bf16/fp16", "auto", torch.bfloat16),
-                ("fp8", "fp8_e4m3", torch.float32), ("int8", "int8", torch.float32),
-                ("int4", "int4", torch.float32)]
+if TYPE_CHECKING:
+    import torch
+
+#: ``llmd kv-size`` rows: (name, ``--kv-cache-dtype``, model dtype name); bytes come from the
+#: formats of :mod:`llmd.quant.kv_format` (``KVCacheFormat.head_bytes``), never a table of their own
+KV_SIZE_ROWS = [("float32", "auto", "float32"), ("bf16/fp16", "auto", "bfloat16"),
+                ("fp8", "fp8_e4m3", "float32"), ("int8", "int8", "float32"),
+                ("int4", "int4", "float32")]
 
 
 @dataclass(frozen=True)
@@ -57,8 +60,9 @@ def kv_bytes_per_token(cfg: ModelConfig, element_bytes: int, scale_bytes: int = 
     return 2 * layers * cfg.num_kv_heads * (cfg.head_dim * element_bytes + scale_bytes)
 
 
-def kv_cache_bytes_per_token(cfg: ModelConfig, kv_cache_dtype: str, model_dtype: torch.dtype) -> int:
-    """Bytes per token of all layers in the cache ``--kv-cache-dtype`` allocates (scales included)."""
+def kv_cache_bytes_per_token(cfg: ModelConfig, kv_cache_dtype: str, model_dtype: "torch.dtype | str") -> int:
+    """Bytes per token of all layers in the cache ``--kv-cache-dtype`` allocates (scales included);
+    ``model_dtype``: a torch dtype or its name."""
     return 2 * cfg.num_layers * cfg.num_kv_heads * get_format(kv_cache_dtype).head_bytes(cfg.head_dim, model_dtype)
 
 
@@ -70,7 +74,7 @@ def kv_block_bytes(cfg: ModelConfig, groups: list[KVCacheGroupSpec], block_size:
 
 
 def kv_cache_block_bytes(cfg: ModelConfig, groups: list[KVCacheGroupSpec], block_size: int, kv_cache_dtype: str,
-                         model_dtype: torch.dtype) -> int:
+                         model_dtype: "torch.dtype | str") -> int:
     """Bytes of one block of the cache ``--kv-cache-dtype`` allocates (scales included)."""
     group_size = max(len(g.layer_ids) for g in groups)
     head = get_format(kv_cache_dtype).head_bytes(cfg.head_dim, model_dtype)

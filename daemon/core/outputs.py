@@ -110,6 +110,8 @@ class RequestOutput:
             lone request): the OpenAI choice ``index``.
         error: with ``finish_reason="error"``, one line saying what failed (for the log and
             the client's error body); None otherwise.
+        kv_transfer_params: on a prefill/decode producer's last output, its pinned blocks
+            (``remote_block_ids``, ``remote_request_id``, ``expires_in_s``; vLLM's field name).
     """
 
     request_id: str
@@ -123,3 +125,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     index: int = 0
     error: str | None = None
+    kv_transfer_params: dict | None = None

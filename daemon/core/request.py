@@ -167,6 +167,10 @@ class Request:
         num_cached_tokens: prompt tokens served from the prefix cache at admission.
         followers: siblings waiting to fork from this request once its prompt is computed.
         num_preemptions: times this request was preempted (its blocks freed).
+        kv_export: ``(transfer_id, pin_seconds)`` of a prefill/decode producer request: its
+            prompt's blocks stay pinned when it finishes (:mod:`llmd.daemon.core.kv_exchange`).
+        kv_import: a consumer request's pulled :class:`~llmd.daemon.core.kv_transfer.KVPayload`,
+            written into its blocks when it is admitted (then None).
     """
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
@@ -191,6 +195,8 @@ class Request:
         self.priority = priority
         self.num_preemptions = 0
         self.grammar = grammar
+        self.kv_export: tuple[str, float] | None = None
+        self.kv_import = None
         if grammar is not None:  # tokens generated already (tests) put the matcher where they end
             for t in output_token_ids:
                 grammar.accept(t)

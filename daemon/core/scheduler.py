@@ -36,6 +36,7 @@ from llmd.daemon.core.outputs import ScheduledRequest, SchedulerOutput
 from llmd.daemon.core.parallel import attach_followers, drop_follower, fork_followers, promote_heir
 from llmd.daemon.core.request import Request, RequestStatus
 from llmd.daemon.kv import KVCacheManager
+from llmd.daemon.kv.transfer import allocate_imported, pin_blocks, pin_id_of
 
 
 class Scheduler:
@@ -141,6 +142,8 @@ class Scheduler:
                 if heir is not None:
                     self.waiting.insert(i, heir)
         req.followers = []
+        if req.kv_export is not None and status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
+            pin_blocks(self.kv, request_id, pin_id_of(request_id))  # a producer's prompt KV outlives it
         req.status = status
         self.kv.free(request_id)
 
@@ -210,18 +213,28 @@ class Scheduler:
                 break
             # look the prefix up now, when it is admitted (never a stale count); a resumed
             # request looks up everything it knows (prompt + generated tokens)
-            num_cached, blocks = self.kv.get_computed_blocks(
-                req.request_id, req.all_token_ids, req.num_tokens, req.cache_salt)
+            imported = req.kv_import is not None  # its prompt's KV was computed elsewhere (kv_exchange.py)
+            if imported:
+                num_cached, blocks = req.kv_import.num_computed_tokens, None
+            else:
+                num_cached, blocks = self.kv.get_computed_blocks(
+                    req.request_id, req.all_token_ids, req.num_tokens, req.cache_salt)
             req.num_computed_tokens = num_cached
             num_new = self._num_new_tokens(req, budget)
-            if self.kv.allocate_slots(req.request_id, num_cached + num_new, num_cached, blocks) is None:
+            if imported:
+                allocated = allocate_imported(self.kv, req.request_id, num_cached + num_new, req.kv_import.ranges,
+                                              req.cache_salt)
+            else:
+                allocated = self.kv.allocate_slots(req.request_id, num_cached + num_new, num_cached, blocks)
+            if allocated is None:
                 req.num_computed_tokens = 0
                 if not out.scheduled and self._preempt_waiting_beams():
                     continue  # only beams waiting for a sibling held the blocks: they recompute later
                 break  # head-of-line: priority/FCFS order is kept
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_cached
-                self.kv.record_prefix_lookup(req.num_prompt_tokens, num_cached)
+                if not imported:  # pulled KV is no prefix-cache hit
+                    self.kv.record_prefix_lookup(req.num_prompt_tokens, num_cached)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)

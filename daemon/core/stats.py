@@ -177,6 +177,7 @@ class EngineStats:
     generation_tokens_per_s: float
     counters: EngineCounters
     requests: list[RequestStats]
+    kv_transfer: dict = field(default_factory=dict)  # KVExchange.stats(): pins, pulls, imports
 
     def to_dict(self, model_id: str, uptime_s: float) -> dict:
         """The ``GET /v1/stats`` payload (schema ``STATS_SCHEMA_VERSION`` of ``protocol.py``)."""
@@ -199,4 +200,5 @@ class EngineStats:
                          "requests_rejected": c.requests_rejected, "num_preemptions": c.num_preemptions,
                          "requests_finished": dict(c.requests_finished)},
             "requests": [vars(r).copy() for r in self.requests],
+            "kv_transfer": dict(self.kv_transfer),
         }

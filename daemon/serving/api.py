@@ -56,6 +56,8 @@ from llmd.daemon.protocol import SSE_DONE, error_body, sse, stats_with_cells
 from llmd.daemon.serving.connections import ServingLimits
 from llmd.daemon.serving.engine_health import DEFAULT_STALL_TIMEOUT_S
 from llmd.daemon.serving.engine_loop import EngineLoop
+from llmd.daemon.serving.kv_transfer import handshake as kv_handshake
+from llmd.daemon.serving.kv_transfer.tcp import PULL_PATH, pull_route
 from llmd.daemon.serving.multi_prompt import PromptBatch, echo_texts
 from llmd.daemon.serving.responses import ResponseBuilder
 from llmd.daemon.serving.streaming import OutputBuffer, write
@@ -82,6 +84,7 @@ class ServerState:
     limits: ServingLimits = ServingLimits()  # write_timeout here; the rest is the runner's
     health_stall_timeout: float = DEFAULT_STALL_TIMEOUT_S  # seconds without a finished step → /health 503
     loaded: bool = True  # False while the engine loads (vocab_size, max_model_len, model_ids not final yet)
+    kv_transfer: object | None = None  # a kv_transfer.config.KVTransferConfig (None: --kv-role both)
 
 
 STATE = web.AppKey("state", ServerState)
@@ -177,13 +180,16 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         raise ApiError("the daemon is shutting down", None, 503)
     if not st.engine_loop.alive:
         raise ApiError("the engine is not running (see the daemon log)", None, 503)
-    parsed = parse_request(await read_json(request), chat, st.model_ids, st.vocab_size, st.max_model_len)
+    body = await read_json(request)
+    parsed = parse_request(body, chat, st.model_ids, st.vocab_size, st.max_model_len)
     prompts = parsed.prompts or [parsed.prompt]  # a /v1/completions batch: one engine request each
     for p in prompts:
         check_size(p, st.max_model_len, chat)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     outputs = OutputBuffer()  # engine thread → event loop; deltas merge while the client is behind
-    batch = PromptBatch(st.engine_loop, rid, prompts, parsed, outputs.sink(asyncio.get_running_loop()))
+    kv = await kv_handshake.prepare(st.kv_transfer, st.engine_loop, body, parsed, prompts)  # a consumer pulls here
+    batch = PromptBatch(st.engine_loop, rid, prompts, parsed, outputs.sink(asyncio.get_running_loop()),
+                        kv.submit_kw if kv is not None else None)
     done = False
     try:
         try:
@@ -204,17 +210,21 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
                 log.debug("client of %s disconnected", rid)
                 return request["sse_response"]
         else:
-            remaining = num_seqs
+            remaining, pinned = num_seqs, None
             while remaining:
                 for out in await outputs.take():
                     if out.finish_reason == "error":  # 500; `finally` aborts the siblings
                         return json_error(engine_failure(out), None, 500, "server_error")
                     builder.absorb(out.index, out)
+                    pinned = out.kv_transfer_params or pinned
                     remaining -= out.finished
         done = True
         if parsed.stream:
             return request["sse_response"]
-        return web.json_response(builder.final_body())
+        final = builder.final_body()
+        if kv is not None:  # vLLM puts the producer's params at the top of the body
+            final["kv_transfer_params"] = kv.response_params(pinned)
+        return web.json_response(final)
     finally:
         if not done:  # client went away or we failed: free the engine's blocks
             batch.abort()
@@ -356,6 +366,11 @@ def make_app(state: ServerState, access=None) -> web.Application:
     app.router.add_post("/v1/cache/reset", reset_cache)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/v1/shutdown", shutdown)
+    kvt = state.kv_transfer
+    if kvt is not None and kvt.role == "producer":  # serve the KV pull (kv_transfer/tcp.py)
+        app.router.add_post(PULL_PATH, pull_route(lambda: state.engine_loop))
+    if kvt is not None and kvt.connector is not None:  # a consumer's pull session
+        app.on_cleanup.append(lambda _app: kvt.connector.close())
     from llmd.daemon.serving.render import add_render_routes  # it imports this module's helpers
 
     add_render_routes(app)

@@ -144,9 +144,12 @@ class EngineLoop:
         self._tokenizers.shutdown(wait=False, cancel_futures=True)
 
     def submit(self, parent_id: str, prompt: str | list[int] | list[dict], params: SamplingParams, n: int, sink: Sink,
-               cache_salt: str | None = None, priority: int = 0) -> cf.Future:
+               cache_salt: str | None = None, priority: int = 0, kv: dict | None = None) -> cf.Future:
         """Queue one request of ``n`` sequences (ids :func:`child_request_ids`; each output
         carries its ``index``).
+
+        ``kv``: prefill/decode disaggregation's ``kv_export`` / ``kv_import`` / ``kv_fallback``
+        keywords of :meth:`Engine.add_parallel_request` (``serving/kv_transfer``), or None.
 
         ``prompt`` is text, token ids, or a list of chat messages (rendered with the model's
         template); it is tokenized and length-checked on the tokenizer pool, and a structured-
@@ -165,7 +168,7 @@ class EngineLoop:
             if exc is not None:  # counted and resolved by the engine thread, in order
                 self._cmds.put(("rejected", exc, fut))
             else:
-                self._cmds.put(("submit", parent_id, *done.result(), params, n, sink, cache_salt, priority, fut))
+                self._cmds.put(("submit", parent_id, *done.result(), params, n, sink, cache_salt, priority, kv, fut))
 
         def prepare():  # on the tokenizer thread: (ProcessedPrompt, compiled grammar or None)
             processed = self.engine.input_processor.process(prompt, params)
@@ -199,6 +202,14 @@ class EngineLoop:
         """Drop cached-but-free blocks (``POST /v1/cache/reset``). Future → how many."""
         fut: cf.Future = cf.Future()
         self._cmds.put(("reset_prefix_cache", fut))
+        return fut
+
+    def export_kv(self, transfer_id: str) -> cf.Future:
+        """A producer's pinned KV, copied out and unpinned between two steps
+        (:meth:`KVExchange.export <llmd.daemon.core.kv_exchange.KVExchange.export>`). Future →
+        ``(KVPayload, fault or None)``, or raises ``KVTransferError`` (unknown / expired id)."""
+        fut: cf.Future = cf.Future()
+        self._cmds.put(("kv_export", transfer_id, fut))
         return fut
 
     def abort_all(self) -> cf.Future:
@@ -250,6 +261,7 @@ class EngineLoop:
                     log.exception("engine loop iteration failed")
                     self._stop.wait(self.health.step_failed())
         finally:
+            self.engine.kv_exchange.release_all()  # pinned KV nobody will pull now
             if self._stop.is_set():
                 self._abort_ids(list(self._sinks))
             else:  # the thread dies (a BaseException): nobody would answer these callers
@@ -271,6 +283,8 @@ class EngineLoop:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
                 cmd = None
+        if self.engine.kv_exchange.pins:  # a producer's pins past their deadline go back to the pool
+            self._changed |= bool(self.engine.kv_exchange.expire())
         if self.engine.has_unfinished_requests() and not self._stop.is_set() and not self.health.backoff_left():
             self._step()
         self.health.progressed()
@@ -296,6 +310,8 @@ class EngineLoop:
                 raise cmd[1]
             elif kind == "reset_prefix_cache":
                 result = self.engine.reset_prefix_cache()
+            elif kind == "kv_export":
+                result = self.engine.kv_exchange.export(cmd[1])
             elif kind == "check_integrity":
                 _resolve(fut, result=self._integrity())
                 return
@@ -324,11 +340,11 @@ class EngineLoop:
         fired = dict(eng.faults.fired) if eng.faults is not None else None
         return {"ok": error is None, "error": error, "live": live, "faults_fired": fired}
 
-    def _submit(self, parent_id, prompt, grammar, params, n, sink, cache_salt=None, priority=0):
+    def _submit(self, parent_id, prompt, grammar, params, n, sink, cache_salt=None, priority=0, kv=None):
         # one prompt, n sequences: prefilled once, then forked (parallel sampling); each its own matcher
         children = self.engine.add_parallel_request(prompt, dataclasses.replace(params),
                                                     child_request_ids(parent_id, n), cache_salt, priority,
-                                                    parent_id=parent_id, grammar=grammar)
+                                                    parent_id=parent_id, grammar=grammar, **(kv or {}))
         for i, rid in enumerate(children):
             self._sinks[rid], self._index[rid] = sink, i
         self.num_live += len(children)

@@ -145,7 +145,7 @@ async def _until_ready(eloop: EngineLoop, state: ServerState):
 async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[str, ...], *,
                      host: str | None = None, port: int | None = None, drain_timeout: float = 30.0,
                      lock_fd: int | None = None, metrics_compat: str | None = None, api_key: str | None = None,
-                     health_stall_timeout: float = DEFAULT_STALL_TIMEOUT_S, echo=print) -> None:
+                     health_stall_timeout: float = DEFAULT_STALL_TIMEOUT_S, kv_transfer=None, echo=print) -> None:
     """Serve until SIGTERM/SIGINT or ``POST /v1/shutdown``; then drain and clean up.
 
     Args:
@@ -165,6 +165,8 @@ async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[s
         metrics_compat: None, or "vllm" to also export ``GET /metrics`` under vLLM's names.
         health_stall_timeout: seconds without a finished engine step after which ``/health``
             answers 503 ``stalled`` (``engine_health.py``).
+        kv_transfer: a checked :class:`~llmd.daemon.serving.kv_transfer.config.KVTransferConfig`
+            (``--kv-role`` producer / consumer), or None.
 
     The socket (and TCP listener) is bound *before* the engine is ready: while it loads on
     its thread, ``/health`` answers 503 ``loading`` (every other route but ``/metrics`` and
@@ -184,7 +186,7 @@ async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[s
     eloop = EngineLoop(engine, model_id, metrics=metrics).start()
     state = ServerState(engine_loop=eloop, model_id=model_id, model_ids=model_ids, vocab_size=0, max_model_len=0,
                         shutdown=asyncio.Event(), metrics=metrics, health_stall_timeout=health_stall_timeout,
-                        loaded=False)  # filled in once the engine is ready
+                        loaded=False, kv_transfer=kv_transfer)  # filled in once the engine is ready
     access = access_middleware(AccessPolicy(api_key, is_loopback_host(host))) if port is not None else None
     runner = ServingRunner(make_app(state, access), state.limits, handler_cancellation=True, access_log=None,
                            shutdown_timeout=2.0)

@@ -94,13 +94,14 @@ class PromptBatch:
         prompts: the prompts (text, token ids or chat messages), submitted at once.
         parsed: the :class:`~llmd.daemon.serving.validation.ParsedRequest` (params, n, salt, priority).
         sink: the one sink of every output (re-indexed to ``i·n + j`` for prompt ``i``).
+        kv: the engine loop's prefill/decode keywords (``kv_transfer/handshake.py``; one prompt).
     """
 
-    def __init__(self, engine_loop, request_id: str, prompts: list, parsed, sink: Callable):
+    def __init__(self, engine_loop, request_id: str, prompts: list, parsed, sink: Callable, kv: dict | None = None):
         self.engine_loop, self.n = engine_loop, parsed.n
         self.ids = [request_id] if len(prompts) == 1 else [f"{request_id}-p{i}" for i in range(len(prompts))]
         self._futures = [engine_loop.submit(rid, prompt, parsed.params, parsed.n, self._sink(sink, i),
-                                            cache_salt=parsed.cache_salt, priority=parsed.priority)
+                                            cache_salt=parsed.cache_salt, priority=parsed.priority, kv=kv)
                          for i, (rid, prompt) in enumerate(zip(self.ids, prompts))]
 
     def _sink(self, sink: Callable, i: int) -> Callable:

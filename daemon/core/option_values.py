@@ -1,0 +1,32 @@
+"""Option values parsed from text: byte sizes (``--kv-cache-memory``, ``--memory``, ``--total-memory``)
+and ``--kv-scales``. Torch-free, so ``llmd kv-size`` parses its options without importing torch."""
+
+from __future__ import annotations
+
+from llmd.daemon.core.errors import LlmdError
+
+
+def parse_kv_scales(text: str) -> tuple[float, float]:
+    """Parse ``--kv-scales k,v`` (e.g. ``0.05,0.1``). Raises LlmdError."""
+    try:
+        k, v = (float(x) for x in text.split(","))
+    except ValueError:
+        raise LlmdError(f"--kv-scales takes two numbers k,v (e.g. 0.05,0.1), got {text!r}") from None
+    return k, v
+
+
+def parse_bytes(text: str) -> int:
+    """Parse a byte size such as ``536870912``, ``512MiB``, ``2GiB``, ``300MB``. Raises LlmdError."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+    s = text.strip().lower().replace(" ", "")
+    num = s.rstrip("kmgib")
+    unit = s[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        raise LlmdError(f"cannot parse byte size {text!r} (try 512MiB or 2GiB)") from None
+    if unit not in units:
+        raise LlmdError(f"cannot parse byte size {text!r} (try 512MiB or 2GiB)")
+    if value <= 0:
+        raise LlmdError(f"byte size must be > 0, got {text!r}")
+    return int(value * units[unit])

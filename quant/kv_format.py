@@ -1,0 +1,137 @@
+"""The ``--kv-cache-dtype`` formats as plain data: storage and scale dtypes by name, code grids, bytes.
+
+Torch-free, so capacity math (``llmd kv-size``, :mod:`llmd.daemon.core.kv_size`) runs without
+importing torch (~1.4 s); :mod:`llmd.quant.kv` (the layout, quantize / dequantize) re-exports
+everything here. A format names its dtypes (``"int8"``, ``"float8_e4m3fn"``, ...): the torch
+dtypes are :attr:`KVCacheFormat.dtype` and :attr:`KVCacheFormat.scale_dtype`, resolved on first
+use (importing torch then). Byte sizes come from :data:`ITEMSIZE`, the element size of each
+dtype name (``torch.empty(0, dtype=d).element_size()``; checked against torch in
+``tests/kv/test_kv_size_no_torch.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+#: bytes per element of the dtypes a KV cache or a model can have, by torch attribute name
+ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "uint8": 1, "float8_e4m3fn": 1,
+            "float8_e5m2": 1}
+
+
+def itemsize(dtype: "torch.dtype | str") -> int:
+    """Bytes per element of a torch dtype or of its name (``"bfloat16"`` or ``"torch.bfloat16"``).
+    Raises KeyError for a dtype no KV cache or model uses."""
+    if isinstance(dtype, str):
+        return ITEMSIZE[dtype.removeprefix("torch.")]
+    return dtype.itemsize
+
+
+@dataclass(frozen=True)
+class KVCacheFormat:
+    """One ``--kv-cache-dtype``.
+
+    Attributes:
+        name: "auto", "int8", "fp8_e4m3", "fp8_e5m2" or "int4".
+        dtype_name: storage dtype's torch name, None for ``auto`` (the model dtype); ``"uint8"``
+            for int4 (packed).
+        qmax: largest magnitude of a code (127, 448, 57344, 7); 0 for ``auto``.
+        mantissa_bits, min_exponent: fp8 grid (3, -6 for e4m3fn; 2, -14 for e5m2); 0 for int8.
+        bits: bits per code (8, or 4 for two codes per byte).
+        group_size: channels per scale (0 = one scale per (token, KV head)).
+        scale_dtype_name: the stored scales' torch dtype name (``"float32"``; ``"float16"`` for
+            int4, whose scales are rounded to float16 *before* quantizing, so the codes are those
+            of the stored scale).
+    """
+
+    name: str
+    dtype_name: str | None
+    qmax: float = 0.0
+    mantissa_bits: int = 0
+    min_exponent: int = 0
+    bits: int = 8
+    group_size: int = 0
+    scale_dtype_name: str = "float32"
+
+    @cached_property
+    def dtype(self) -> "torch.dtype | None":
+        """The storage dtype (``torch.int8``, ``torch.float8_e4m3fn``, ...), None for ``auto``."""
+        import torch
+
+        return None if self.dtype_name is None else getattr(torch, self.dtype_name)
+
+    @cached_property
+    def scale_dtype(self) -> "torch.dtype":
+        """The scales' dtype (``torch.float32``, or ``torch.float16`` for int4)."""
+        import torch
+
+        return getattr(torch, self.scale_dtype_name)
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype_name is not None
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.mantissa_bits > 0
+
+    def storage_dtype(self, model_dtype: "torch.dtype") -> "torch.dtype":
+        return self.dtype if self.quantized else model_dtype
+
+    def bytes_per_element(self, model_dtype: "torch.dtype | str") -> int:
+        """Bytes of one stored element: the format's own, or the model dtype's for ``auto``."""
+        return ITEMSIZE[self.dtype_name] if self.quantized else itemsize(model_dtype)
+
+    @property
+    def scale_bytes(self) -> int:
+        """Scale bytes per (token, KV head, scale group) for each of K and V (0 for ``auto``)."""
+        return ITEMSIZE[self.scale_dtype_name] if self.quantized else 0
+
+    @property
+    def packed(self) -> bool:
+        """Two 4-bit codes per stored byte."""
+        return self.bits == 4
+
+    def code_dim(self, head_dim: int) -> int:
+        """Stored elements per (token, KV head): ``head_dim``, or ``head_dim // 2`` packed."""
+        return head_dim // 2 if self.packed else head_dim
+
+    def scale_groups(self, head_dim: int) -> int:
+        """Scales per (token, KV head): 0 for ``auto``, 1, or ``head_dim // group_size``."""
+        if not self.quantized:
+            return 0
+        return head_dim // self.group_size if self.group_size else 1
+
+    def head_bytes(self, head_dim: int, model_dtype: "torch.dtype | str") -> int:
+        """Bytes of one (token, KV head) of K (or of V), codes and scales: ``head_dim · 2`` for
+        16-bit ``auto``, ``head_dim + 4`` for int8/fp8, ``head_dim / 2 + 2 · head_dim / 16`` for int4.
+        ``model_dtype``: a torch dtype or its name."""
+        codes = self.code_dim(head_dim) * self.bytes_per_element(model_dtype)
+        return codes + self.scale_bytes * self.scale_groups(head_dim)
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Raise ValueError (one line) if ``head_dim`` cannot be stored in this format."""
+        if self.group_size and head_dim % self.group_size:
+            raise ValueError(f"--kv-cache-dtype {self.name} needs head_dim a multiple of {self.group_size}, "
+                             f"got {head_dim}")
+
+
+KV_CACHE_FORMATS: dict[str, KVCacheFormat] = {
+    "auto": KVCacheFormat("auto", None),
+    "int8": KVCacheFormat("int8", "int8", 127.0),
+    "fp8_e4m3": KVCacheFormat("fp8_e4m3", "float8_e4m3fn", 448.0, 3, -6),
+    "fp8_e5m2": KVCacheFormat("fp8_e5m2", "float8_e5m2", 57344.0, 2, -14),
+    "int4": KVCacheFormat("int4", "uint8", 7.0, bits=4, group_size=16, scale_dtype_name="float16"),
+}
+
+
+def get_format(name: str) -> KVCacheFormat:
+    """Format by ``--kv-cache-dtype`` name. Raises ValueError listing the choices."""
+    try:
+        return KV_CACHE_FORMATS[name]
+    except KeyError:
+        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_FORMATS)}, got {name!r}") from None
