@@ -249,3 +249,24 @@ def bench_serve(socket_path, num_requests, rate, min_prompt, max_prompt, min_out
         raise LlmdError("--rate must be > 0 and --num-requests >= 1")
     asyncio.run(run_serve_bench(socket_path_of(socket_path), num_requests, rate, (min_prompt, max_prompt),
                                 (min_output, max_output), seed, echo=click.echo))
+
+
+@bench.command("routing")
+@click.option("--replicas", default=3, show_default=True, type=int, help="llmd serve processes (--threads 1 each).")
+@click.option("--users", default=8, show_default=True, type=int, help="Chats at once, each with its own document.")
+@click.option("--turns", default=4, show_default=True, type=int, help="Turns per chat (the history resent each turn).")
+@click.option("--max-tokens", default=32, show_default=True, type=int, help="New tokens per reply (greedy).")
+@click.option("--doc-words", default=None, type=int,
+              help="Words of each user's document (default: all 816, ~1,000 SmolLM2 tokens).")
+@click.option("--model", "-m", default="smollm2-135m", show_default=True, help="The replicas' --model.")
+@click.option("--dtype", default=None, help="The replicas' --dtype (default: theirs, auto).")
+@click.option("--kv-cache-memory", default=None, help="The replicas' --kv-cache-memory (default: theirs).")
+@one_line_errors
+def bench_routing(replicas, users, turns, max_tokens, doc_words, model, dtype, kv_cache_memory):
+    """Prefix-cache hit rate of llmd replicas behind vllm-router (loopback): cache_aware vs
+    round_robin on a multi-user chat workload, each user with their own long context (one run)."""
+    from llmd.daemon.bench.routing import run_routing_bench
+
+    serve_args = ["--model", model, *(["--dtype", dtype] if dtype else []),
+                  *(["--kv-cache-memory", kv_cache_memory] if kv_cache_memory else [])]
+    run_routing_bench(replicas, users, turns, max_tokens, serve_args, doc_words, echo=click.echo)

@@ -20,81 +20,33 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
-import subprocess
-import sys
-import time
 
 import aiohttp
 import pytest
-from aiohttp import web
-from app_harness import start_loop, state_of
-from daemon_harness import free_port
+from app_harness import start_loop
+from router_workers import start_worker
 
-from llmd.daemon.serving.access import AccessPolicy, access_middleware
-from llmd.daemon.serving.api import make_app
+from llmd.daemon.bench.routing import find_router, start_router, stop, wait_healthy
+from llmd.daemon.core.errors import LlmdError
 
 KEY = "router-test-" + os.urandom(8).hex()
 AUTH = {"Authorization": f"Bearer {KEY}"}
-ROUTER = shutil.which("vllm-router") or shutil.which("vllm-router", path=os.path.dirname(sys.executable))
+
+
+def router_or_skip() -> str:
+    try:
+        return find_router()
+    except LlmdError:
+        pytest.skip("vllm-router is not installed (pip install -e '.[cluster]')")
 
 
 @pytest.fixture(scope="module")
 def engine_loops(tmp_path_factory):
-    if ROUTER is None:
-        pytest.skip("vllm-router is not installed (pip install -e '.[cluster]')")
+    router_or_skip()
     loops = [start_loop(tmp_path_factory, max_num_seqs=4) for _ in range(2)]
     yield loops
     for loop in loops:
         loop.stop()
-
-
-def recording(log: list, inner):
-    """A middleware appending (method, path, Authorization or None, the body's ``prompt`` or
-    None) to ``log``, then ``inner``."""
-
-    @web.middleware
-    async def middleware(request, handler):
-        body = await request.json() if request.method == "POST" and request.body_exists else None
-        prompt = body.get("prompt") if isinstance(body, dict) else None
-        log.append((request.method, request.path, request.headers.get("Authorization"), prompt))
-        return await inner(request, handler)
-
-    return middleware
-
-
-async def start_worker(engine_loop, log: list) -> tuple[web.AppRunner, str]:
-    """One worker as ``llmd serve --host 127.0.0.1 --port P`` with a key serves it; its base URL."""
-    app = make_app(state_of(engine_loop), recording(log, access_middleware(AccessPolicy(KEY, loopback=True))))
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}"
-
-
-def start_router(urls: list[str], policy: str, log_path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    args = [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", policy,
-            "--api-key", KEY, "--prometheus-port", str(free_port()), "--worker-startup-check-interval", "1",
-            "--log-level", "warning"]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-async def wait_ready(session: aiohttp.ClientSession, url: str, proc: subprocess.Popen, log_path) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, open(log_path).read()[-2000:]
-        try:
-            async with session.get(url + "/health") as r:
-                if r.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"the router at {url} did not answer /health: {open(log_path).read()[-2000:]}")
 
 
 def served(log: list) -> list[str]:
@@ -108,18 +60,19 @@ def test_vllm_router_in_front_of_two_llmd_workers(engine_loops, tmp_path):
     chat = {"messages": [{"role": "user", "content": "hello router"}], "max_tokens": 6, "temperature": 0}
 
     async def main():
-        workers = [await start_worker(loop, log) for loop, log in zip(engine_loops, logs)]
+        workers = [await start_worker(loop, KEY, log) for loop, log in zip(engine_loops, logs)]
         urls = [u for _, u in workers]
-        rr, rr_url = start_router(urls, "round_robin", tmp_path / "rr.log")
-        ca, ca_url = start_router(urls, "cache_aware", tmp_path / "ca.log")
+        router = router_or_skip()
+        rr, rr_url, rr_log = start_router(router, urls, "round_robin", KEY, str(tmp_path))
+        ca, ca_url, ca_log = start_router(router, urls, "cache_aware", KEY, str(tmp_path))
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
                 direct = {}
                 for path, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
                     async with s.post(urls[0] + path, json=body, headers=AUTH) as r:
                         direct[path] = (await r.json())["choices"][0]
-                await wait_ready(s, rr_url, rr, tmp_path / "rr.log")
-                await wait_ready(s, ca_url, ca, tmp_path / "ca.log")
+                await wait_healthy(s, rr_url, rr, rr_log, 60)  # 200 once its workers passed their checks
+                await wait_healthy(s, ca_url, ca, ca_log, 60)
                 probes = [entry for log in logs for entry in log if entry[1] == "/health"]
                 for log in logs:
                     log.clear()
@@ -152,8 +105,7 @@ def test_vllm_router_in_front_of_two_llmd_workers(engine_loops, tmp_path):
                 ca_logs = [list(log) for log in logs]
         finally:
             for proc in (rr, ca):
-                proc.terminate()
-                proc.wait(10)
+                stop(proc, 10)
             for runner, _ in workers:
                 await runner.cleanup()
         return probes, direct, routed, stream, rr_logs, ca_logs
