@@ -122,6 +122,13 @@ def engine_options(fn):
                      show_default=True,
                      help="fcfs: arrival order (a request's non-zero priority is a 400); priority: lower `priority` "
                           "runs first and the largest is preempted first (vLLM's flag)."),
+        click.option("--context-overflow", type=click.Choice(["stop", "shift"]), default="stop", show_default=True,
+                     help="A sequence that fills --max-model-len: stop (finish_reason length; prompt + max_tokens "
+                          "beyond the context is a 400) or shift (llama.cpp's --context-shift: keep --keep tokens, "
+                          "drop the oldest half of the rest, re-rotate the cached keys, go on)."),
+        click.option("--keep", default=0, show_default=True, type=int,
+                     help="Tokens a context shift keeps at the head, e.g. the system prompt (rounded up to whole "
+                          "blocks; -1 = the whole prompt); llama.cpp's --keep."),
     ]
     for o in reversed(opts):
         fn = o(fn)

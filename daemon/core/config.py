@@ -14,6 +14,7 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 ATTENTION_BACKENDS = ("cpu", "torch", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy values
 WEIGHT_QUANT_CHOICES = ("auto", "none", "gguf", "int8")  # llmd.models.weight_quant modes, and auto
+CONTEXT_OVERFLOW_CHOICES = ("stop", "shift")  # --context-overflow (llama.cpp: --context-shift = shift)
 DEFAULT_KV_CACHE_MEMORY_CPU = 512 * 1024**2  # bytes
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
 #: --kv-rotation when not given, per --kv-cache-dtype (README "Quantized KV cache": measured wins)
@@ -74,6 +75,13 @@ class EngineConfig:
             drops the dense weights; "auto" (the default) = on a bfloat16 CPU model the same
             packs for steps of at most 4 tokens plus the dense weights for larger ones (one
             stream decodes from ~4× fewer bytes, batches keep the bfloat16 GEMM), else "none".
+        context_overflow: what a sequence reaching ``max_model_len`` does: "stop" (default:
+            ``finish_reason`` "length", and prompt + ``max_tokens`` beyond the context is refused)
+            or "shift" (llama.cpp's ``--context-shift``: keep the first ``keep`` tokens, discard
+            the oldest half of the rest in whole blocks, re-rotate the kept keys and go on;
+            :mod:`llmd.daemon.core.context_shift`). A request's ``context_overflow`` overrides it.
+        keep: tokens a shift keeps at the head (llama.cpp's ``--keep``; rounded up to whole
+            blocks; -1 = the whole prompt); a request's ``n_keep`` overrides it.
         threads: torch intra-op threads, set once when the engine is built
             (``torch.set_num_threads``); ``None`` = ``$OMP_NUM_THREADS`` if set, else the cores
             this process may use (``len(os.sched_getaffinity(0))``).
@@ -101,6 +109,8 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     threads: int | None = None
     weight_quant: str = "auto"
+    context_overflow: str = "stop"
+    keep: int = 0
 
     def resolve(self) -> "EngineConfig":
         """Fill device-dependent defaults and validate. Raises LlmdError naming the bad setting."""
@@ -138,6 +148,11 @@ class EngineConfig:
             raise LlmdError(f"--kv-cache-memory must be > 0 bytes, got {self.kv_cache_memory}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise LlmdError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+        if self.context_overflow not in CONTEXT_OVERFLOW_CHOICES:
+            raise LlmdError(f"--context-overflow must be one of {', '.join(CONTEXT_OVERFLOW_CHOICES)}, "
+                            f"got {self.context_overflow!r}")
+        if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < -1:
+            raise LlmdError(f"--keep must be -1 (the whole prompt) or a token count >= 0, got {self.keep!r}")
         self._resolve_kv_and_backend(on_cuda)
         self._resolve_weight_quant(on_cuda)
         if self.dtype == "float64" and (on_cuda or self.attention_backend != "torch"):

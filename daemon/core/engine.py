@@ -168,7 +168,8 @@ class Engine:
             max_model_len=self.max_model_len, cuda_graphs=not self.config.enforce_eager,
             kv_rotation=self.config.kv_rotation,
         )
-        self.input_processor = InputProcessor(tokenizer, cfg.vocab_size, self.max_model_len)
+        self.input_processor = InputProcessor(tokenizer, cfg.vocab_size, self.max_model_len, self.config.context_overflow,
+                                              self.config.keep)
         # structured outputs (None for a tokenizer-less engine, e.g. llmd bench step's, which adds no requests)
         self.grammars = (GrammarCompiler(tokenizer.hf, cfg.vocab_size, tokenizer.eos_token_ids)
                          if tokenizer is not None else None)
@@ -358,7 +359,7 @@ class Engine:
             self.detokenizers.pop(rid, None)
             self._finished(req, "abort")
             outputs.append(RequestOutput(request_id=rid, finished=True, finish_reason="abort", index=req.sibling_index,
-                                         num_prompt_tokens=req.num_prompt_tokens,
+                                         num_prompt_tokens=req.total_prompt_tokens,
                                          num_output_tokens=req.num_output_tokens))
         return outputs
 
@@ -381,7 +382,7 @@ class Engine:
         self._finished(req, "error")
         log.warning("request %s failed: %s", req.request_id, message)
         return RequestOutput(request_id=req.request_id, finished=True, finish_reason="error", error=message,
-                             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+                             num_prompt_tokens=req.total_prompt_tokens, num_output_tokens=req.num_output_tokens,
                              num_cached_tokens=req.num_cached_tokens, index=req.sibling_index)
 
     def has_unfinished_requests(self) -> bool:
@@ -452,7 +453,7 @@ class Engine:
                 outputs.append(RequestOutput(
                     request_id=req.request_id, new_token_ids=list(hyp.output_token_ids), new_text=text,
                     logprobs=[None] * len(hyp.output_token_ids), finished=True, finish_reason=status.finish_reason,
-                    num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+                    num_prompt_tokens=req.total_prompt_tokens, num_output_tokens=req.num_output_tokens,
                     num_cached_tokens=req.num_cached_tokens, index=req.sibling_index))
         return outputs
 
@@ -476,7 +477,7 @@ class Engine:
             logprobs=[lp],
             finished=req.is_finished,
             finish_reason=req.status.finish_reason,
-            num_prompt_tokens=req.num_prompt_tokens,
+            num_prompt_tokens=req.total_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens,
             index=req.sibling_index,
@@ -526,7 +527,7 @@ class Engine:
                   for g, n in zip(kv.groups, kv.num_used_blocks_per_group())]
         requests = [RequestStats(
             id=req.request_id, state="running" if req.status == RequestStatus.RUNNING else "waiting",
-            prompt_tokens=req.num_prompt_tokens, cached_tokens=req.num_cached_tokens,
+            prompt_tokens=req.total_prompt_tokens, cached_tokens=req.num_cached_tokens,
             generated_tokens=req.num_output_tokens, blocks=kv.num_blocks_held(req.request_id),
             block_table=kv.get_block_table(req.request_id), block_tables=kv.get_block_tables(req.request_id),
             ttft_s=None if req.first_token_time is None else req.first_token_time - req.arrival_time,

@@ -78,12 +78,16 @@ class InputProcessor:
         tokenizer: the model's :class:`~llmd.models.tokenizer.Tokenizer`.
         vocab_size: token ids must lie in ``[0, vocab_size)``.
         max_model_len: the engine's context (prompt + output tokens).
+        context_overflow, keep: the daemon's ``--context-overflow`` and ``--keep``, filled into
+            a request's ``SamplingParams`` that leaves them unset.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, context_overflow: str = "stop",
+                 keep: int = 0):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.context_overflow, self.keep = context_overflow, keep
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         """Token ids of text, chat messages (the model's template) or token ids (checked).
@@ -103,24 +107,40 @@ class InputProcessor:
 
     def process(self, prompt: Prompt, params: SamplingParams) -> ProcessedPrompt:
         """:meth:`tokenize` and the length rules; resolves ``params.max_tokens`` in place when
-        it is None (the remaining context).
+        it is None (the remaining context), and ``context_overflow`` / ``n_keep`` from the
+        daemon's defaults. ``truncate_prompt_tokens = k`` keeps the last ``k`` prompt tokens
+        (-1: the last ``max_model_len - 1``). Under ``context_overflow`` "shift", prompt +
+        ``max_tokens`` may exceed the context (the sequence shifts when it fills it).
 
         Raises:
-            RequestError: an empty prompt, one that leaves no room to generate, or prompt +
-                ``max_tokens`` beyond the context (``param`` "max_tokens").
+            RequestError: an empty prompt, one that leaves no room to generate, prompt +
+                ``max_tokens`` beyond the context under "stop" (``param`` "max_tokens"), or
+                ``truncate_prompt_tokens`` not below the context.
         """
         field = prompt_field(prompt)
         ids = self.tokenize(prompt)
         if not ids:
             raise RequestError("the prompt is empty (0 tokens)", field)
+        if params.context_overflow is None:  # beams stop at the context (they cannot shift)
+            params.context_overflow = "stop" if params.use_beam_search else self.context_overflow
+        if params.n_keep is None:
+            params.n_keep = self.keep
         n, context = len(ids), self.max_model_len
+        k = params.truncate_prompt_tokens
+        if k is not None:
+            if k >= context:
+                raise RequestError(f"truncate_prompt_tokens ({k}) must be below the context of {context} tokens "
+                                   "(max-model-len), or -1", "truncate_prompt_tokens")
+            ids = ids[-(context - 1 if k == -1 else k):]
+            n = len(ids)
         if n >= context:
             raise RequestError(f"prompt has {n} tokens but the context is {context} tokens (max-model-len), "
-                               "leaving no room to generate", field)
+                               "leaving no room to generate (truncate_prompt_tokens opts in to keeping its end)",
+                               field)
         defaulted = params.max_tokens is None
         if defaulted:
             params.max_tokens = context - n
-        elif n + params.max_tokens > context:
+        elif n + params.max_tokens > context and params.context_overflow != "shift":
             raise RequestError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
                                f"exceeds the context of {context} tokens", "max_tokens")
         return ProcessedPrompt(ids, defaulted)

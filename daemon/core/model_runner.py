@@ -19,11 +19,11 @@ import torch
 from llmd.daemon.core.cuda_graphs import DecodeGraphs
 from llmd.daemon.core.errors import LlmdError
 from llmd.daemon.core.input_batch import InputBatch
-from llmd.daemon.core.outputs import ScheduledRequest, SchedulerOutput
+from llmd.daemon.core.outputs import BlockShift, ScheduledRequest, SchedulerOutput
 from llmd.daemon.core.request import Request
 from llmd.daemon.core.sampler import Sampler, SamplerOutput
 from llmd.daemon.kv import KVCacheGroupSpec, layer_placement, make_kv_cache_groups
-from llmd.kernels import AttentionMetadata
+from llmd.kernels import AttentionMetadata, shift_keys
 from llmd.models.config import ModelConfig
 from llmd.quant.kv import PagedKVCache, get_format
 
@@ -174,10 +174,28 @@ class ModelRunner:
                 c.scales[:, dst] = c.scales[:, src]
 
     @torch.inference_mode()
+    def shift_blocks(self, shifts: Sequence[BlockShift]) -> None:
+        """Context shift: re-rotate each op's block keys by ``-delta`` positions in every layer of
+        its KV cache group, with that layer's RoPE base (:func:`llmd.kernels.kv_shift.shift_keys`)."""
+        if not shifts:
+            return
+        by_key: dict[tuple[int, int], list[BlockShift]] = {}
+        for op in shifts:
+            by_key.setdefault((op.group, op.delta), []).append(op)
+        thetas = [self.config.layer_rope_theta(i) for i in range(self.config.num_layers)]
+        for (group, delta), ops in by_key.items():
+            src, dst = [op.src for op in ops], [op.dst for op in ops]
+            for layer, g in enumerate(self.layer_group):
+                if g == group:
+                    shift_keys(self.layer_caches[layer], src, dst, delta, thetas[layer])
+
+    @torch.inference_mode()
     def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run the model (after the step's copy-on-write block copies); return
+        """Run the model (after the step's context-shift re-rotations and copy-on-write block
+        copies, in that order: a shift's source may be a copy's destination); return
         ``[num_sampling_seqs, vocab]`` float32 logits of the last position of every sequence
         with ``sample=True`` (batch order), on the model's device (a GPU samples them there)."""
+        self.shift_blocks(out.blocks_to_shift)
         self.copy_blocks(out.blocks_to_copy)
         graphs = self.decode_graphs
         if graphs is not None and graphs.accepts(out):

@@ -3,7 +3,8 @@
 vLLM v1's ``vllm/v1/core/sched/output.py`` in small: the runner and the input batch import
 these, never the scheduler; the serving layer imports :class:`RequestOutput`, never the engine.
 
-* :class:`ScheduledRequest` / :class:`SchedulerOutput`: what one step runs (scheduler → runner);
+* :class:`ScheduledRequest` / :class:`SchedulerOutput` / :class:`BlockShift`: what one step runs
+  (scheduler → runner);
 * :class:`TokenLogprobs`: one sampled token's logprobs (sampler → outputs);
 * :class:`RequestOutput`: what one step produced for one request (engine → callers).
 """
@@ -46,6 +47,18 @@ class ScheduledRequest:
         return len(self.token_ids)
 
 
+@dataclass(frozen=True)
+class BlockShift:
+    """One block of a context shift (:mod:`llmd.daemon.kv.shift`): re-rotate the keys of block
+    ``src`` of KV cache group ``group`` by ``-delta`` positions into block ``dst`` (``dst == src``:
+    in place; else V and scales are copied too)."""
+
+    src: int
+    dst: int
+    group: int
+    delta: int
+
+
 @dataclass
 class SchedulerOutput:
     """What runs in one step: requests in batch order and the total token count."""
@@ -53,6 +66,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     #: copy-on-write (src, dst) block pairs to copy before the forward (parallel sampling)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    #: context-shift re-rotations, applied before the copies and the forward
+    blocks_to_shift: list[BlockShift] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -77,6 +77,12 @@ class SamplingParams:
             raw logits before the penalties (vLLM's order), or ``None``; logprobs stay those of
             the raw, unbiased distribution. Ids must lie in the vocabulary (the API checks them;
             the sampler fails a row whose ids do not).
+        context_overflow: "stop" or "shift" at ``max_model_len`` (:mod:`llmd.daemon.core.context_shift`);
+            ``None`` = the daemon's ``--context-overflow`` (the engine resolves it at admission).
+        n_keep: tokens a context shift keeps at the head (llama.cpp's ``n_keep``; -1 = the
+            prompt); ``None`` = the daemon's ``--keep``.
+        truncate_prompt_tokens: keep only the last ``k`` prompt tokens (vLLM's left truncation,
+            an explicit opt-in for prompts longer than the context; -1 = ``max_model_len - 1``).
     """
 
     max_tokens: int | None = 16
@@ -97,6 +103,9 @@ class SamplingParams:
     logprobs: int | None = None
     structured: GrammarSpec | None = None
     logit_bias: dict[int, float] | None = None
+    context_overflow: str | None = None
+    n_keep: int | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -130,6 +139,18 @@ class SamplingParams:
             raise RequestError("stop strings must be non-empty strings", "stop")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise RequestError(f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs")
+        if self.context_overflow not in (None, "stop", "shift"):
+            raise RequestError(f"context_overflow must be 'stop' or 'shift', got {self.context_overflow!r}",
+                               "context_overflow")
+        for name in ("n_keep", "truncate_prompt_tokens"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < -1
+                                  or (name == "truncate_prompt_tokens" and v == 0)):
+                raise RequestError(f"{name} must be -1 or an integer >= {0 if name == 'n_keep' else 1}, got {v!r}",
+                                   name)
+        if self.context_overflow == "shift" and self.use_beam_search:
+            raise RequestError("context_overflow 'shift' does not combine with beam search (use_beam_search)",
+                               "context_overflow")
         if self.logit_bias and not all(isinstance(t, int) and -100 <= b <= 100 for t, b in self.logit_bias.items()):
             raise RequestError("logit_bias must map integer token ids to biases in [-100, 100]", "logit_bias")
 
@@ -171,6 +192,10 @@ class Request:
             prompt's blocks stay pinned when it finishes (:mod:`llmd.daemon.core.kv_exchange`).
         kv_import: a consumer request's pulled :class:`~llmd.daemon.core.kv_transfer.KVPayload`,
             written into its blocks when it is admitted (then None).
+        num_shifted_prompt_tokens, num_shifted_output_tokens: tokens a context shift discarded
+            (:meth:`discard`); :attr:`token_ids` holds only the context that is left, and
+            :attr:`num_prompt_tokens` the prompt tokens still in it.
+        num_context_shifts: context shifts so far.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
@@ -194,6 +219,7 @@ class Request:
         self.followers: list[Request] = []
         self.priority = priority
         self.num_preemptions = 0
+        self.num_shifted_prompt_tokens = self.num_shifted_output_tokens = self.num_context_shifts = 0
         self.grammar = grammar
         self.kv_export: tuple[str, float] | None = None
         self.kv_import = None
@@ -212,12 +238,31 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        """The tokens generated so far (a copy: the tail of :attr:`token_ids`)."""
+        """The generated tokens still in the context (a copy: the tail of :attr:`token_ids`;
+        all of them unless a context shift discarded some)."""
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        """Tokens generated so far, those a context shift discarded included."""
+        return len(self.token_ids) - self.num_prompt_tokens + self.num_shifted_output_tokens
+
+    @property
+    def total_prompt_tokens(self) -> int:
+        """The prompt's length as it arrived (usage's ``prompt_tokens``)."""
+        return self.num_prompt_tokens + self.num_shifted_prompt_tokens
+
+    def discard(self, start: int, end: int) -> None:
+        """Drop context tokens ``[start, end)`` (a context shift; the caller moves the KV).
+        ``num_computed_tokens`` falls by ``end - start``; needs ``end <= num_computed_tokens``."""
+        assert 0 <= start <= end <= self.num_computed_tokens, (start, end, self.num_computed_tokens)
+        from_prompt = max(0, min(end, self.num_prompt_tokens) - start)
+        del self.token_ids[start:end]
+        self.num_prompt_tokens -= from_prompt
+        self.num_shifted_prompt_tokens += from_prompt
+        self.num_shifted_output_tokens += end - start - from_prompt
+        self.num_computed_tokens -= end - start
+        self.num_context_shifts += 1
 
     @property
     def num_tokens(self) -> int:

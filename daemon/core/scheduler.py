@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from llmd.daemon.core import context_shift
 from llmd.daemon.core.errors import QueueFullError, RequestError
 from llmd.daemon.core.outputs import ScheduledRequest, SchedulerOutput
 from llmd.daemon.core.parallel import attach_followers, drop_follower, fork_followers, promote_heir
@@ -66,17 +67,23 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # total preemptions that freed blocks
+        self.num_context_shifts = 0  # context shifts done (in place or by recompute)
+        self.pending_shifts: list = []  # (request_id, BlockShift) for the next step's runner
 
     # ---- admission ----------------------------------------------------------------
     def max_tokens_of(self, req: Request) -> int:
-        """Most tokens ``req`` can reach: prompt + max_tokens (max_tokens resolved by the engine)."""
-        return req.num_prompt_tokens + req.sampling_params.max_tokens
+        """Most tokens ``req`` can reach: prompt + max_tokens (max_tokens resolved by the engine),
+        at most ``max_model_len`` (a context-shifting request runs past it in a shorter context)."""
+        return min(req.num_prompt_tokens + req.sampling_params.max_tokens, self.max_model_len)
 
     def peak_blocks(self, req: Request) -> int:
         """Most blocks one sequence of ``req`` can hold at once, summed over KV cache groups
-        (full attention: every block; sliding windows: the window bound for a chunk)."""
-        n = self.max_tokens_of(req)
-        return sum(g.max_blocks(n, self.kv.block_size, self.max_prefill_chunk) for g in self.kv.groups)
+        (full attention: every block; sliding windows: the window bound for a chunk, plus the
+        kept head of a context-shifting request)."""
+        n, bs = self.max_tokens_of(req), self.kv.block_size
+        keep = context_shift.keep_blocks(req, bs) if context_shift.shifts(req) else 0
+        return sum(g.max_blocks(n, bs, self.max_prefill_chunk) + (keep if g.sliding_window else 0)
+                   for g in self.kv.groups)
 
     def _enqueue(self, req: Request, front: bool = False) -> None:
         """Insert into the waiting queue by priority (lower first): behind its equals, or in
@@ -213,6 +220,8 @@ class Scheduler:
                 break
             # look the prefix up now, when it is admitted (never a stale count); a resumed
             # request looks up everything it knows (prompt + generated tokens)
+            if context_shift.shifts(req):
+                self.kv.req_keep_blocks[req.request_id] = context_shift.keep_blocks(req, self.kv.block_size)
             imported = req.kv_import is not None  # its prompt's KV was computed elsewhere (kv_exchange.py)
             if imported:
                 num_cached, blocks = req.kv_import.num_computed_tokens, None
@@ -241,6 +250,9 @@ class Scheduler:
             out.scheduled.append(self._scheduled(req, num_cached, num_new))
             budget -= num_new
         out.blocks_to_copy = self.kv.take_pending_copies()
+        if self.pending_shifts:  # those of requests preempted or finished since are dropped
+            out.blocks_to_shift = [op for rid, op in self.pending_shifts if rid in self.kv.req_to_blocks]
+            self.pending_shifts = []
         return out
 
     def _preempt_waiting_beams(self) -> bool:
@@ -299,6 +311,25 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED
         if req.grammar is not None and req.grammar.is_terminated:  # its stop token, under ignore_eos
             return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+        if req.num_output_tokens >= sp.max_tokens:
             return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.max_model_len:
+            return self._overflow(req)
+        return None
+
+    def _overflow(self, req: Request) -> RequestStatus | None:
+        """``req`` filled the context: "length", or (``context_overflow`` "shift") a context
+        shift (:mod:`.context_shift`) in place, or by recomputing the shorter context."""
+        if not context_shift.shifts(req):
+            return RequestStatus.FINISHED_LENGTH
+        done = context_shift.shift(req, self.kv, self.pending_shifts)
+        if done is None:
+            return RequestStatus.FINISHED_LENGTH
+        self.num_context_shifts += 1
+        if done == "recompute":
+            self.kv.free(req.request_id)
+            self.running.remove(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.WAITING
+            self._enqueue(req, front=True)
         return None

@@ -225,6 +225,12 @@ class BlockPool:
         self.cached_block_hash_to_block[key] = block
         return True
 
+    def uncache_block(self, block: KVCacheBlock) -> None:
+        """Forget an in-use block's hash (its K/V are about to change in place: context shift)."""
+        if block.block_hash is not None:
+            del self.cached_block_hash_to_block[(block.group, block.block_hash)]
+            block.block_hash = block.token_ids = None
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached block that is free (blocks in use stay cached); returns how many."""
         dropped = [b for b in self.cached_block_hash_to_block.values() if b.ref_cnt == 0]

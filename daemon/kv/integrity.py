@@ -17,7 +17,7 @@ def check_integrity(manager: "KVCacheManager") -> None:
 
     Checks: free-queue links agree both ways and no block is queued twice; the null
     block is not queued and appears only in sliding-window tables, before every real
-    block; every block is either queued with ``ref_cnt`` 0 or has ``ref_cnt`` equal to
+    block (after a context-shift request's kept head blocks); every block is either queued with ``ref_cnt`` 0 or has ``ref_cnt`` equal to
     the number of tables holding it; free + used == usable.
     """
     pool = manager.block_pool
@@ -30,14 +30,15 @@ def check_integrity(manager: "KVCacheManager") -> None:
     holders: Counter[int] = Counter()
     for rid, tables in manager.req_to_blocks.items():
         assert len(tables) == manager.num_groups, f"{rid!r} has {len(tables)} tables for {manager.num_groups} groups"
+        keep = manager.req_keep_blocks.get(rid, 0)  # a context-shift request's head blocks stay
         for spec, table in zip(manager.groups, tables):
             seen_real = False
-            for b in table:
+            for i, b in enumerate(table):
                 if b.is_null:
                     assert spec.sliding_window is not None, f"null block in full-attention table of {rid!r}"
                     assert not seen_real, f"null block after a real block in {spec.name} table of {rid!r}"
                     continue
-                seen_real = True
+                seen_real = seen_real or i >= keep
                 assert pool.blocks[b.block_id] is b, f"foreign block {b.block_id} in table of {rid!r}"
                 holders[b.block_id] += 1
     for b in pool.blocks[1:]:

@@ -58,6 +58,10 @@ class KVCacheManager:
         self.req_block_hashes: dict[str, list[bytes]] = {}
         self.num_cached_block: dict[str, list[int]] = {}  # per group: blocks already registered
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the runner
+        # context shift (:mod:`.shift`): blocks a sliding-window table keeps at its head, and the
+        # requests whose later blocks hold shifted K (never registered in the prefix cache)
+        self.req_keep_blocks: dict[str, int] = {}
+        self.shifted: set[str] = set()
         self.prefix_cache_queries = 0  # prompt tokens looked up (tokens)
         self.prefix_cache_hits = 0  # of which served from the cache (tokens)
 
@@ -134,17 +138,19 @@ class KVCacheManager:
 
         With window ``W`` the first query of the next step sees keys from
         ``num_computed_tokens - W + 1``; blocks that end before it become the null block
-        (vLLM ``SlidingWindowManager.remove_skipped_blocks``). Returns blocks freed.
+        (vLLM ``SlidingWindowManager.remove_skipped_blocks``), except the first
+        :attr:`req_keep_blocks` of a request that may context-shift. Returns blocks freed.
         """
         tables = self.req_to_blocks.get(request_id)
         if not tables:
             return 0
         freed: list[KVCacheBlock] = []
+        keep = self.req_keep_blocks.get(request_id, 0)
         for spec, table in zip(self.groups, tables):
             if spec.sliding_window is None:
                 continue
             num_skipped = max(0, num_computed_tokens - spec.sliding_window + 1) // self.block_size
-            for i in range(min(num_skipped, len(table)) - 1, -1, -1):
+            for i in range(min(num_skipped, len(table)) - 1, keep - 1, -1):
                 if table[i].is_null:
                     break  # everything before was dropped earlier
                 freed.append(table[i])
@@ -229,7 +235,9 @@ class KVCacheManager:
             for t in tables:
                 self.block_pool.touch(t)
         self.req_to_blocks[child_id] = tables
-        for d in (self.req_extra, self.req_block_hashes, self.num_cached_block):
+        if parent_id in self.shifted:
+            self.shifted.add(child_id)
+        for d in (self.req_extra, self.req_block_hashes, self.num_cached_block, self.req_keep_blocks):
             if parent_id in d:
                 d[child_id] = list(d[parent_id]) if isinstance(d[parent_id], list) else d[parent_id]
 
@@ -279,7 +287,7 @@ class KVCacheManager:
 
     def cache_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
         """Register the request's full, computed blocks under their chain hashes."""
-        if not self.enable_caching or request_id not in self.req_to_blocks:
+        if not self.enable_caching or request_id not in self.req_to_blocks or request_id in self.shifted:
             return
         n_full = num_computed_tokens // self.block_size
         hashes = self._hashes(request_id, token_ids, n_full * self.block_size)
@@ -302,6 +310,8 @@ class KVCacheManager:
         tables = self.req_to_blocks.pop(request_id, None)
         for d in (self.req_extra, self.req_block_hashes, self.num_cached_block):
             d.pop(request_id, None)
+        self.shifted.discard(request_id)
+        self.req_keep_blocks.pop(request_id, None)
         for table in tables or ():
             self.block_pool.free_blocks(reversed(table))
 

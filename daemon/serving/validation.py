@@ -300,6 +300,8 @@ def parse_request(body, chat: bool, model_ids: tuple[str, ...], vocab_size: int,
         ignore_eos=_bool(body, "ignore_eos"), logprobs=logprobs, structured=structured, logit_bias=logit_bias,
         use_beam_search=beam, length_penalty=_float(body, "length_penalty", 1.0, -100.0, 100.0),
         early_stopping=_early_stopping(body),
+        context_overflow=_context_overflow(body, beam), n_keep=_int(body, "n_keep", None, -1, None),
+        truncate_prompt_tokens=_int(body, "truncate_prompt_tokens", None, -1, None),
     )
     if beam:
         from llmd.daemon.core.beam import check_beam_params
@@ -314,6 +316,17 @@ def parse_request(body, chat: bool, model_ids: tuple[str, ...], vocab_size: int,
                          tokens_as_ids=_bool(body, "return_tokens_as_token_ids"), cache_salt=_cache_salt(body),
                          priority=_int(body, "priority", 0, -(2**31), 2**31 - 1), prompts=prompts, echo=echo,
                          continuous_usage=continuous_usage)
+
+
+def _context_overflow(body: dict, beam: bool) -> str | None:
+    """llmd's per-request ``context_overflow``: "stop", "shift" or absent (the daemon's
+    ``--context-overflow``); "shift" with ``use_beam_search`` is a 400."""
+    v = body.get("context_overflow")
+    if v is not None and v not in ("stop", "shift"):
+        raise ApiError(f"context_overflow must be \"stop\" or \"shift\", got {_short(v)}", "context_overflow")
+    if v == "shift" and beam:
+        raise ApiError("context_overflow \"shift\" does not combine with use_beam_search", "context_overflow")
+    return v
 
 
 def _early_stopping(body: dict) -> bool | str:

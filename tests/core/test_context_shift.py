@@ -1,0 +1,184 @@
+"""Context shift (``--context-overflow shift``, :mod:`llmd.daemon.core.context_shift`) through the
+engine: a tiny random float32 Llama (blocks of 16, a 64-token context) for the bookkeeping, and
+Gemma 3 270M with a 1,024-token context (window 512) for the re-rotation of both layer kinds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine_scheduling import drive, greedy
+from tiny_engine import tiny_engine
+
+from llmd.daemon.core.errors import RequestError
+from llmd.daemon.core.request import SamplingParams
+
+CTX = 64
+PROMPT = "You are terse. Tell me about the sea"  # 36 byte tokens
+
+
+@pytest.fixture(scope="module")
+def shift_engine(tmp_path_factory):
+    def make(**kw):
+        kw = {"max_model_len": CTX, "context_overflow": "shift", "keep": 10, **kw}
+        return tiny_engine(tmp_path_factory.mktemp("shift") / "t.gguf", **kw)
+    return make
+
+
+def _run(engine, requests, check=None):
+    return drive(engine, {rid: (engine.input_processor.tokenize(p), sp) for rid, (p, sp) in requests.items()},
+                 check=check, integrity=True)
+
+
+def test_shift_generates_past_the_context_and_frees_blocks(shift_engine):
+    """120 tokens from a 36-token prompt in a 64-token context: finish_reason length at
+    max_tokens (not at the context), the usage counts the prompt as sent and every generated
+    token, each shift frees a whole block (keep 10 → one block kept, 16 tokens dropped), the
+    integrity check holds after every step and the pool is whole at the end."""
+    eng = shift_engine()
+    held = []
+
+    def check(e):
+        if e.scheduler.requests:
+            held.append(e.kv_manager.num_blocks_held("a"))
+    out = _run(eng, {"a": (PROMPT, greedy(120, logprobs=None))}, check)["a"]
+    assert out["finish"] == "length" and len(out["tokens"]) == 120 and out["num_output"] == 120
+    assert out["req"].total_prompt_tokens == 36
+    assert eng.scheduler.num_context_shifts == (36 + 120 - CTX) // 16 + 1 == 6
+    assert max(held) == CTX // 16 and min(held[5:]) >= 3  # a 64-token context never holds more than 4
+    assert eng.kv_manager.num_free_blocks == eng.kv_manager.num_usable_blocks
+
+
+def test_stop_mode_is_unchanged(shift_engine):
+    """--context-overflow stop: prompt + max_tokens beyond the context is refused naming
+    max_tokens; a request may still ask for shift itself (its override)."""
+    eng = shift_engine(context_overflow="stop")
+    with pytest.raises(RequestError) as e:
+        eng.add_request(PROMPT, greedy(100, logprobs=None))
+    assert e.value.param == "max_tokens"
+    out = _run(eng, {"b": (PROMPT, greedy(100, logprobs=None, context_overflow="shift"))})["b"]
+    assert len(out["tokens"]) == 100 and eng.scheduler.num_context_shifts > 0
+
+
+def test_shifted_output_does_not_depend_on_the_batch(shift_engine):
+    """The shifting request gives the same tokens alone and next to two others (one of them
+    shifting too, with another keep)."""
+    alone = _run(shift_engine(), {"a": (PROMPT, greedy(90))})["a"]
+    eng = shift_engine()
+    both = _run(eng, {"x": ("Other words, other tokens " * 2, greedy(70, n_keep=0)), "a": (PROMPT, greedy(90)),
+                      "y": ("short", greedy(5))})
+    assert both["a"]["tokens"] == alone["tokens"]
+    assert max(abs(a - b) for ta, tb in zip(alone["top"], both["a"]["top"]) for (_, a), (_, b) in zip(ta, tb)) < 1e-4
+
+
+def test_shift_never_serves_shifted_blocks_from_the_prefix_cache(shift_engine):
+    """After a long shifted request, the same prompt (stop mode, 20 tokens) on the warm cache
+    equals a fresh engine's: the cache only serves blocks computed without a shift."""
+    eng = shift_engine()
+    _run(eng, {"a": (PROMPT, greedy(100, logprobs=None))})
+    warm = _run(eng, {"w": (PROMPT, greedy(20, context_overflow="stop"))})["w"]
+    cold = _run(shift_engine(enable_prefix_caching=False), {"c": (PROMPT, greedy(20))})["c"]
+    assert warm["cached"] == 32 and warm["tokens"] == cold["tokens"]
+
+
+def test_parallel_siblings_shift_their_shared_blocks_by_copy(shift_engine):
+    """n = 3 sampled siblings share the prompt's blocks; each shift copies a shared block before
+    re-rotating it, so every sibling equals the same seed run alone (sibling 0 of a lone request
+    draws as sibling 0 of the group), and no block leaks."""
+    eng = shift_engine()
+    sp = SamplingParams(max_tokens=80, temperature=0.8, seed=7, ignore_eos=True)
+    ids = eng.add_parallel_request(PROMPT, sp, ["p0", "p1", "p2"])
+    toks = {i: [] for i in ids}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            toks[o.request_id] += o.new_token_ids
+        eng.kv_manager.check_integrity()
+    assert eng.kv_manager.num_free_blocks == eng.kv_manager.num_usable_blocks
+    alone = _run(shift_engine(), {"s": (PROMPT, SamplingParams(max_tokens=80, temperature=0.8, seed=7,
+                                                                 ignore_eos=True))})["s"]
+    assert toks["p0"] == alone["tokens"] and all(len(t) == 80 for t in toks.values())
+    assert len({tuple(t) for t in toks.values()}) == 3
+
+
+def test_keep_covering_the_context_stops_at_length(shift_engine):
+    """n_keep -1 (the whole prompt) with a 60-token prompt leaves nothing to discard: the
+    request ends with finish_reason length at the context, as under stop."""
+    eng = shift_engine()
+    out = _run(eng, {"k": ("z" * 60, greedy(30, logprobs=None, n_keep=-1))})["k"]
+    assert out["finish"] == "length" and len(out["tokens"]) == CTX - 60
+
+
+def test_truncate_prompt_tokens_keeps_the_end(shift_engine):
+    """A 100-token prompt in a 64-token context is a 400 naming the prompt unless
+    truncate_prompt_tokens opts in: then it equals sending its last k tokens."""
+    eng = shift_engine(context_overflow="stop")
+    long = "abcdefghij" * 10
+    with pytest.raises(RequestError):
+        eng.add_request(long, greedy(4))
+    cut = _run(eng, {"t": (long, greedy(4, truncate_prompt_tokens=40))})["t"]
+    tail = _run(eng, {"u": (long[-40:], greedy(4))})["u"]
+    assert cut["tokens"] == tail["tokens"] and cut["req"].total_prompt_tokens == 40
+    with pytest.raises(RequestError) as e:
+        eng.add_request(long, greedy(4, truncate_prompt_tokens=CTX))
+    assert e.value.param == "truncate_prompt_tokens"
+
+
+# ---- Gemma 3: sliding-window and global layers move their keys with their own RoPE base ----
+G_CTX, G_KEEP, G_PROMPT, G_NEW = 1024, 32, 1016, 12
+
+
+def _gemma_run(make_gemma_engine, batched: bool) -> tuple[list[int], dict, float]:
+    """One shifting request (plus a short one when ``batched``): its tokens, the RoPE bases of
+    the layers whose moved keys were checked (base -> layers), the largest relative error."""
+    from test_engine_windows import gemma_ids
+
+    from llmd.kernels.kv_shift import rope_shift_tables
+
+    eng = make_gemma_engine(max_model_len=G_CTX, context_overflow="shift", keep=G_KEEP, prefix_cache_seed=3)
+    runner, cfg = eng.runner, eng.model_config
+    checked: dict[float, int] = {}
+    worst = 0.0
+    snap: dict = {}
+
+    def check(e):
+        nonlocal worst
+        for op in e.last_scheduler_output.blocks_to_shift:  # applied in this step: compare to the snapshot
+            for layer, g in enumerate(runner.layer_group):
+                if g != op.group or (layer, op.src) not in snap:
+                    continue
+                theta = cfg.layer_rope_theta(layer)
+                cos, sin = (t.double() for t in rope_shift_tables(op.delta, cfg.head_dim, theta, "cpu"))
+                old = snap[(layer, op.src)]
+                want = old * cos + old.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin
+                got = runner.layer_caches[layer].data[0, op.dst].double()
+                worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
+                checked[theta] = checked.get(theta, 0) + 1
+        snap.clear()
+        for rid, op in e.scheduler.pending_shifts:  # planned in this step: snapshot the sources
+            table = e.kv_manager.get_block_table(rid, op.group)
+            if op.dst == table[-1]:
+                continue  # the newest, partly filled block gets a new token next step
+            for layer, g in enumerate(runner.layer_group):
+                if g == op.group:
+                    snap[(layer, op.src)] = runner.layer_caches[layer].data[0, op.src].double().clone()
+
+    reqs = {"s": (gemma_ids(G_PROMPT, seed=5), greedy(G_NEW, logprobs=None))}
+    if batched:
+        reqs["o"] = (gemma_ids(40, seed=6), greedy(12, logprobs=None))
+    out = drive(eng, reqs, check=check, integrity=True)
+    assert eng.scheduler.num_context_shifts == 1
+    assert eng.kv_manager.num_free_blocks == eng.kv_manager.num_usable_blocks
+    return out["s"]["tokens"], checked, worst
+
+
+@pytest.mark.slow
+def test_gemma3_shift_rerotates_both_layer_kinds(make_gemma_engine):
+    """Gemma 3 270M, float32, context 1,024 (window 512), keep 32: a 1,016-token prompt next to
+    a short request shifts once at 1,024 tokens (30 blocks = 480 positions dropped). Every moved
+    full block's keys, per layer, equal the float64 rotation by −480 positions with that layer's
+    base (10,000 on sliding-window layers, 1e6 on global ones) of what the block held, to 1e-5 of
+    the keys' magnitude; integrity holds after every step and the pool is whole after. (That the
+    output does not depend on the batch is shown on the tiny model above.)"""
+    tokens, checked, worst = _gemma_run(make_gemma_engine, batched=True)
+    assert len(tokens) == G_NEW
+    assert set(checked) == {10_000.0, 1_000_000.0} and worst < 1e-5
