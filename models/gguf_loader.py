@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import TYPE_CHECKING
 
-import gguf
 import numpy as np
 import torch
 
@@ -28,8 +28,11 @@ from llmd.models.config import ModelConfig, read_config
 from llmd.models.errors import GGUFLoadError
 from llmd.models.registry import model_class
 
+if TYPE_CHECKING:  # imported where a GGUF is parsed: a warm load (the weights cache) never needs it (~0.1 s)
+    import gguf
 
-def open_gguf(path: str) -> gguf.GGUFReader:
+
+def open_gguf(path: str) -> "gguf.GGUFReader":
     """Open a GGUF file (memory-mapped; cached per (path, mtime, size)). Raises GGUFLoadError
     if missing or not GGUF."""
     if not os.path.isfile(path):
@@ -39,7 +42,9 @@ def open_gguf(path: str) -> gguf.GGUFReader:
 
 
 @functools.lru_cache(maxsize=4)
-def _open_cached(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
+def _open_cached(path: str, mtime_ns: int, size: int) -> "gguf.GGUFReader":
+    import gguf
+
     try:
         return gguf.GGUFReader(path)
     except Exception as e:  # gguf raises ValueError/struct.error on non-GGUF bytes
@@ -56,6 +61,8 @@ def load_config(path: str) -> ModelConfig:
 
 def dequantize_tensor(t) -> np.ndarray:
     """Dequantize one GGUF tensor to float32 numpy, shaped ``[rows, cols]`` (GGUF dims reversed)."""
+    import gguf
+
     shape = tuple(int(d) for d in reversed(t.shape))
     try:
         arr = gguf.quants.dequantize(t.data, t.tensor_type)

@@ -1,9 +1,13 @@
-"""Tokenizer and chat template from a GGUF file, through HF ``transformers`` (offline).
+"""Tokenizer and chat template from a GGUF file, through HF ``transformers`` (offline) once.
 
 ``PreTrainedTokenizerFast.from_pretrained(dir, gguf_file=...)`` rebuilds a fast tokenizer from the
 GGUF's vocabulary (seconds for a 49k vocabulary); the result is saved once under the XDG cache dir,
 keyed by the GGUF's identity (header digest + file size) and the transformers version, written
-to a temporary directory and renamed into place (atomic), so later starts take a second or two.
+to a temporary directory and renamed into place (atomic), with :mod:`llmd.models.fast_tokenizer`'s
+description of it. Later starts load that directory's ``tokenizer.json`` with the ``tokenizers``
+package alone (:class:`~llmd.models.fast_tokenizer.FastTokenizer`: no transformers import, 0.1 s
+for SmolLM2) whenever the description says the backend answers exactly as transformers would;
+otherwise (and for an entry written before the description existed, once) through transformers.
 """
 
 from __future__ import annotations
@@ -12,11 +16,19 @@ import hashlib
 import os
 import shutil
 import tempfile
+import threading
+from concurrent.futures import Future
 
 from llmd.models.config import ModelConfig
 from llmd.models.errors import LlmdError
+from llmd.models.fast_tokenizer import FastTokenizer, describe, read_meta, write_meta
 from llmd.models.paths import cache_dir as default_cache_dir
 from llmd.models.paths import ensure_cache_dir
+
+#: tokenizer directory → the :class:`FastTokenizer` being loaded by :func:`prefetch_tokenizer`
+_PREFETCHES: dict[str, Future] = {}
+_SEEN: set = set()  # models asked for and directories prefetched or loaded: each prefetched at most once
+_PREFETCH_LOCK = threading.Lock()
 
 
 def gguf_identity(path: str, header_bytes: int) -> str:
@@ -32,7 +44,9 @@ class Tokenizer:
     """Wraps a HF tokenizer with llmd's BOS and end-of-turn rules.
 
     Attributes:
-        hf: the ``transformers`` tokenizer (decode, convert_ids_to_tokens, ...).
+        hf: the HF fast tokenizer's interface (decode, convert_ids_to_tokens, apply_chat_template,
+            ...): a :class:`~llmd.models.fast_tokenizer.FastTokenizer` (its ``transformers``
+            attribute is the real one, loaded on use) or a ``transformers`` tokenizer.
         eos_token_ids: frozenset of ids that end a sequence (GGUF eos + eot).
         has_chat_template: whether ``apply_chat`` is possible.
     """
@@ -86,20 +100,19 @@ def load_tokenizer(gguf_path: str, config: ModelConfig, header_bytes: int, cache
         header_bytes: size of the GGUF metadata header (``GGUFReader.data_offset``), hashed as identity.
         cache_dir: override for the cache root (tests).
     """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import transformers
-    from transformers import PreTrainedTokenizerFast  # not AutoTokenizer: it imports modeling_auto
-
-    key = f"{gguf_identity(gguf_path, header_bytes)}-tf{transformers.__version__}"
-    root = os.path.join(cache_dir, "tokenizers") if cache_dir else default_cache_dir("tokenizers")
-    target = os.path.join(root, key)
+    target = tokenizer_dir(gguf_path, header_bytes, cache_dir)
     if os.path.isdir(target):
         try:
-            return Tokenizer(PreTrainedTokenizerFast.from_pretrained(target, local_files_only=True), config)
+            fast = _prefetched(target) or FastTokenizer.from_directory(target)  # the warm path: no transformers
+            if fast is not None:
+                return Tokenizer(fast, config)
+            hf = _transformers_class().from_pretrained(target, local_files_only=True)
+            return Tokenizer(_fast_or_hf(hf, target), config)  # an entry not described yet is now
         except Exception:
             shutil.rmtree(target, ignore_errors=True)  # a corrupt cache entry is rebuilt
-    hf = PreTrainedTokenizerFast.from_pretrained(os.path.dirname(os.path.abspath(gguf_path)),
-                                                 gguf_file=os.path.basename(gguf_path), local_files_only=True)
+    hf = _transformers_class().from_pretrained(os.path.dirname(os.path.abspath(gguf_path)),
+                                               gguf_file=os.path.basename(gguf_path), local_files_only=True)
+    root = os.path.dirname(target)
     if cache_dir:
         os.makedirs(root, exist_ok=True)
     else:
@@ -107,7 +120,85 @@ def load_tokenizer(gguf_path: str, config: ModelConfig, header_bytes: int, cache
     tmp = tempfile.mkdtemp(dir=root, prefix=".tmp-")
     try:
         hf.save_pretrained(tmp)
+        write_meta(tmp, describe(hf, tmp))
         os.rename(tmp, target)
     except OSError:  # another process won the race, or the cache is read-only
         shutil.rmtree(tmp, ignore_errors=True)
-    return Tokenizer(hf, config)
+    return Tokenizer(_fast_or_hf(hf, target) if os.path.isdir(target) else hf, config)
+
+
+def prefetch_tokenizer(model: str) -> None:
+    """Start loading the cached tokenizer of ``--model`` (a name or a GGUF path) on a background
+    thread, for :func:`load_tokenizer` to take. ``tokenizers`` parses ``tokenizer.json`` without
+    the GIL (Gemma 3's 262k tokens: 1.3 s), so the parse overlaps the torch import and the
+    weights load of a start. Anything that goes wrong (an unknown model, no cache entry yet) is
+    left for the load itself to meet and report; a random-weight preset has no tokenizer."""
+    with _PREFETCH_LOCK:
+        if model.startswith("random:") or ("model", model) in _SEEN:
+            return
+        _SEEN.add(("model", model))
+
+    def run():
+        try:
+            from llmd.models.header_cache import header_info
+            from llmd.models.registry import resolve_model
+
+            path = resolve_model(model)
+            target = tokenizer_dir(path, header_info(path).data_offset)
+            if not os.path.isdir(target):
+                return
+            fut: Future = Future()
+            with _PREFETCH_LOCK:
+                if target in _SEEN:
+                    return  # prefetched already, or the load came first and did it itself
+                _SEEN.add(target)
+                _PREFETCHES[target] = fut
+            try:
+                fut.set_result(FastTokenizer.from_directory(target))
+            except BaseException as e:
+                fut.set_exception(e)
+        except Exception:
+            return
+
+    threading.Thread(target=run, name="llmd-tokenizer-prefetch", daemon=True).start()
+
+
+def _prefetched(target: str) -> FastTokenizer | None:
+    """The prefetched tokenizer of ``target`` (waiting for it), or None (none, or it failed)."""
+    with _PREFETCH_LOCK:
+        fut = _PREFETCHES.pop(target, None)
+        _SEEN.add(target)  # a prefetch that starts later does not load it again
+        if fut is None:
+            return None
+    try:
+        return fut.result()
+    except Exception:
+        return None
+
+
+def tokenizer_dir(gguf_path: str, header_bytes: int, cache_dir: str | None = None) -> str:
+    """The cache directory of a GGUF's tokenizer: ``tokenizers/<identity>-tf<transformers version>``
+    (the version from the package metadata: transformers is not imported)."""
+    from importlib.metadata import version
+
+    root = os.path.join(cache_dir, "tokenizers") if cache_dir else default_cache_dir("tokenizers")
+    return os.path.join(root, f"{gguf_identity(gguf_path, header_bytes)}-tf{version('transformers')}")
+
+
+def _transformers_class():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import PreTrainedTokenizerFast  # not AutoTokenizer: it imports modeling_auto
+
+    return PreTrainedTokenizerFast
+
+
+def _fast_or_hf(hf, directory: str):
+    """A :class:`FastTokenizer` over ``hf``'s own backend when the saved ``directory`` describes
+    it as exact (a directory without a description is described first), else ``hf`` itself."""
+    meta = read_meta(directory)
+    if meta is None:
+        meta = describe(hf, directory)
+        write_meta(directory, meta)
+    if not meta["exact"]:
+        return hf
+    return FastTokenizer(hf.backend_tokenizer, meta, directory, hf=hf)

@@ -47,8 +47,8 @@ _MODELS = os.path.dirname(os.path.abspath(__file__))
 _QUANT = os.path.join(os.path.dirname(_MODELS), "quant")
 #: the conversion code the key covers: llmd.models but the modules no converted tensor depends on
 #: (this one's entry layout is :data:`FORMAT`), and the weight packs of llmd.quant (not its KV formats)
-_NOT_CONVERSION = ("assemble.py", "errors.py", "paths.py", "presets.py", "tokenizer.py", "weights_cache.py",
-                   "__init__.py")
+_NOT_CONVERSION = ("assemble.py", "errors.py", "paths.py", "presets.py", "tokenizer.py", "fast_tokenizer.py",
+                   "chat_template.py", "weights_cache.py", "__init__.py")
 _QUANT_SOURCES = ("gguf_packs.py", "packed_linear.py")
 
 

@@ -48,6 +48,8 @@ torch-free plain data in :mod:`llmd.quant.kv_format`, re-exported here.
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -89,9 +91,9 @@ class PagedKVCache:
         Raises ValueError if ``fmt`` cannot store this head_dim."""
         fmt.check_head_dim(shape[-1])
         data_shape = (*shape[:-1], fmt.code_dim(shape[-1]))
-        data = torch.zeros(data_shape, dtype=fmt.storage_dtype(model_dtype), device=device)
+        data = zeros(data_shape, fmt.storage_dtype(model_dtype), device)
         groups = (fmt.scale_groups(shape[-1]),) if fmt.group_size else ()
-        scales = torch.zeros((*shape[:-1], *groups), dtype=fmt.scale_dtype, device=device) if fmt.quantized else None
+        scales = zeros((*shape[:-1], *groups), fmt.scale_dtype, device) if fmt.quantized else None
         return cls(data, scales, fmt, static_scales if fmt.quantized else None, rotation)
 
     @classmethod
@@ -107,6 +109,24 @@ class PagedKVCache:
     def head_dim(self) -> int:
         """Channels per (token, KV head), unpacked."""
         return int(self.data.shape[-1]) * (2 if self.fmt.packed else 1)
+
+
+#: CPU tensors of at least this many bytes are zeroed lazily by :func:`zeros`
+LAZY_ZEROS_BYTES = 1 << 20
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """A zero-filled tensor. On the CPU, one of :data:`LAZY_ZEROS_BYTES` or more lives in a
+    private anonymous memory map: the kernel's zero pages, each materialized on its first write,
+    so a 512 MiB pool costs no ``memset`` at start-up (0.15-0.5 s on 2 cores) and only the blocks
+    used become resident. The values are the same zeros as ``torch.zeros`` (every reader sees 0
+    in a block nobody wrote)."""
+    device = torch.device(device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if device.type != "cpu" or nbytes < LAZY_ZEROS_BYTES:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def round_half_even(x: torch.Tensor) -> torch.Tensor:

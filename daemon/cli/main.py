@@ -4,23 +4,49 @@ Commands live one family per module: :mod:`.generate` (generate, kv-size), :mod:
 (serve, ps, status, stop), :mod:`.chat`, :mod:`.top`, :mod:`.bench` (``llmd bench ...``);
 what they share is in :mod:`.common`. User errors (:class:`LlmdError`) print one line
 ``llmd: error: ...`` and exit 1, never a traceback.
+
+A command's module is imported when that command runs (click's documented lazy-loading
+pattern, :class:`LazyCommands`), so ``llmd kv-size`` or ``llmd serve`` do not import the chat
+client, the TUI or the benchmarks first (~0.1 s); ``llmd --help`` imports them all.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
 import click
 
-from llmd.daemon.cli.bench import bench
-from llmd.daemon.cli.chat import chat
-from llmd.daemon.cli.daemon import ps, serve, status, stop
-from llmd.daemon.cli.generate import generate, kv_size
-from llmd.daemon.cli.top import top
+#: command name → ``module:attribute`` of its click command
+COMMANDS = {
+    "generate": "llmd.daemon.cli.generate:generate",
+    "kv-size": "llmd.daemon.cli.generate:kv_size",
+    "bench": "llmd.daemon.cli.bench:bench",
+    "serve": "llmd.daemon.cli.daemon:serve",
+    "chat": "llmd.daemon.cli.chat:chat",
+    "ps": "llmd.daemon.cli.daemon:ps",
+    "status": "llmd.daemon.cli.daemon:status",
+    "stop": "llmd.daemon.cli.daemon:stop",
+    "top": "llmd.daemon.cli.top:top",
+}
 
 
-class OneLineUsageErrors(click.Group):
+class LazyCommands(click.Group):
+    """A group whose commands (:data:`COMMANDS`) are imported on first use
+    (https://click.palletsprojects.com/en/stable/complex/#lazily-loading-subcommands)."""
+
+    def list_commands(self, ctx):
+        return sorted({*super().list_commands(ctx), *COMMANDS})
+
+    def get_command(self, ctx, cmd_name):
+        if cmd_name in COMMANDS and cmd_name not in self.commands:
+            module, attr = COMMANDS[cmd_name].split(":")
+            self.add_command(getattr(importlib.import_module(module), attr), cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+
+class OneLineUsageErrors(LazyCommands):
     """click's usage errors (bad option values, unknown options) as one line
     ``llmd: error: ...`` with click's exit code 2, instead of usage + hint + error."""
 
@@ -48,9 +74,6 @@ def main():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
-
-for command in (generate, kv_size, bench, serve, chat, ps, status, stop, top):
-    main.add_command(command)
 
 if __name__ == "__main__":
     main()

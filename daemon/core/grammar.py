@@ -82,7 +82,8 @@ class GrammarCompiler:
     """Compiles :class:`GrammarSpec` s for one tokenizer (xgrammar), with an LRU of the results.
 
     Args:
-        hf_tokenizer: the model's ``transformers`` tokenizer (``Tokenizer.hf``).
+        hf_tokenizer: the model's HF tokenizer (``Tokenizer.hf``); xgrammar gets the
+            ``transformers`` one (a ``FastTokenizer``'s :attr:`transformers`, loaded on first compile).
         vocab_size: the model's logits width V (may exceed the tokenizer's length).
         stop_token_ids: the model's end-of-sequence ids: the only tokens a finished grammar allows.
     """
@@ -99,7 +100,8 @@ class GrammarCompiler:
             if self._compiler is None:
                 import xgrammar as xgr  # 0.6 s to import: only once structured outputs are used
 
-                info = xgr.TokenizerInfo.from_huggingface(self.hf_tokenizer, vocab_size=self.vocab_size,
+                hf = getattr(self.hf_tokenizer, "transformers", self.hf_tokenizer)  # FastTokenizer: load it now
+                info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size,
                                                           stop_token_ids=self.stop_token_ids)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
