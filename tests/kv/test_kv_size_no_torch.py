@@ -1,6 +1,7 @@
 """``llmd kv-size`` (and ``--total-memory``) without torch: a fresh process in which importing
 torch, numpy, gguf or transformers raises prints the same table as before the KV formats became
-torch-free (the figures below are today's, copied from its output for SmolLM2 and Gemma 3)."""
+torch-free (the figures below are today's, copied from its output for SmolLM2 and Gemma 3), and
+imports no other command's module (the CLI loads commands lazily)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ KV_SIZE_IN_A_BARE_PROCESS = textwrap.dedent("""
     from llmd.daemon.cli.main import main
     for args in sys.argv[1:]:
         main(["kv-size", *args.split()], standalone_mode=False)
+    other = ("llmd.daemon.cli.bench", "llmd.daemon.cli.chat", "llmd.daemon.cli.daemon", "llmd.tui", "aiohttp")
+    print("IMPORTED:", *[m for m in other if m in sys.modules])  # the CLI imports a command's module on use
 """)
 
 SMOLLM2_TABLE = """\
@@ -51,6 +54,7 @@ def kv_size_without_torch(tmp_path, *commands: str) -> str:
     r = subprocess.run([sys.executable, "-c", KV_SIZE_IN_A_BARE_PROCESS, *commands], capture_output=True, text=True,
                        env=env, timeout=120, cwd="/")
     assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip().endswith("IMPORTED:"), r.stdout.splitlines()[-1]
     return r.stdout
 
 
