@@ -270,3 +270,28 @@ def bench_routing(replicas, users, turns, max_tokens, doc_words, model, dtype, k
     serve_args = ["--model", model, *(["--dtype", dtype] if dtype else []),
                   *(["--kv-cache-memory", kv_cache_memory] if kv_cache_memory else [])]
     run_routing_bench(replicas, users, turns, max_tokens, serve_args, doc_words, echo=click.echo)
+
+
+@bench.command("startup", context_settings={"ignore_unknown_options": True})
+@click.option("--model", "-m", default="smollm2-135m", show_default=True, help="GGUF path or known model name.")
+@click.option("--runs", default=3, show_default=True, type=click.IntRange(1), help="Starts per mode (medians shown).")
+@click.option("--modes", default="cold,warm", show_default=True,
+              help="Comma-separated, cold first: cold (empty cache), warm (its second start), uncached "
+                   "(LLMD_WEIGHTS_CACHE=0: weights converted every start).")
+@click.option("--timeout", default=600.0, show_default=True, type=float, help="Seconds one start may take.")
+@click.argument("serve_args", nargs=-1, type=click.UNPROCESSED)
+@one_line_errors
+def bench_startup(model, runs, modes, timeout, serve_args):
+    """Cold vs warm `llmd serve` to /health 200 (and `llmd kv-size`): wall and CPU seconds,
+    medians over --runs, interleaved in one run; SERVE_ARGS after `--` go to every serve."""
+    from llmd.daemon.bench.startup import run_startup_bench
+    from llmd.models.registry import resolve_model
+
+    chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
+    if not chosen or chosen[0] != "cold" or not set(chosen) <= {"cold", "warm", "uncached"} \
+            or len(set(chosen)) != len(chosen):
+        raise LlmdError(f"--modes must list cold first, then any of warm, uncached (once each), got {modes!r}")
+    try:
+        run_startup_bench(resolve_model(model), list(serve_args), runs, chosen, timeout, echo=click.echo)
+    except RuntimeError as e:
+        raise LlmdError(str(e)) from None
