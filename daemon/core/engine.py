@@ -281,7 +281,7 @@ class Engine:
     def add_parallel_request(self, prompt: Prompt, params: SamplingParams | None, request_ids: list[str],
                              cache_salt: str | None = None, priority: int = 0,
                              parent_id: str | None = None, grammar=None, kv_export: tuple[str, float] | None = None,
-                             kv_import=None, kv_fallback: str | None = None) -> list[str]:
+                             kv_import=None, kv_fallback: tuple[str, str] | None = None) -> list[str]:
         """Queue ``len(request_ids)`` sequences of one prompt (parallel sampling, OpenAI ``n``).
 
         ``params.structured`` constrains each sequence with its own grammar matcher; ``grammar``

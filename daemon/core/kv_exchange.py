@@ -19,7 +19,8 @@ its blocks before the step's forward, which computes the last prompt token only.
 
 Counters (``/v1/stats`` ``kv_transfer``): pins made / pulled / expired / live, blocks and bytes
 exported; requests imported, tokens imported, blocks and bytes imported, recomputed (by reason
-class: ``mismatch``, ``pull_failed``).
+class: ``mismatch`` (fingerprint, prompt or ranges differ), ``pull_failed``, ``no_producer``
+(params without a producer address or transfer id)).
 """
 
 from __future__ import annotations
@@ -160,10 +161,11 @@ class KVExchange:
 
     # ---- either side: a request being added ------------------------------------------
     def attach(self, reqs: list, kv_export: tuple[str, float] | None, kv_import: KVPayload | None,
-               kv_fallback: str | None) -> None:
+               kv_fallback: tuple[str, str] | None) -> None:
         """Mark a new request's sequences (``Engine.add_parallel_request``): ``kv_export`` pins
         its prompt's KV when it finishes; ``kv_import`` is checked by :meth:`accept`;
-        ``kv_fallback`` is why a consumer could not pull (counted, logged: it computes).
+        ``kv_fallback`` is ``(kind, reason)`` when a consumer did not pull (counted as
+        ``recomputed_<kind>`` and logged: it computes the prefill).
 
         Raises:
             RequestError: ``kv_export`` or ``kv_import`` on more than one sequence (``param``
@@ -177,7 +179,7 @@ class KVExchange:
         if kv_import is not None:
             self.accept(req, kv_import)
         elif kv_fallback is not None:
-            self.recomputed(req.request_id, "pull_failed", kv_fallback)
+            self.recomputed(req.request_id, *kv_fallback)
 
     def apply_scheduled(self, reqs: dict) -> None:
         """Before a step's forward: write the pulled KV of the requests it admitted with one
@@ -221,5 +223,6 @@ class KVExchange:
     def stats(self) -> dict:
         """The ``kv_transfer`` counters of ``/v1/stats`` (``pins_live`` included)."""
         keys = ("pinned", "pulled", "expired", "exported_blocks", "exported_bytes", "imported", "imported_tokens",
-                "imported_blocks", "imported_bytes", "recomputed_mismatch", "recomputed_pull_failed")
+                "imported_blocks", "imported_bytes", "recomputed_mismatch", "recomputed_pull_failed",
+                "recomputed_no_producer")
         return {**{k: self.counters[k] for k in keys}, "pins_live": len(self.pins)}

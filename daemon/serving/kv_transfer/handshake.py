@@ -135,16 +135,16 @@ async def prepare(cfg: KVTransferConfig | None, engine_loop, body: dict, parsed,
     _check_single(parsed, prompts, "do_remote_prefill")
     remote = _remote(kv)
     if isinstance(remote, str):
-        return KVRequest(cfg, {"kv_fallback": remote})
+        return KVRequest(cfg, {"kv_fallback": ("no_producer", remote)})
     theirs = kv.get("llmd_fingerprint")
     if isinstance(theirs, dict):
         mismatch = fingerprint_mismatch(await _own_fingerprint(cfg, engine_loop), theirs)
         if mismatch:
-            return KVRequest(cfg, {"kv_fallback": f"the producer's KV layout differs: {mismatch}"})
+            return KVRequest(cfg, {"kv_fallback": ("mismatch", f"the producer's KV layout differs: {mismatch}")})
     eng = engine_loop.engine
     max_bytes = (eng.max_model_len + eng.config.block_size) * eng.bytes_per_token + (1 << 20)
     try:
         payload = await cfg.connector.pull(remote, max_bytes, cfg.pull_timeout)
     except KVPullError as e:
-        return KVRequest(cfg, {"kv_fallback": str(e)})
+        return KVRequest(cfg, {"kv_fallback": ("pull_failed", str(e))})
     return KVRequest(cfg, {"kv_import": payload})

@@ -119,16 +119,16 @@ def pull_route(get_engine_loop):
         kind, value = fault or (None, 0.0)
         if kind == "kv_pull_stall":
             await asyncio.sleep(value)
-        sent = len(prefix)
+        sent, limit = len(prefix), total // 2 if kind == "kv_pull_cut" else total
         for b in bodies:
             for i in range(0, len(b), CHUNK):
-                if kind == "kv_pull_cut" and sent >= total // 2:  # a producer dying mid-pull (test fault)
+                part = b[i : i + min(CHUNK, limit - sent)]
+                await resp.write(part)
+                sent += len(part)
+                if sent >= limit < total:  # a producer dying mid-pull (test fault)
                     log.warning("injected fault: cutting a KV pull after %d of %d bytes", sent, total)
                     request.transport.close()
                     return resp
-                part = b[i : i + CHUNK]
-                await resp.write(part)
-                sent += len(part)
         await resp.write_eof()
         return resp
 
