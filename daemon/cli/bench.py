@@ -272,6 +272,38 @@ def bench_routing(replicas, users, turns, max_tokens, doc_words, model, dtype, k
     run_routing_bench(replicas, users, turns, max_tokens, serve_args, doc_words, echo=click.echo)
 
 
+@bench.command("context-shift")
+@click.option("--chunk", default=16, show_default=True, type=int, help="Teacher-forcing chunk (tokens).")
+@click.option("--kv-dtypes", default="auto,int8,fp8_e4m3", show_default=True,
+              help="Comma-separated --kv-cache-dtype values, one row each (the first is the drift's base).")
+@click.option("--new-tokens", default=384, show_default=True, type=int,
+              help="Greedy tokens of the fluency check (past the context, with and without shifts).")
+@engine_options
+@one_line_errors
+def bench_context_shift(chunk, kv_dtypes, new_tokens, max_model_len, keep, kv_cache_dtype, context_overflow,
+                        **engine_kw):
+    """Teacher-forced NLL of the ~1,000-token kv-quality text in a small shifting context
+    (--max-model-len, default 256; --keep) vs the whole text in view, per KV dtype, with the
+    requantization drift per shift and a greedy repetition check."""
+    from llmd.daemon.bench.context_shift import context_shift_report
+    from llmd.daemon.bench.kv_quality_text import QUALITY_TEXT
+
+    dtypes = tuple(d.strip() for d in kv_dtypes.split(",") if d.strip())
+    max_model_len = max_model_len or 256
+    if chunk < 1 or chunk >= max_model_len:
+        raise LlmdError(f"--chunk must be in [1, {max_model_len}), got {chunk}")
+    engine = build_engine(**engine_kw)
+    ids = engine.input_processor.tokenize(QUALITY_TEXT)
+    kw = {k: getattr(engine.config, k) for k in ("device", "dtype", "block_size", "kv_cache_memory",
+                                                 "attention_backend", "threads", "kv_rotation")}
+    kw["kv_rotation"] = engine_kw.get("kv_rotation")  # None: each dtype's default
+    t0 = time.monotonic()
+    for line in context_shift_report(engine.runner.model, engine.tokenizer, ids, max_model_len, keep, chunk, dtypes,
+                                     new_tokens, **kw):
+        click.echo(line)
+    click.echo(f"({engine_kw['model']}, {engine.config.dtype} weights, {time.monotonic() - t0:.0f} s)")
+
+
 @bench.command("startup", context_settings={"ignore_unknown_options": True})
 @click.option("--model", "-m", default="smollm2-135m", show_default=True, help="GGUF path or known model name.")
 @click.option("--runs", default=3, show_default=True, type=click.IntRange(1), help="Starts per mode (medians shown).")
