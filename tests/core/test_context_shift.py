@@ -30,12 +30,13 @@ def _run(engine, requests, check=None):
                  check=check, integrity=True)
 
 
-def test_shift_generates_past_the_context_and_frees_blocks(shift_engine):
-    """120 tokens from a 36-token prompt in a 64-token context: finish_reason length at
+@pytest.mark.parametrize("kv", ["auto", "int8", "fp8_e4m3", "int4"])
+def test_shift_generates_past_the_context_and_frees_blocks(shift_engine, kv):
+    """Every KV dtype (int8 and int4 with their default hadamard rotation): 120 tokens from a 36-token prompt in a 64-token context: finish_reason length at
     max_tokens (not at the context), the usage counts the prompt as sent and every generated
     token, each shift frees a whole block (keep 10 → one block kept, 16 tokens dropped), the
     integrity check holds after every step and the pool is whole at the end."""
-    eng = shift_engine()
+    eng = shift_engine(kv_cache_dtype=kv)
     held = []
 
     def check(e):
@@ -46,6 +47,23 @@ def test_shift_generates_past_the_context_and_frees_blocks(shift_engine):
     assert out["req"].total_prompt_tokens == 36
     assert eng.scheduler.num_context_shifts == (36 + 120 - CTX) // 16 + 1 == 6
     assert max(held) == CTX // 16 and min(held[5:]) >= 3  # a 64-token context never holds more than 4
+    assert eng.kv_manager.num_free_blocks == eng.kv_manager.num_usable_blocks
+
+
+def test_preempted_shifted_request_recomputes_its_shorter_context(shift_engine):
+    """A request preempted after two shifts resumes by recomputing the context it has now (its
+    kept head served from the prefix cache) and still makes all its tokens; no block leaks."""
+    eng = shift_engine()
+    eng.add_request(PROMPT, greedy(100, logprobs=None), request_id="p")
+    n, preempted = 0, False
+    while eng.has_unfinished_requests():
+        n += len([o for o in eng.step() if o.new_token_ids])
+        req = eng.scheduler.requests.get("p")
+        if req is not None and req.num_context_shifts == 2 and not preempted:
+            eng.scheduler._preempt(req)
+            preempted = True
+        eng.kv_manager.check_integrity()
+    assert preempted and n == 100
     assert eng.kv_manager.num_free_blocks == eng.kv_manager.num_usable_blocks
 
 
@@ -63,10 +81,10 @@ def test_stop_mode_is_unchanged(shift_engine):
 def test_shifted_output_does_not_depend_on_the_batch(shift_engine):
     """The shifting request gives the same tokens alone and next to two others (one of them
     shifting too, with another keep)."""
-    alone = _run(shift_engine(), {"a": (PROMPT, greedy(90))})["a"]
+    alone = _run(shift_engine(), {"a": (PROMPT, greedy(64, logprobs=5))})["a"]
     eng = shift_engine()
-    both = _run(eng, {"x": ("Other words, other tokens " * 2, greedy(70, n_keep=0)), "a": (PROMPT, greedy(90)),
-                      "y": ("short", greedy(5))})
+    both = _run(eng, {"x": ("Other words, other tokens " * 2, greedy(40, logprobs=5, n_keep=0)),
+                      "a": (PROMPT, greedy(64, logprobs=5)), "y": ("short", greedy(5, logprobs=5))})
     assert both["a"]["tokens"] == alone["tokens"]
     assert max(abs(a - b) for ta, tb in zip(alone["top"], both["a"]["top"]) for (_, a), (_, b) in zip(ta, tb)) < 1e-4
 
