@@ -18,7 +18,7 @@ importer                          may import (llmd packages)
 ``llmd.daemon.serving``           core, kv, protocol, models
 ``llmd.daemon.client``            protocol, core.errors
 ``llmd.tui``                      daemon.client, daemon.protocol
-``llmd.daemon.bench``             core, kv, client, protocol, models, kernels, quant
+``llmd.daemon.bench``             core, kv, serving, client, protocol, models, kernels, quant
 ``llmd.daemon.cli``               anything (the top, with bench)
 ================================  ===========================================================
 
@@ -53,8 +53,8 @@ ALLOWED = [
     ("llmd.daemon.serving", ["llmd.daemon.core", "llmd.daemon.kv", "llmd.daemon.protocol", "llmd.models"]),
     ("llmd.daemon.client", ["llmd.daemon.protocol", "llmd.daemon.core.errors"]),
     ("llmd.tui", ["llmd.daemon.client", "llmd.daemon.protocol"]),
-    ("llmd.daemon.bench", ["llmd.daemon.core", "llmd.daemon.kv", "llmd.daemon.client", "llmd.daemon.protocol",
-                           "llmd.models", "llmd.kernels", "llmd.quant"]),
+    ("llmd.daemon.bench", ["llmd.daemon.core", "llmd.daemon.kv", "llmd.daemon.serving", "llmd.daemon.client",
+                           "llmd.daemon.protocol", "llmd.models", "llmd.kernels", "llmd.quant"]),
     ("llmd.daemon.cli", ["llmd"]),
     ("llmd.daemon", []),  # the package's own __init__
 ]

@@ -327,3 +327,27 @@ def bench_startup(model, runs, modes, timeout, serve_args):
         run_startup_bench(resolve_model(model), list(serve_args), runs, chosen, timeout, echo=click.echo)
     except RuntimeError as e:
         raise LlmdError(str(e)) from None
+
+
+@bench.command("kv-transfer")
+@click.option("--prompt-tokens", default="256,1024,2048", show_default=True,
+              help="Comma-separated prompt lengths, one row each.")
+@click.option("--repeats", default=3, show_default=True, type=int, help="Measured rounds per length (medians).")
+@click.option("--compare-gloo", is_flag=True, default=False,
+              help="Also send the same byte counts with torch.distributed gloo send/recv between two processes.")
+@engine_options
+@one_line_errors
+def bench_kv_transfer(prompt_tokens, repeats, compare_gloo, **engine_kw):
+    """Prefill/decode disaggregation on loopback: KV pull bandwidth and the TTFT it adds per 1,000 tokens."""
+    from llmd.daemon.bench.kv_transfer import run_kv_transfer_bench
+    from llmd.daemon.core.config import EngineConfig
+    from llmd.daemon.core.engine import Engine
+
+    lengths = [int(x) for x in prompt_tokens.split(",") if x.strip()]
+
+    def make(first):
+        if first is None:
+            return build_engine(**engine_kw)
+        return Engine(first.runner.model, first.tokenizer, EngineConfig(**engine_kw))
+
+    run_kv_transfer_bench(make, lengths, repeats, compare_gloo=compare_gloo, echo=click.echo)

@@ -140,10 +140,21 @@ def gather_blocks(caches, block_ids: list[list[int]]) -> tuple[list[torch.Tensor
     data, scales = [], []
     for ids in block_ids:
         idx = _index(ids, caches[0].data.device)
-        data.append(torch.stack([_raw(c.data).index_select(1, idx) for c in caches]).cpu().view(caches[0].data.dtype))
-        has_scales = caches[0].scales is not None
-        scales.append(torch.stack([c.scales.index_select(1, idx) for c in caches]).cpu() if has_scales else None)
+        data.append(_stack_select([_raw(c.data) for c in caches], idx).view(caches[0].data.dtype))
+        scales.append(_stack_select([c.scales for c in caches], idx) if caches[0].scales is not None else None)
     return data, scales
+
+
+def _stack_select(tensors: list[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
+    """``torch.stack([t.index_select(1, idx) for t in tensors]).cpu()`` with one copy per
+    tensor on a CPU device (each selection written in place into the stacked result)."""
+    if tensors[0].device.type != "cpu":
+        return torch.stack([t.index_select(1, idx) for t in tensors]).cpu()
+    t0 = tensors[0]
+    out = torch.empty((len(tensors), t0.shape[0], len(idx), *t0.shape[2:]), dtype=t0.dtype)
+    for k, t in enumerate(tensors):
+        torch.index_select(t, 1, idx, out=out[k])
+    return out
 
 
 def check_payload_shapes(caches, payload: KVPayload) -> None:

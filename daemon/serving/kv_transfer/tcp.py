@@ -30,7 +30,8 @@ from llmd.daemon.serving.kv_transfer.wire import PREFIX_BYTES, WireError, build,
 
 log = logging.getLogger("llmd.kv_transfer")
 PULL_PATH = "/v1/kv_transfer/pull"
-CHUNK = 1 << 20  # bytes per write / read
+CHUNK = 4 << 20  # bytes per write
+READ_BUFSIZE = 8 << 20  # the consumer's read buffer (aiohttp pauses the socket above it)
 EXPORT_TIMEOUT_S = 30.0  # the engine thread answers between two steps
 
 
@@ -51,8 +52,8 @@ class TcpPullConnector:
         self._session: aiohttp.ClientSession | None = None
 
     async def pull(self, remote: RemoteKV, max_bytes: int, timeout: float) -> KVPayload:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession()
+        if self._session is None or self._session.closed:  # large reads: no 64 KiB flow-control stalls
+            self._session = aiohttp.ClientSession(read_bufsize=READ_BUFSIZE)
         url = f"http://{_url_host(remote.host)}:{remote.port}{PULL_PATH}"
         try:
             async with self._session.post(url, json={"transfer_id": remote.transfer_id}, headers=self._headers,
@@ -84,7 +85,7 @@ async def _read_into(stream: aiohttp.StreamReader, n: int) -> bytearray:
     buf = bytearray(n)
     view, pos = memoryview(buf), 0
     while pos < n:
-        chunk = await stream.read(min(CHUNK, n - pos))
+        chunk = await stream.read(n - pos)  # what is buffered, up to the rest of this part
         if not chunk:
             raise asyncio.IncompleteReadError(bytes(view[:pos]), n)
         view[pos : pos + len(chunk)] = chunk
