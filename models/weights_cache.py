@@ -201,7 +201,7 @@ def load_cached(cls, cfg, dtype: torch.dtype, key: str, cache_dir: str | None = 
         with torch.device("meta"):
             model = cls(cfg, dtype)
         for p in spec["packed"]:
-            packs = (tensors.pop(f"{p['name']}.packed"), tensors.pop(f"{p['name']}.scales"))
+            packs = (aligned(tensors.pop(f"{p['name']}.packed")), aligned(tensors.pop(f"{p['name']}.scales")))
             dense = tensors.pop(f"{p['name']}.dense") if p["dense"] else None
             mod = PackedLinear(p["in"], p["out"], **{p["kind"]: packs}, dense=dense, small_batch=p["small_batch"],
                                sizes=p["sizes"])
@@ -223,6 +223,15 @@ def load_cached(cls, cfg, dtype: torch.dtype, key: str, cache_dir: str | None = 
     except OSError:
         pass
     return model
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it on a 64-byte boundary (torch's allocator's alignment) when the
+    mapped file put it elsewhere: torch's weight-only CPU kernels use aligned vector loads, and
+    ``_weight_int8pack_mm`` over 4 rows took a general protection fault on a packed head mapped
+    at an address ≡ 40 (mod 64) (torch 2.13, SmolLM2's warm load: any step with 4 logits rows,
+    e.g. 4 streams decoding, killed the daemon)."""
+    return t if t.data_ptr() % 64 == 0 else t.clone()
 
 
 def _assign(model: nn.Module, name: str, t: torch.Tensor) -> None:

@@ -57,10 +57,22 @@ def test_warm_load_is_bit_identical(tmp_path, monkeypatch, weight_quant, keep_de
     assert all(torch.equal(cold_state[k], warm_state[k]) and cold_state[k].dtype == warm_state[k].dtype
                for k in cold_state)
     assert all(not p.requires_grad for p in warm.parameters())
+    packs = [t for m in warm.modules() if isinstance(m, PackedLinear) for t in (m.packed, m.scales)]
+    assert all(t.data_ptr() % 64 == 0 for t in packs)  # the weight-only kernels' aligned loads
     head = warm.logits_proj
     if tied and isinstance(head, PackedLinear):  # the tied head's dense copy is the table itself, once
         assert head.dense.data_ptr() == warm.embed_tokens.weight.data_ptr()
     assert (warm.lm_head is None) == (cold.lm_head is None)
+
+
+def test_a_misaligned_mapped_pack_is_copied_to_an_aligned_one():
+    buf = torch.arange(4096 + 128, dtype=torch.int32).to(torch.uint8)
+    start = (64 - buf.data_ptr() % 64) % 64 + 40
+    t = buf[start:start + 4096]
+    assert t.data_ptr() % 64 == 40
+    a = wc.aligned(t)
+    assert a.data_ptr() % 64 == 0 and torch.equal(a, t)
+    assert wc.aligned(a) is a  # an aligned tensor stays mapped (no copy)
 
 
 def test_corrupt_truncated_and_stale_entries_are_rebuilt(tmp_path, caplog):
