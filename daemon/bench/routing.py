@@ -11,7 +11,8 @@ front of all of them; before each phase every replica's prefix cache is reset
 document plus a growing history, ``turns`` turns each (a turn waits for the previous reply;
 greedy, ``max_tokens`` new tokens), so both phases send the same prompts and get the same
 replies. Printed: requests per replica, prompt tokens queried / hit / computed, the hit rate
-and the ratio; throughput and TTFT are not (noise on a shared 2-core machine).
+and the ratio; throughput and TTFT are not (noise on a shared 2-core machine). The routers log
+at ``$LLMD_ROUTER_LOG_LEVEL`` (default ``warning``); a failed request quotes its router's log.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def start_router(router: str, urls: list[str], policy: str, key: str, workdir: s
     port, log = free_port(), os.path.join(workdir, f"router-{policy}.log")
     args = [router, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", policy,
             "--api-key", key, "--prometheus-port", str(free_port()), "--worker-startup-check-interval", "1",
-            "--log-level", "warning"]
+            "--log-level", os.environ.get("LLMD_ROUTER_LOG_LEVEL", "warning")]
     with open(log, "wb") as f:
         proc = subprocess.Popen(args, stdout=f, stderr=f, stdin=subprocess.DEVNULL)
     return proc, f"http://127.0.0.1:{port}", log
@@ -115,11 +116,15 @@ async def wait_healthy(session, url: str, proc: subprocess.Popen, log: str, time
 
 
 async def _json(session, method: str, url: str, key: str, body=None):
+    """The decoded JSON answer of one request.
+
+    Raises:
+        LlmdError: a status other than 200 (its body quoted).
+    """
     async with session.request(method, url, json=body, headers={"Authorization": f"Bearer {key}"}) as r:
-        data = await r.json()
         if r.status != 200:
-            raise LlmdError(f"{method} {url}: HTTP {r.status}: {data}")
-        return data
+            raise LlmdError(f"{method} {url}: HTTP {r.status}: {(await r.text())[:500]}")
+        return await r.json()
 
 
 async def run_users(session, url: str, key: str, users: int, turns: int, max_tokens: int,
@@ -163,7 +168,10 @@ async def run_phase(session, router: str, urls: list[str], policy: str, key: str
             await _json(session, "POST", u + "/v1/cache/reset", key, {})
         before = [await _json(session, "GET", u + "/v1/stats", key) for u in urls]
         t0 = time.monotonic()
-        replies = await run_users(session, url, key, users, turns, max_tokens, doc_words)
+        try:
+            replies = await run_users(session, url, key, users, turns, max_tokens, doc_words)
+        except LlmdError as e:
+            raise LlmdError(f"{e}\n{policy} router's log ends:\n{_tail(log)}") from None
         wall = time.monotonic() - t0
         after = await settled_stats(session, urls, key, before, users * turns)
     finally:
