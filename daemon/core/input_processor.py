@@ -142,5 +142,6 @@ class InputProcessor:
             params.max_tokens = context - n
         elif n + params.max_tokens > context and params.context_overflow != "shift":
             raise RequestError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
-                               f"exceeds the context of {context} tokens", "max_tokens")
+                               f"exceeds the context of {context} tokens (context_overflow \"shift\" or "
+                               "--context-overflow shift goes on past it)", "max_tokens")
         return ProcessedPrompt(ids, defaulted)
