@@ -119,7 +119,8 @@ def context_shift_report(model, tokenizer, ids: list[int], max_model_len: int, k
     shifted, n_shift = greedy_continuation(model, tokenizer, prompt, new_tokens, max_model_len=max_model_len,
                                            **engine_kw)
     whole, _ = greedy_continuation(model, tokenizer, prompt, new_tokens, **engine_kw)
-    lines.append(f"greedy {new_tokens} tokens after {len(prompt)}: repeated 4-grams {100 * repeated_4grams(shifted):.1f} % "
+    lines.append(f"greedy {new_tokens} tokens after {len(prompt)}: repeated 4-grams "
+                 f"{100 * repeated_4grams(shifted):.1f} % "
                  f"with {n_shift} shifts (context {max_model_len}) vs {100 * repeated_4grams(whole):.1f} % unshifted; "
                  f"the two agree on the first "
                  f"{next((i for i, (a, b) in enumerate(zip(shifted, whole)) if a != b), len(whole))} tokens")

@@ -71,6 +71,7 @@ def shift(req: Request, kv, pending: list[tuple[str, BlockShift]]) -> str | None
         req.discard(start, end)
         return "recompute"
     delta = end - start
-    pending.extend((req.request_id, BlockShift(src, dst, g, delta)) for src, dst, g in shift_blocks(kv, req.request_id, kb, nd))
+    ops = shift_blocks(kv, req.request_id, kb, nd)
+    pending.extend((req.request_id, BlockShift(src, dst, g, delta)) for src, dst, g in ops)
     req.discard(start, end)
     return "shifted"

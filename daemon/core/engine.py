@@ -168,8 +168,8 @@ class Engine:
             max_model_len=self.max_model_len, cuda_graphs=not self.config.enforce_eager,
             kv_rotation=self.config.kv_rotation,
         )
-        self.input_processor = InputProcessor(tokenizer, cfg.vocab_size, self.max_model_len, self.config.context_overflow,
-                                              self.config.keep)
+        self.input_processor = InputProcessor(tokenizer, cfg.vocab_size, self.max_model_len,
+                                              self.config.context_overflow, self.config.keep)
         # structured outputs (None for a tokenizer-less engine, e.g. llmd bench step's, which adds no requests)
         self.grammars = (GrammarCompiler(tokenizer.hf, cfg.vocab_size, tokenizer.eos_token_ids)
                          if tokenizer is not None else None)

@@ -17,7 +17,8 @@ def check_integrity(manager: "KVCacheManager") -> None:
 
     Checks: free-queue links agree both ways and no block is queued twice; the null
     block is not queued and appears only in sliding-window tables, before every real
-    block (after a context-shift request's kept head blocks); every block is either queued with ``ref_cnt`` 0 or has ``ref_cnt`` equal to
+    block (after a context-shift request's kept head blocks); every block is either queued with
+    ``ref_cnt`` 0 or has ``ref_cnt`` equal to
     the number of tables holding it; free + used == usable.
     """
     pool = manager.block_pool

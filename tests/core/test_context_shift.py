@@ -6,7 +6,6 @@ Gemma 3 270M with a 1,024-token context (window 512) for the re-rotation of both
 from __future__ import annotations
 
 import pytest
-import torch
 from test_engine_scheduling import drive, greedy
 from tiny_engine import tiny_engine
 
@@ -32,7 +31,8 @@ def _run(engine, requests, check=None):
 
 @pytest.mark.parametrize("kv", ["auto", "int8", "fp8_e4m3", "int4"])
 def test_shift_generates_past_the_context_and_frees_blocks(shift_engine, kv):
-    """Every KV dtype (int8 and int4 with their default hadamard rotation): 120 tokens from a 36-token prompt in a 64-token context: finish_reason length at
+    """Every KV dtype (int8 and int4 with their default hadamard rotation): 120 tokens from a
+    36-token prompt in a 64-token context: finish_reason length at
     max_tokens (not at the context), the usage counts the prompt as sent and every generated
     token, each shift frees a whole block (keep 10 → one block kept, 16 tokens dropped), the
     integrity check holds after every step and the pool is whole at the end."""
