@@ -33,7 +33,7 @@ import tempfile
 import zlib
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from llmd.models.paths import cache_dir as default_cache_dir
@@ -41,7 +41,13 @@ from llmd.models.paths import ensure_cache_dir
 from llmd.quant.packed_linear import PackedLinear
 
 log = logging.getLogger("llmd.weights_cache")
-FORMAT = 1  # bump when the entry layout changes
+FORMAT = 2  # bump when the entry layout changes (2: every tensor 64-byte aligned, save_aligned)
+ALIGN = 64  # bytes: torch's CPU allocator's alignment, which its weight-only kernels assume
+PAD_PREFIX = "__pad__."
+_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
+                       torch.float8_e5m2: "F8_E5M2"}
 MAX_ENTRIES = 4  # SmolLM2: ~350 MiB per bfloat16 entry with --weight-quant auto
 _MODELS = os.path.dirname(os.path.abspath(__file__))
 _QUANT = os.path.join(os.path.dirname(_MODELS), "quant")
@@ -125,7 +131,7 @@ def store(model: nn.Module, key: str, cache_dir: str | None = None) -> str | Non
         log.warning("weights cache not written (%s)", e)
         return None
     try:
-        save_file(_shared_copies_apart(tensors), tmp, metadata={"key": key, "spec": json.dumps(spec)})
+        save_aligned(tensors, tmp, metadata={"key": key, "spec": json.dumps(spec)})
         _, crc = _data_crc32(tmp)
         with os.fdopen(os.open(tmp + ".crc", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             f.write(str(crc))
@@ -140,16 +146,36 @@ def store(model: nn.Module, key: str, cache_dir: str | None = None) -> str | Non
     return target
 
 
-def _shared_copies_apart(tensors: dict) -> dict:
-    """Clone tensors that overlap another's memory without being the same view (safetensors
-    refuses shared storage; exact aliases were removed already)."""
-    by_storage: dict[int, int] = {}
-    out = {}
-    for name, t in tensors.items():
-        ptr = t.untyped_storage().data_ptr()
-        by_storage[ptr] = by_storage.get(ptr, 0) + 1
-        out[name] = t
-    return {n: (t.clone() if by_storage[t.untyped_storage().data_ptr()] > 1 else t) for n, t in out.items()}
+def save_aligned(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:
+    """Write a safetensors file (the format: 8-byte little-endian header length, JSON header,
+    then the data without holes) in which every tensor starts :data:`ALIGN` bytes aligned in the
+    file, hence in its memory map: the header is padded with spaces (as ``safetensors`` itself
+    pads it) and each gap is a ``uint8`` pad tensor named ``__pad__.<i>``, which
+    :func:`load_cached` drops. ``safetensors.torch.save_file`` packs tensors back to back
+    after a header of any length, so most start off a 64-byte boundary, which torch's weight-only
+    CPU kernels cannot read in place (see :func:`aligned`). Tensors sharing memory are written
+    each in full (the format forbids shared storage, not equal bytes)."""
+    header: dict = {"__metadata__": metadata}
+    layout: list = []
+    offset = 0
+    for i, (name, t) in enumerate(tensors.items()):
+        data = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + data.numel()]}
+        layout.append(data)
+        offset += data.numel()
+        pad = -offset % ALIGN
+        if pad:
+            header[f"{PAD_PREFIX}{i}"] = {"dtype": "U8", "shape": [pad], "data_offsets": [offset, offset + pad]}
+            layout.append(bytes(pad))
+            offset += pad
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % ALIGN)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for data in layout:
+            f.write(data if isinstance(data, bytes) else memoryview(data.numpy()))
 
 
 def _unlink(path: str) -> None:
@@ -195,7 +221,7 @@ def load_cached(cls, cfg, dtype: torch.dtype, key: str, cache_dir: str | None = 
         if meta.get("key") != key or crc != want:
             raise ValueError("key or crc32 mismatch")
         spec = json.loads(meta["spec"])
-        tensors = load_file(path)
+        tensors = {k: t for k, t in load_file(path).items() if not k.startswith(PAD_PREFIX)}
         for name, canonical in spec["aliases"].items():
             tensors[name] = tensors[canonical]
         with torch.device("meta"):
