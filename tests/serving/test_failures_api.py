@@ -100,7 +100,7 @@ def test_failed_request_is_500_or_error_event_and_others_go_on(engine_loop):
     assert ev2[-1] == "[DONE]" and len(terminal(ev2)) == 1 and "non-finite logits" in ev2[-2]["error"]["message"]
     assert s3 == 200 and b3["choices"][0]["finish_reason"] == "length" and len(b3["choices"][0]["text"]) == 8
     assert ev4[-1] == "[DONE]" and [c["finish_reason"] for c in terminal(ev4)[0]["choices"]] == ["length"]
-    assert engine_loop.engine.faults.fired == {"postprocess": 1, "nan": 1, "step": 0, "hang": 0}
+    assert {k: v for k, v in engine_loop.engine.faults.fired.items() if v} == {"postprocess": 1, "nan": 1}
 
 
 def test_failed_step_ends_every_request_once_and_the_loop_serves_on(engine_loop):
