@@ -2,9 +2,10 @@
 
 A cold load dequantizes every GGUF tensor and, with ``--weight-quant``, packs the linears
 (tens of seconds on 2 cores). The result (every parameter and buffer, the packs of each
-:class:`~llmd.quant.packed_linear.PackedLinear` included) is written once with the
-``safetensors`` package to ``$XDG_CACHE_HOME/llmd/weights/<digest>.safetensors`` (0600 in the
-0700 llmd cache; temporary file + rename, atomic). A warm load builds the model skeleton on the
+:class:`~llmd.quant.packed_linear.PackedLinear` included) is written once in the ``safetensors``
+format, every tensor 64-byte aligned (:func:`save_aligned`), to
+``$XDG_CACHE_HOME/llmd/weights/<digest>.safetensors`` (0600 in the 0700 llmd cache; temporary
+file + rename, atomic). A warm load builds the model skeleton on the
 ``meta`` device, rebuilds the packed modules from the metadata, and assigns the tensors of
 ``safetensors.torch.load_file`` (a private memory map: nothing is read until used, pages are
 shared with the page cache). Tensors that share memory (a tied head's dense copy and the
