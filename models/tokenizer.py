@@ -16,19 +16,12 @@ import hashlib
 import os
 import shutil
 import tempfile
-import threading
-from concurrent.futures import Future
 
 from llmd.models.config import ModelConfig
 from llmd.models.errors import LlmdError
 from llmd.models.fast_tokenizer import FastTokenizer, describe, read_meta, write_meta
 from llmd.models.paths import cache_dir as default_cache_dir
 from llmd.models.paths import ensure_cache_dir
-
-#: tokenizer directory → the :class:`FastTokenizer` being loaded by :func:`prefetch_tokenizer`
-_PREFETCHES: dict[str, Future] = {}
-_SEEN: set = set()  # models asked for and directories prefetched or loaded: each prefetched at most once
-_PREFETCH_LOCK = threading.Lock()
 
 
 def gguf_identity(path: str, header_bytes: int) -> str:
@@ -103,7 +96,7 @@ def load_tokenizer(gguf_path: str, config: ModelConfig, header_bytes: int, cache
     target = tokenizer_dir(gguf_path, header_bytes, cache_dir)
     if os.path.isdir(target):
         try:
-            fast = _prefetched(target) or FastTokenizer.from_directory(target)  # the warm path: no transformers
+            fast = FastTokenizer.from_directory(target)  # the warm path: no transformers
             if fast is not None:
                 return Tokenizer(fast, config)
             hf = _transformers_class().from_pretrained(target, local_files_only=True)
@@ -125,55 +118,6 @@ def load_tokenizer(gguf_path: str, config: ModelConfig, header_bytes: int, cache
     except OSError:  # another process won the race, or the cache is read-only
         shutil.rmtree(tmp, ignore_errors=True)
     return Tokenizer(_fast_or_hf(hf, target) if os.path.isdir(target) else hf, config)
-
-
-def prefetch_tokenizer(model: str) -> None:
-    """Start loading the cached tokenizer of ``--model`` (a name or a GGUF path) on a background
-    thread, for :func:`load_tokenizer` to take. ``tokenizers`` parses ``tokenizer.json`` without
-    the GIL (Gemma 3's 262k tokens: 1.3 s), so the parse overlaps the torch import and the
-    weights load of a start. Anything that goes wrong (an unknown model, no cache entry yet) is
-    left for the load itself to meet and report; a random-weight preset has no tokenizer."""
-    with _PREFETCH_LOCK:
-        if model.startswith("random:") or ("model", model) in _SEEN:
-            return
-        _SEEN.add(("model", model))
-
-    def run():
-        try:
-            from llmd.models.header_cache import header_info
-            from llmd.models.registry import resolve_model
-
-            path = resolve_model(model)
-            target = tokenizer_dir(path, header_info(path).data_offset)
-            if not os.path.isdir(target):
-                return
-            fut: Future = Future()
-            with _PREFETCH_LOCK:
-                if target in _SEEN:
-                    return  # prefetched already, or the load came first and did it itself
-                _SEEN.add(target)
-                _PREFETCHES[target] = fut
-            try:
-                fut.set_result(FastTokenizer.from_directory(target))
-            except BaseException as e:
-                fut.set_exception(e)
-        except Exception:
-            return
-
-    threading.Thread(target=run, name="llmd-tokenizer-prefetch", daemon=True).start()
-
-
-def _prefetched(target: str) -> FastTokenizer | None:
-    """The prefetched tokenizer of ``target`` (waiting for it), or None (none, or it failed)."""
-    with _PREFETCH_LOCK:
-        fut = _PREFETCHES.pop(target, None)
-        _SEEN.add(target)  # a prefetch that starts later does not load it again
-        if fut is None:
-            return None
-    try:
-        return fut.result()
-    except Exception:
-        return None
 
 
 def tokenizer_dir(gguf_path: str, header_bytes: int, cache_dir: str | None = None) -> str:

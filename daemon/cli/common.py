@@ -139,11 +139,7 @@ def build_engine(name: str | None = None, **kw):
     """An :class:`Engine` from engine options, with the loading and loaded lines on stderr
     (settings are validated before the weights load). ``name``: the model's name in those
     lines (the daemon's served name; default the ``--model`` value), never the GGUF's own
-    ``general.name``. The cached tokenizer is prefetched first (:func:`prefetch_tokenizer`), so it
-    parses while torch imports and the weights load."""
-    from llmd.models.tokenizer import prefetch_tokenizer
-
-    prefetch_tokenizer(kw["model"])
+    ``general.name``."""
     from llmd.daemon.core.config import EngineConfig
     from llmd.daemon.core.engine import Engine
 

@@ -71,9 +71,6 @@ def serve_title(argv: list[str]) -> str:
 def serve(socket_path, host, port, api_key_file, api_key, served_model_name, drain_timeout, metrics_compat,
           health_stall_timeout, kv_role, kv_pin_timeout, kv_pull_timeout, kv_advertise_host, **engine_kw):
     """Run the daemon: OpenAI-style HTTP API on a Unix socket (SIGTERM or `llmd stop` ends it)."""
-    from llmd.models.tokenizer import prefetch_tokenizer
-
-    prefetch_tokenizer(engine_kw["model"])  # the cached tokenizer parses (GIL-free) while torch imports
     from llmd.daemon.serving.access import check_bind, resolve_api_key
     from llmd.daemon.serving.lifecycle import claim_socket, run_server
 
