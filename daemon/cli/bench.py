@@ -254,12 +254,14 @@ def bench_serve(socket_path, num_requests, rate, min_prompt, max_prompt, min_out
 @bench.command("routing")
 @click.option("--replicas", default=3, show_default=True, type=int, help="llmd serve processes (--threads 1 each).")
 @click.option("--users", default=8, show_default=True, type=int, help="Chats at once, each with its own document.")
-@click.option("--turns", default=4, show_default=True, type=int, help="Turns per chat (the history resent each turn).")
+@click.option("--turns", default=3, show_default=True, type=int, help="Turns per chat (the history resent each turn).")
 @click.option("--max-tokens", default=32, show_default=True, type=int, help="New tokens per reply (greedy).")
 @click.option("--doc-words", default=None, type=int,
               help="Words of each user's document (default: all 816, ~1,000 SmolLM2 tokens).")
 @click.option("--model", "-m", default="smollm2-135m", show_default=True, help="The replicas' --model.")
-@click.option("--dtype", default=None, help="The replicas' --dtype (default: theirs, auto).")
+@click.option("--dtype", default="float32", show_default=True,
+              help="The replicas' --dtype (float32: a reply does not depend on the batch it ran in, so both "
+                   "policies get the same replies; bfloat16's packs for small steps make it depend).")
 @click.option("--kv-cache-memory", default=None, help="The replicas' --kv-cache-memory (default: theirs).")
 @one_line_errors
 def bench_routing(replicas, users, turns, max_tokens, doc_words, model, dtype, kv_cache_memory):
