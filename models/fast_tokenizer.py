@@ -6,8 +6,11 @@ transformers and building that wrapper is ~0.7 s of a warm start. A cached token
 (``tokenizer.json`` as transformers saved it) plus :data:`META_FILE`, written once from the
 transformers tokenizer (:func:`describe`), gives the same answers with the backend alone:
 
-* ``encode(text, add_special_tokens=False)``: ``backend.encode(text, add_special_tokens=False).ids``
-  (no truncation, no padding, special tokens matched: transformers' settings for that call).
+* ``encode(text, add_special_tokens=False)``: ``backend.encode_batch([text], ...)[0].ids``, as
+  transformers calls it (no truncation, no padding, special tokens matched: transformers'
+  settings for that call). ``encode_batch``, not ``encode``: only the batch call releases the GIL
+  while Rust tokenizes (a 500k-character prompt holds it ~0.2 s otherwise, stalling the event loop
+  and the engine thread's streams: ``tests/e2e/test_stream_isolation.py``).
 * ``decode(ids, skip_special_tokens)``: ``backend.decode`` (no clean-up: :func:`describe` only
   marks a tokenizer exact when ``clean_up_tokenization_spaces`` and ``split_special_tokens`` are
   off and its backend serializes identically to the saved ``tokenizer.json``).
@@ -108,7 +111,7 @@ class FastTokenizer:
         return cls(tokenizers.Tokenizer.from_file(os.path.join(directory, "tokenizer.json")), meta, directory)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids  # releases the GIL
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         ids = [ids] if isinstance(ids, int) else [int(i) for i in ids]

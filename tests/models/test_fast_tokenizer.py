@@ -131,3 +131,26 @@ def test_an_inexact_description_keeps_transformers(tmp_path, smollm2_path, smoll
     assert FastTokenizer.from_directory(str(entry)) is None
     tok = load_tokenizer(smollm2_path, smollm2[1], open_gguf(smollm2_path).data_offset, cache_dir=str(cache))
     assert not isinstance(tok.hf, FastTokenizer) and tok.encode("Hi there") == fast.encode("Hi there")
+
+
+def test_encode_releases_the_gil(fast):
+    """A 500k-character prompt is tokenized with the GIL released (``encode_batch``; the
+    backend's ``encode`` holds it ~0.2 s): a thread sleeping 1 ms at a time keeps running."""
+    import threading
+    import time
+
+    ticks, stop = [0], threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0.001)
+
+    t = threading.Thread(target=spin)
+    t.start()
+    t0 = time.perf_counter()
+    fast.encode("word " * 100_000)
+    elapsed = time.perf_counter() - t0
+    stop.set()
+    t.join()
+    assert ticks[0] >= 0.2 * elapsed / 0.0015, (ticks[0], elapsed)
