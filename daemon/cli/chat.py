@@ -110,7 +110,7 @@ def chat(socket_path, prompt, system, temperature, top_k, top_p, repetition_pena
     from llmd.daemon.client import spawn
 
     params = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "repetition_penalty": repetition_penalty,
-              "max_tokens": max_tokens, "seed": seed}
+              "max_tokens": max_tokens, "seed": seed, "context_overflow": "shift"}  # a reply may cross the context
     check_params(params)  # before any daemon starts or weights load
     if no_daemon:
         check_chat_template(engine_kw["model"])
