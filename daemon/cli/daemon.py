@@ -66,10 +66,14 @@ def serve_title(argv: list[str]) -> str:
               help="Consumer: seconds a KV pull may take before the consumer computes the prefill itself.")
 @click.option("--kv-advertise-host", default=None,
               help="Producer: the address consumers pull from (remote_host; default --host).")
+@click.option("--kv-producer", "kv_producers", multiple=True, metavar="HOST:PORT",
+              help="Consumer: a producer it may pull from (repeatable; the pull carries this daemon's key). "
+                   "Default: loopback producers only.")
 @engine_options
 @one_line_errors
 def serve(socket_path, host, port, api_key_file, api_key, served_model_name, drain_timeout, metrics_compat,
-          health_stall_timeout, kv_role, kv_pin_timeout, kv_pull_timeout, kv_advertise_host, **engine_kw):
+          health_stall_timeout, kv_role, kv_pin_timeout, kv_pull_timeout, kv_advertise_host, kv_producers,
+          **engine_kw):
     """Run the daemon: OpenAI-style HTTP API on a Unix socket (SIGTERM or `llmd stop` ends it)."""
     from llmd.daemon.serving.access import check_bind, resolve_api_key
     from llmd.daemon.serving.lifecycle import claim_socket, run_server
@@ -88,7 +92,7 @@ def serve(socket_path, host, port, api_key_file, api_key, served_model_name, dra
         from llmd.daemon.serving.kv_transfer.config import KVTransferConfig
 
         kv_transfer = KVTransferConfig(kv_role, kv_advertise_host or host or "127.0.0.1", port, key, kv_pin_timeout,
-                                       kv_pull_timeout).check()
+                                       kv_pull_timeout, producers=tuple(kv_producers)).check()
     path = socket_path_of(socket_path)
     lock_fd = claim_socket(path)  # fail fast, before loading the model
     import setproctitle

@@ -189,3 +189,49 @@ def test_role_both_ignores_the_params(loops):
         assert not loops[0].engine.kv_exchange.pins
 
     run_app(loops[0], scenario)
+
+
+def test_consumer_pulls_only_from_allowed_producers(loops):
+    """The pull carries the consumer's key, so params naming a host:port outside ``--kv-producer``
+    (without it: outside loopback) are never contacted: the consumer recomputes, counted as
+    ``no_producer``. A listener on a port that is not the allowed producer's sees no connection."""
+    import socket
+
+    from llmd.daemon.serving.kv_transfer.config import KVTransferConfig
+
+    body = _body(41)
+    trap = socket.socket()
+    trap.bind(("127.0.0.1", 0))
+    trap.listen(1)
+    trap.setblocking(False)
+
+    async def scenario():
+        async with kv_pair(*loops) as (p, c):
+            ref = await _reference(c, body)
+            pre = await prefill(p, body)
+            c.kv_config.producers = (f"127.0.0.1:{p.server.port}",)
+            before = _recomputed(await audit(c), "no_producer")
+            params = {**pre["kv_transfer_params"], "remote_port": trap.getsockname()[1]}
+            assert (await decode(c, body, params))["choices"][0]["text"] == ref
+            for host in ("10.1.2.3", "no-such-host.invalid"):
+                c.kv_config.producers = ()
+                out = await decode(c, body, {**pre["kv_transfer_params"], "remote_host": host})
+                assert out["choices"][0]["text"] == ref
+            assert _recomputed(await audit(c), "no_producer") == before + 3
+            with pytest.raises(BlockingIOError):
+                trap.accept()  # nobody connected
+            c.kv_config.producers = (f"127.0.0.1:{p.server.port}",)
+            imported = (await audit(c))["kv_transfer"]["imported"]
+            assert (await decode(c, body, pre["kv_transfer_params"]))["choices"][0]["text"] == ref
+            assert (await audit(c))["kv_transfer"]["imported"] == imported + 1  # the allowed producer's KV
+            await audit(p)
+
+    try:
+        run_app(loops[0], lambda _client: scenario(), timeout=60)
+    finally:
+        trap.close()
+    assert KVTransferConfig("consumer", producers=("h:1",)).allows("h", 1)
+    assert not KVTransferConfig("consumer").allows("10.0.0.1", 80)
+    assert KVTransferConfig("consumer").allows("::1", 80) and KVTransferConfig("consumer").allows("localhost", 1)
+    with pytest.raises(Exception, match="HOST:PORT"):
+        KVTransferConfig("consumer", producers=("nohost",)).check()

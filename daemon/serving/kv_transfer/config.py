@@ -37,6 +37,9 @@ class KVTransferConfig:
         engine_id: ``remote_engine_id``: random per daemon start.
         connector: the consumer's :class:`~.connector.KVConnector` (None: :class:`~.tcp.TcpPullConnector`).
         fingerprint: the consumer's engine fingerprint, once fetched (``handshake.py``).
+        producers: the consumer's allow-list of producer ``host:port`` addresses
+            (``--kv-producer``; the pull sends this daemon's key there); empty = loopback
+            producers only (:meth:`allows`).
     """
 
     role: str = "both"
@@ -48,6 +51,22 @@ class KVTransferConfig:
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     connector: object | None = None
     fingerprint: dict | None = None
+    producers: tuple[str, ...] = ()
+
+    def allows(self, host: str, port: int) -> bool:
+        """Whether a consumer may pull from (and so send its key to) ``host:port``: one of
+        :attr:`producers`, or with none given a loopback address (``127.0.0.0/8``, ``::1``,
+        ``localhost``). A client's ``kv_transfer_params`` never chooses a host outside them."""
+        if self.producers:
+            return f"{host}:{port}" in self.producers
+        import ipaddress
+
+        if host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(host.strip("[]")).is_loopback
+        except ValueError:
+            return False
 
     def check(self) -> "KVTransferConfig":
         """Validate. Raises LlmdError: unknown role, a producer without a TCP address to
@@ -59,6 +78,10 @@ class KVTransferConfig:
         if self.role == "producer" and self.host in ("0.0.0.0", "::", ""):
             raise LlmdError(f"--kv-role producer on the wildcard address {self.host!r}: name the address consumers "
                             "reach with --kv-advertise-host")
+        for p in self.producers:
+            host, _, port = p.rpartition(":")
+            if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+                raise LlmdError(f"--kv-producer must be HOST:PORT, got {p!r}")
         for name in ("pin_timeout", "pull_timeout"):
             if not getattr(self, name) > 0:
                 raise LlmdError(f"--kv-{name.replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")

@@ -82,7 +82,7 @@ def _check_single(parsed, prompts: list, flag: str) -> None:
         raise ApiError(f"{PARAM}.{flag} needs n = 1 without beam search (one sequence)", "n")
 
 
-def _remote(kv: dict) -> RemoteKV | str:
+def _remote(cfg: KVTransferConfig, kv: dict) -> RemoteKV | str:
     """The producer's address and transfer id, or why they cannot be used. Raises ApiError for
     fields of the wrong JSON type."""
     host, port, tid = kv.get("remote_host"), kv.get("remote_port"), kv.get("llmd_transfer_id")
@@ -95,6 +95,9 @@ def _remote(kv: dict) -> RemoteKV | str:
         return "the params name no producer (remote_host / remote_port missing)"
     if not tid:
         return "the params carry no llmd_transfer_id (the producer is not an llmd daemon?)"
+    if not cfg.allows(host, port):
+        return (f"producer {host}:{port} is not allowed (--kv-producer lists the producers a consumer pulls from; "
+                "without it, loopback ones only)")
     return RemoteKV(host, port, tid, kv.get("remote_engine_id"), kv.get("remote_request_id"))
 
 
@@ -133,7 +136,7 @@ async def prepare(cfg: KVTransferConfig | None, engine_loop, body: dict, parsed,
         raise ApiError(f"{PARAM}.do_remote_prefill: this daemon is a producer (--kv-role producer); send the "
                        "decode request to a consumer", f"{PARAM}.do_remote_prefill")
     _check_single(parsed, prompts, "do_remote_prefill")
-    remote = _remote(kv)
+    remote = _remote(cfg, kv)
     if isinstance(remote, str):
         return KVRequest(cfg, {"kv_fallback": ("no_producer", remote)})
     theirs = kv.get("llmd_fingerprint")
