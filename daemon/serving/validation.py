@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from llmd.daemon.core.input_processor import MAX_CHARS_PER_TOKEN
 from llmd.daemon.core.request import SamplingParams
 
 MAX_N = 16
@@ -173,9 +174,14 @@ def _prompt(body: dict, vocab_size: int, max_model_len: int | None = None) -> st
         if all(isinstance(x, (str, list)) for x in p):
             raise ApiError(f"prompt batches are not supported (got {len(p)} prompts); send one prompt per request",
                            "prompt")
-        if max_model_len is not None and len(p) >= max_model_len:
-            raise ApiError(f"prompt has {len(p)} tokens but the context is {max_model_len} tokens (max-model-len), "
-                           "leaving no room to generate", "prompt")
+        if max_model_len is not None:  # counted before any id is checked; truncation opts in to longer lists
+            truncating = body.get("truncate_prompt_tokens") is not None
+            limit = MAX_CHARS_PER_TOKEN * max_model_len if truncating else max_model_len - 1
+            if len(p) > limit:
+                raise ApiError(f"prompt has {len(p)} tokens but the context is {max_model_len} tokens (max-model-len), "
+                               + ("more than truncate_prompt_tokens takes" if truncating else
+                                  "leaving no room to generate (truncate_prompt_tokens opts in to keeping its end)"),
+                               "prompt")
         return _token_ids(p, "prompt", vocab_size)
     if p is None:
         raise ApiError("prompt is required (a string or a list of token ids)", "prompt")

@@ -47,6 +47,12 @@ def test_a6_per_mode(loop):
             r = await client.post("/v1/completions", json=_body(prompt="x" * 100, max_tokens=4,
                                                                 context_overflow=overflow, truncate_prompt_tokens=50))
             assert r.status == 200 and (await r.json())["usage"]["prompt_tokens"] == 50
+            ids = [120] * 100  # a token-id prompt truncates the same way
+            r = await client.post("/v1/completions", json=_body(prompt=ids, max_tokens=4, context_overflow=overflow))
+            assert r.status == 400 and "truncate_prompt_tokens" in (await r.json())["error"]["message"]
+            r = await client.post("/v1/completions", json=_body(prompt=ids, max_tokens=1, context_overflow=overflow,
+                                                                truncate_prompt_tokens=-1))  # room for one token
+            assert r.status == 200 and (await r.json())["usage"]["prompt_tokens"] == 63
 
     run_app(loop, go)
 
