@@ -169,7 +169,10 @@ class Engine:
             kv_rotation=self.config.kv_rotation,
         )
         self.input_processor = InputProcessor(tokenizer, cfg.vocab_size, self.max_model_len,
-                                              self.config.context_overflow, self.config.keep)
+                                              self.config.context_overflow, self.config.keep, self.config.block_size)
+        if self.config.context_overflow == "shift" and self.config.keep > self.input_processor.max_keep:
+            raise LlmdError(f"--keep {self.config.keep} leaves no whole block of the {self.max_model_len}-token "
+                            f"context to discard: at most {self.input_processor.max_keep} (or -1, the prompt)")
         # structured outputs (None for a tokenizer-less engine, e.g. llmd bench step's, which adds no requests)
         self.grammars = (GrammarCompiler(tokenizer.hf, cfg.vocab_size, tokenizer.eos_token_ids)
                          if tokenizer is not None else None)

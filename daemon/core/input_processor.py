@@ -57,6 +57,12 @@ def check_prompt_size(prompt, max_model_len: int) -> None:
                            f"tokens (limit {limit} characters)", prompt_field(prompt))
 
 
+def max_keep(max_model_len: int, block_size: int) -> int:
+    """The largest ``n_keep`` / ``--keep`` a context shift can honour: its whole blocks plus one
+    block to discard must fit below the context's last position."""
+    return max(0, (max_model_len - 1 - block_size) // block_size * block_size)
+
+
 @dataclass
 class ProcessedPrompt:
     """A prompt ready for the scheduler.
@@ -83,11 +89,12 @@ class InputProcessor:
     """
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, context_overflow: str = "stop",
-                 keep: int = 0):
+                 keep: int = 0, block_size: int = 16):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.context_overflow, self.keep = context_overflow, keep
+        self.max_keep = max_keep(max_model_len, block_size)
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         """Token ids of text, chat messages (the model's template) or token ids (checked).
@@ -126,6 +133,9 @@ class InputProcessor:
         if params.n_keep is None:
             params.n_keep = self.keep
         n, context = len(ids), self.max_model_len
+        if params.context_overflow == "shift" and params.n_keep > self.max_keep:
+            raise RequestError(f"n_keep ({params.n_keep}) leaves no whole block of the {context}-token context to "
+                               f"discard: at most {self.max_keep} (or -1, the prompt)", "n_keep")
         k = params.truncate_prompt_tokens
         if k is not None:
             if k >= context:

@@ -126,6 +126,20 @@ def test_keep_covering_the_context_stops_at_length(shift_engine):
     assert out["finish"] == "length" and len(out["tokens"]) == CTX - 60
 
 
+def test_a_keep_that_leaves_nothing_to_discard_is_refused(shift_engine):
+    """In a 64-token context with blocks of 16, n_keep above 32 can never shift: a request's is a
+    RequestError naming n_keep, the daemon's --keep a one-line LlmdError at start-up."""
+    from llmd.daemon.core.errors import LlmdError
+
+    eng = shift_engine()
+    with pytest.raises(RequestError) as e:
+        eng.add_request(PROMPT, greedy(100, logprobs=None, n_keep=33))
+    assert e.value.param == "n_keep" and "at most 32" in str(e.value)
+    eng.add_request(PROMPT, greedy(4, logprobs=None, n_keep=32))
+    with pytest.raises(LlmdError, match="--keep 48 .* at most 32"):
+        shift_engine(keep=48)
+
+
 def test_truncate_prompt_tokens_keeps_the_end(shift_engine):
     """A 100-token prompt in a 64-token context is a 400 naming the prompt unless
     truncate_prompt_tokens opts in: then it equals sending its last k tokens."""
