@@ -26,10 +26,13 @@ from llmd.daemon.core.errors import LlmdError
               help="Beam search: score = cumulative logprob / length ** this (vLLM's).")
 @click.option("--early-stopping", default="false", show_default=True, type=click.Choice(["true", "false", "never"]),
               help="Beam search's stop rule (vLLM / HF early_stopping).")
+@click.option("--truncate-prompt-tokens", default=None, type=int,
+              help="Keep only the prompt's last N tokens (-1: the last --max-model-len - 1), vLLM's opt-in for "
+                   "prompts longer than the context.")
 @engine_options
 @one_line_errors
 def generate(prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, beam_width, length_penalty,
-             early_stopping, **engine_kw):
+             early_stopping, truncate_prompt_tokens, **engine_kw):
     """Generate a completion for PROMPT with llmd's own engine, streaming text to stdout
     (with --beam-width K: the K beams, best first, once the search ends)."""
     from llmd.daemon.core.beam import check_beam_params
@@ -40,7 +43,7 @@ def generate(prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, be
     if not prompt:
         raise LlmdError("PROMPT is empty")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                            stop=list(stop))
+                            stop=list(stop), truncate_prompt_tokens=truncate_prompt_tokens)
     beam = beam_width > 1
     if beam:
         params.use_beam_search, params.length_penalty = True, length_penalty

@@ -145,8 +145,8 @@ class InputProcessor:
             n = len(ids)
         if n >= context:
             raise RequestError(f"prompt has {n} tokens but the context is {context} tokens (max-model-len), "
-                               "leaving no room to generate (truncate_prompt_tokens opts in to keeping its end)",
-                               field)
+                               "leaving no room to generate (truncate_prompt_tokens, llmd generate "
+                               "--truncate-prompt-tokens, keeps its end)", field)
         defaulted = params.max_tokens is None
         if defaulted:
             params.max_tokens = context - n

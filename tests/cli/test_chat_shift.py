@@ -19,3 +19,18 @@ def test_chat_reply_crosses_the_context(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert "[stopped at 100 tokens]" in result.output and "error" not in result.output, result.output
     assert engine.scheduler.num_context_shifts >= 1
+
+
+def test_generate_truncate_prompt_tokens(tmp_path, monkeypatch):
+    """``llmd generate --truncate-prompt-tokens N`` serves a prompt longer than the context by its
+    last N tokens; without it the same prompt is one error line naming the opt-in."""
+    from llmd.daemon.cli import generate as generate_cli
+    from llmd.daemon.cli.main import main
+
+    engine = tiny_engine(tmp_path / "g.gguf", max_model_len=32)
+    monkeypatch.setattr(generate_cli, "build_engine", lambda **kw: engine)
+    long = "The sea is wide and deep. " * 3
+    ok = CliRunner().invoke(main, ["generate", "--max-tokens", "4", "--truncate-prompt-tokens", "20", long])
+    assert ok.exit_code == 0 and "finish_reason=length" in ok.output, ok.output
+    refused = CliRunner().invoke(main, ["generate", "--max-tokens", "4", long])
+    assert refused.exit_code != 0 and "--truncate-prompt-tokens" in refused.output, refused.output
