@@ -27,14 +27,19 @@ from llmd.quant.kv import PagedKVCache, compute_scales, dequantize, quantize
 from llmd.quant.rotation import rotate
 
 
-def rope_shift_tables(delta: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cos, sin)`` ``[head_dim]`` float32 of a rotation by ``−delta`` positions (NEOX layout,
-    ``sin``'s first half negated as :func:`llmd.models.layers.rope_tables` does), from float64
-    angles ``−delta · theta^(−2i/head_dim)``."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    ang = -float(delta) * inv_freq
-    cos, sin = ang.cos(), ang.sin()
-    return (torch.cat((cos, cos)).float().to(device), torch.cat((-sin, sin)).float().to(device))
+def rope_shift_tables(delta, head_dim: int, theta, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` float32 of a rotation by ``−delta`` positions (NEOX layout, ``sin``'s first
+    half negated as :func:`llmd.models.layers.rope_tables` does), from float64 angles
+    ``−delta · theta^(−2i/head_dim)``: ``[head_dim]`` for a scalar ``delta`` and ``theta``,
+    ``[n, head_dim]`` for sequences of ``n`` (one rotation per block)."""
+    scalar = isinstance(delta, (int, float)) and isinstance(theta, (int, float))
+    d = torch.tensor(delta, dtype=torch.float64).reshape(-1, 1)
+    th = torch.tensor(theta, dtype=torch.float64).reshape(-1, 1)
+    ang = -d * th ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    cos, sin = torch.cat((ang.cos(), ang.cos()), -1), torch.cat((-ang.sin(), ang.sin()), -1)
+    if scalar:
+        cos, sin = cos[0], sin[0]
+    return cos.float().to(device), sin.float().to(device)
 
 
 def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -43,16 +48,19 @@ def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 @torch.inference_mode()
-def shift_keys(cache: PagedKVCache, src: Sequence[int], dst: Sequence[int], delta: int, theta: float) -> None:
+def shift_keys(cache: PagedKVCache, src: Sequence[int], dst: Sequence[int], delta: int | Sequence[int],
+               theta: float | Sequence[float]) -> None:
     """Re-rotate the keys of blocks ``src`` by ``−delta`` positions into blocks ``dst``.
 
     Args:
-        cache: one layer's paged cache (any format; ``data [2, num_blocks, block_size, kv_heads,
+        cache: one paged cache tensor (any format; ``data [2, num_blocks, block_size, kv_heads,
             head_dim]``, int4 packed to ``head_dim // 2``).
-        src, dst: block ids, pairwise (``dst[i]`` may equal ``src[i]``: in place); every
-            destination block must be distinct from every other source block.
-        delta: positions to move the keys back by (> 0).
-        theta: this layer's RoPE base (Gemma 3: 10,000 on sliding-window layers, 1e6 on global).
+        src, dst: block ids, pairwise (``dst[i]`` may equal ``src[i]``: in place). Every source
+            is read before any destination is written, so a block may be one op's destination
+            and another's source (a block one shift released, taken by the next).
+        delta: positions to move the keys back by (> 0), one for all or one per block.
+        theta: the RoPE base (Gemma 3: 10,000 on sliding-window layers, 1e6 on global), one for
+            all or one per block (blocks of several KV cache groups sharing this tensor).
 
     Every slot of a block is rotated, filled or not: the block's unfilled slots hold stale or
     zero codes that attention never reads (the runner's sequence lengths bound every read).
@@ -63,7 +71,11 @@ def shift_keys(cache: PagedKVCache, src: Sequence[int], dst: Sequence[int], delt
     s_idx = torch.tensor(list(src), dtype=torch.long, device=dev)
     d_idx = torch.tensor(list(dst), dtype=torch.long, device=dev)
     head_dim = cache.head_dim
-    cos, sin = rope_shift_tables(delta, head_dim, theta, dev)
+    n = len(src)
+    cos, sin = rope_shift_tables(delta if isinstance(delta, int) else list(delta), head_dim,
+                                 theta if isinstance(theta, (int, float)) else list(theta), dev)
+    if cos.dim() == 2:  # one rotation per block: [n, 1, 1, head_dim] over [n, block_size, heads, head_dim]
+        cos, sin = cos[:, None, None], sin[:, None, None]
     fmt = cache.fmt
     codes = cache.data[0, s_idx]  # [n, block_size, kv_heads, head_dim (or //2)]
     if fmt.quantized:
@@ -73,7 +85,7 @@ def shift_keys(cache: PagedKVCache, src: Sequence[int], dst: Sequence[int], delt
     k = rotate(k, cache.rotation)  # undo (H is its own inverse)
     k = rotate(_rotate_half(k, cos.to(k.dtype), sin.to(k.dtype)), cache.rotation)
     if fmt.quantized:
-        n, bs, heads = k.shape[:3]
+        bs, heads = k.shape[1:3]
         flat = k.reshape(n * bs, heads, head_dim)
         if cache.static_scales is None:
             s = compute_scales(flat, fmt)

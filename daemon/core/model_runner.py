@@ -176,18 +176,21 @@ class ModelRunner:
     @torch.inference_mode()
     def shift_blocks(self, shifts: Sequence[BlockShift]) -> None:
         """Context shift: re-rotate each op's block keys by ``-delta`` positions in every layer of
-        its KV cache group, with that layer's RoPE base (:func:`llmd.kernels.kv_shift.shift_keys`)."""
+        its KV cache group, with that layer's RoPE base (:func:`llmd.kernels.kv_shift.shift_keys`).
+        One call per cache tensor with every op that touches it (the layers of several groups share
+        a tensor): all sources are read before any destination is written, so a block released by
+        one shift and taken as another's fresh block in the same step is never read overwritten."""
         if not shifts:
             return
-        by_key: dict[tuple[int, int], list[BlockShift]] = {}
-        for op in shifts:
-            by_key.setdefault((op.group, op.delta), []).append(op)
-        thetas = [self.config.layer_rope_theta(i) for i in range(self.config.num_layers)]
-        for (group, delta), ops in by_key.items():
-            src, dst = [op.src for op in ops], [op.dst for op in ops]
-            for layer, g in enumerate(self.layer_group):
-                if g == group:
-                    shift_keys(self.layer_caches[layer], src, dst, delta, thetas[layer])
+        per_cache: dict[int, tuple] = {}  # id(cache tensor) -> (cache, [(src, dst, delta, theta)])
+        for layer, g in enumerate(self.layer_group):
+            cache, theta = self.layer_caches[layer], self.config.layer_rope_theta(layer)
+            per_cache.setdefault(id(cache), (cache, []))[1].extend(
+                (op.src, op.dst, op.delta, theta) for op in shifts if op.group == g)
+        for cache, ops in per_cache.values():
+            if ops:
+                src, dst, delta, theta = (list(c) for c in zip(*ops))
+                shift_keys(cache, src, dst, delta, theta)
 
     @torch.inference_mode()
     def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:

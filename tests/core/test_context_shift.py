@@ -6,6 +6,7 @@ Gemma 3 270M with a 1,024-token context (window 512) for the re-rotation of both
 from __future__ import annotations
 
 import pytest
+import torch
 from test_engine_scheduling import drive, greedy
 from tiny_engine import tiny_engine
 
@@ -214,3 +215,25 @@ def test_gemma3_shift_rerotates_both_layer_kinds(make_gemma_engine):
     tokens, checked, worst = _gemma_run(make_gemma_engine, batched=True)
     assert len(tokens) == G_NEW
     assert set(checked) == {10_000.0, 1_000_000.0} and worst < 1e-5
+
+
+def test_runner_reads_every_shift_source_before_writing(shift_engine):
+    """Two requests shifting in one step: block 2, released by the first (moved to 5 by 16
+    positions), is the second's fresh block (block 3 moved into it by 32). The runner's one pass
+    equals the ops applied one by one in their order, in every layer."""
+    from llmd.daemon.core.outputs import BlockShift
+
+    def filled():
+        eng = shift_engine()
+        torch.manual_seed(3)
+        for c in eng.runner.caches:
+            c.data.copy_(torch.randn_like(c.data))
+        return eng.runner
+
+    ops = [BlockShift(2, 5, 0, 16), BlockShift(3, 2, 0, 32)]
+    together, apart = filled(), filled()
+    together.shift_blocks(list(reversed(ops)) + [BlockShift(4, 4, 0, 48)])
+    for op in [*ops, BlockShift(4, 4, 0, 48)]:
+        apart.shift_blocks([op])
+    for a, b in zip(together.caches, apart.caches):
+        assert torch.equal(a.data[:, [2, 4, 5]], b.data[:, [2, 4, 5]])

@@ -92,3 +92,23 @@ def test_shift_composes_over_several_shifts_float32():
     for _ in range(3):
         shift_keys(cache, [2], [2], 16, 10_000.0)
     assert (_stored(cache, [2]) - _rope64(k, pos - 48, 10_000.0)).abs().max().item() < 1e-5 * k.abs().max().item()
+
+
+@pytest.mark.parametrize("fmt,rotation", [("auto", "none"), ("int8", "hadamard")])
+def test_one_call_reads_every_source_before_writing(fmt, rotation):
+    """Block 2 is op 0's source (moved to 5 by 16 positions) and op 1's destination (block 3 moved
+    into it by 32, another base): one call equals op 0 then op 1 run separately, and equals each
+    block's own rotation, whatever the order of the ops."""
+    torch.manual_seed(1)
+    k = torch.randn(2 * BS, HEADS, 64)
+    pos = torch.arange(100, 100 + 2 * BS)
+    torch.manual_seed(2)
+    first = _fill(fmt, rotation, 64, k, pos, 10_000.0, [2, 3])
+    torch.manual_seed(2)  # the same random V
+    apart = _fill(fmt, rotation, 64, k, pos, 10_000.0, [2, 3])
+    shift_keys(first, [3, 2], [2, 5], [32, 16], [1e6, 10_000.0])  # the hazardous order in one call
+    shift_keys(apart, [2], [5], 16, 10_000.0)
+    shift_keys(apart, [3], [2], 32, 1e6)
+    assert torch.equal(first.data[:, torch.tensor([2, 5])], apart.data[:, torch.tensor([2, 5])])
+    if first.scales is not None:
+        assert torch.equal(first.scales[:, torch.tensor([2, 5])], apart.scales[:, torch.tensor([2, 5])])
