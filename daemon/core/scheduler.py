@@ -176,14 +176,19 @@ class Scheduler:
         """Free the victim's blocks (full ones stay cached) and queue it in front of its
         priority class; it recomputes from the prefix cache when resumed."""
         held = self.kv.num_blocks_held(victim.request_id)
-        self.kv.free(victim.request_id)
-        self.running.remove(victim)
-        victim.num_computed_tokens = 0
-        victim.status = RequestStatus.WAITING
+        self._requeue(victim)
         if held:  # the counter moves only when blocks were actually freed
             victim.num_preemptions += 1
             self.num_preemptions += 1
-        self._enqueue(victim, front=True)
+
+    def _requeue(self, req: Request) -> None:
+        """Free a running request's blocks and put it in front of its priority class, to
+        recompute from ``num_computed_tokens`` 0 (preemption; a context shift by recompute)."""
+        self.kv.free(req.request_id)
+        self.running.remove(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        self._enqueue(req, front=True)
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests (see the module docstring for the order and preemption)."""
@@ -327,9 +332,5 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         self.num_context_shifts += 1
         if done == "recompute":
-            self.kv.free(req.request_id)
-            self.running.remove(req)
-            req.num_computed_tokens = 0
-            req.status = RequestStatus.WAITING
-            self._enqueue(req, front=True)
+            self._requeue(req)
         return None
