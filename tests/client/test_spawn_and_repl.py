@@ -5,6 +5,23 @@ import subprocess
 import sys
 
 
+def type_lines(monkeypatch, lines, on_line=None) -> None:
+    """``input()`` returns ``lines`` one by one (``on_line(line)`` first, when given), then raises
+    EOFError (Ctrl-D): what a user types at the REPL."""
+    it = iter(lines)
+
+    def fake_input(prompt):
+        try:
+            line = next(it)
+        except StopIteration:
+            raise EOFError from None
+        if on_line is not None:
+            on_line(line)
+        return line
+
+    monkeypatch.setattr("builtins.input", fake_input)
+
+
 def test_stop_waits_for_the_daemon_process_to_exit(tmp_path):
     """`llmd stop` returns only once the daemon's lock is released (process exit), not when its
     socket file disappears (the daemon removes it first): `llmd serve` can reclaim the path at
@@ -42,15 +59,7 @@ def test_repl_unknown_command_is_not_sent_to_the_model(monkeypatch, capsys):
             sent.append([m["content"] for m in messages])
             yield "ok"
 
-    lines = iter(["/bogus", "//etc is a folder", "/reset", "hello"])
-
-    def fake_input(prompt):
-        try:
-            return next(lines)
-        except StopIteration:
-            raise EOFError from None
-
-    monkeypatch.setattr("builtins.input", fake_input)
+    type_lines(monkeypatch, ["/bogus", "//etc is a folder", "/reset", "hello"])
     chat.run_chat(Backend(), {}, system="be brief")
     assert sent == [["be brief", "/etc is a folder"], ["be brief", "hello"]]
     assert "unknown command /bogus" in capsys.readouterr().err
@@ -74,15 +83,7 @@ def test_repl_notes_a_capped_reply_and_survives_a_failed_one(monkeypatch, capsys
             self.finish_reason, self.completion_tokens = "length", 7
             yield "la la"
 
-    lines = iter(["sing", "too long", "again"])
-
-    def fake_input(prompt):
-        try:
-            return next(lines)
-        except StopIteration:
-            raise EOFError from None
-
-    monkeypatch.setattr("builtins.input", fake_input)
+    type_lines(monkeypatch, ["sing", "too long", "again"])
     chat.run_chat(Backend(), {"max_tokens": 7}, verbose=True)
     err = capsys.readouterr().err
     assert err.count("[stopped at 7 tokens]") == 2 and "7 tokens in " in err and " tokens/s" in err, err
@@ -153,17 +154,10 @@ def test_daemon_backend_reconnects_once_and_reports_a_cut_reply(monkeypatch, cap
     new = NewClient()
     reconnects = []
     backend = chat.DaemonBackend(GoneClient(), reconnect=lambda: reconnects.append(1) or new)
-    lines = iter(["capital of France?", "and Italy?", "and Spain?"])
-
-    def fake_input(prompt):
-        try:
-            line = next(lines)
-        except StopIteration:
-            raise EOFError from None
+    def crash_on_italy(line):
         new.crash = line == "and Italy?"
-        return line
 
-    monkeypatch.setattr("builtins.input", fake_input)
+    type_lines(monkeypatch, ["capital of France?", "and Italy?", "and Spain?"], crash_on_italy)
     chat.run_chat(backend, {})
     out = capsys.readouterr()
     assert reconnects == [1] and backend.client is new and backend.completion_tokens == 2
