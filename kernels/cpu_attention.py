@@ -14,10 +14,9 @@ looped per sequence:
   for a batched matmul, in one contiguous copy (no ``repeat_interleave``, no permute copies).
   int8/fp8 caches gather codes (1 byte each) and their float32 scales ``[B * kv_heads, L]`` with
   the same indices; ``code × scale`` is applied as scores × k_scale and probabilities × v_scale
-  (the Triton kernels' order), so no pass over dequantized K/V is needed. int4 caches gather
-  packed codes (half a byte each) and their per-16-channel scales ``[rows, head_dim // 16]``,
-  then unpack and dequantize the gathered rows (a scale per group cannot be folded into a
-  per-key product): :func:`_gather_int4`.
+  (the Triton kernels' order), so no pass over dequantized K/V is needed. int4 caches (KIVI K
+  per block and channel, a 16-bit residual for the open block) take the branch in
+  :mod:`llmd.kernels.cpu_int4` with the same plans.
 * **Decodes batched together** (in up to 4 length buckets, so short contexts are not padded to
   the step's longest): the query ``[B, heads, head_dim]`` viewed as ``[B * kv_heads,
   group, head_dim]`` (GQA without copies of K/V), scores ``[B * kv_heads, group, L]``, keys past
@@ -42,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmd.kernels.metadata import AttentionMetadata
-from llmd.quant.kv import SCALE_FLOOR, PagedKVCache, dequantize
+from llmd.quant.kv import SCALE_FLOOR, PagedKVCache
 
 
 @dataclass
@@ -218,8 +217,6 @@ def _gather_kv(plan: StepPlan, role: str, cache: PagedKVCache, rows: torch.Tenso
         probabilities by ``v_scales``: ``q·(code × s) = (q·code) × s``, the dequantization
         folded into ``[N, group, L]``-sized products instead of a pass over K and V.
     """
-    if cache.fmt.packed:
-        return _gather_int4(plan, role, cache, rows, length, dtype)
     data = cache.data
     head_dim = data.shape[-1]
     shape = (rows.shape[0] // length, length, head_dim)
@@ -237,28 +234,6 @@ def _gather_kv(plan: StepPlan, role: str, cache: PagedKVCache, rows: torch.Tenso
     ks, vs = (cache.scales[i].view(-1).index_select(0, rows).view(-1, 1, length).to(sdt) for i in (0, 1))
     # masked keys may read never-written slots (scale 0): -inf · 0 would be NaN in the scores
     return kv[0], kv[1], ks.clamp_min_(SCALE_FLOOR), vs
-
-
-def _gather_int4(plan: StepPlan, role: str, cache: PagedKVCache, rows: torch.Tensor, length: int,
-                 dtype: torch.dtype):
-    """:func:`_gather_kv` for a packed int4 cache: gather ``[rows, head_dim // 2]`` uint8 codes
-    and ``[rows, head_dim // 16]`` float16 scales, unpack and multiply in float32 (float64 for
-    float64 compute), then cast to ``dtype``. Never-written slots (scale 0) read as zeros.
-
-    Returns:
-        ``(k, v, None, None)``: K and V ``[N * kv_heads, length, head_dim]`` in ``dtype``, already
-        dequantized (no scales left to fold).
-    """
-    data, scales = cache.data, cache.scales
-    packed_dim, groups = data.shape[-1], scales.shape[-1]
-    sdt = torch.float64 if dtype == torch.float64 else torch.float32
-    kv = []
-    for i in (0, 1):
-        raw = plan.buffer(f"{role}{i}", (rows.shape[0], packed_dim), data.dtype)
-        torch.index_select(data[i].view(-1, packed_dim), 0, rows, out=raw)
-        vals = dequantize(raw, scales[i].view(-1, groups).index_select(0, rows), sdt)
-        kv.append(vals.to(dtype).view(rows.shape[0] // length, length, 2 * packed_dim))
-    return kv[0], kv[1], None, None
 
 
 def _attend(plan: StepPlan, role: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: _Gather,
@@ -292,7 +267,7 @@ def _attend(plan: StepPlan, role: str, q: torch.Tensor, k: torch.Tensor, v: torc
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, meta: AttentionMetadata,
-                    scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                    scale: float, sliding_window: int | None = None, tails: list | None = None) -> torch.Tensor:
     """Attention for a mixed batch of prefill chunks and decodes over the paged cache.
 
     Args:
@@ -302,6 +277,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, 
         meta: the group's :class:`AttentionMetadata` (its ``plans`` cache the step plan).
         scale: softmax scale.
         sliding_window: ``W`` or None; query ``p`` sees keys ``[p - W + 1, p]``.
+        tails: int4 only, the chunks' exact K (:func:`llmd.kernels.kivi.store_keys`).
     Returns:
         ``[T, num_heads, head_dim]`` in ``query.dtype``.
     """
@@ -313,6 +289,10 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, 
     plan = get_plan(meta, kv_heads, sliding_window, group)
     if plan.decode_only and t <= SMALL_DECODE and cdt == torch.bfloat16:
         cdt = torch.float32  # tiny matmuls: float32's ~15 µs beats bfloat16's ~35 µs per call here
+    if cache.fmt.k_per_block:  # int4 (KIVI): kernels/cpu_int4.py
+        from llmd.kernels import cpu_int4
+
+        return cpu_int4.paged_attention(query, cache, meta, scale, sliding_window, tails, plan, cdt).to(query.dtype)
     q = query.to(cdt)
     if plan.decode_only and len(plan.decodes) == 1:  # the common CPU step: no index maps, no scatter
         g = plan.decodes[0][1]

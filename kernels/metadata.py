@@ -34,6 +34,8 @@ class AttentionMetadata:
             captured as a CUDA graph (``llmd.daemon.core.cuda_graphs``): the triton decode then
             takes its split count from this bound (``--max-model-len``) and each sequence's split
             length from ``seq_lens`` on the device, so no launch argument depends on the step.
+        residual_slots: int4 caches: per sequence its residual slot in this group (the exact
+            16-bit K of its open block, :mod:`llmd.quant.kv`), -1 for none; None otherwise.
     """
 
     slot_mapping: torch.Tensor
@@ -46,6 +48,7 @@ class AttentionMetadata:
     attn_backend: str = "torch"
     plans: dict = field(default_factory=dict, repr=False, compare=False)
     decode_max_seq_len: int | None = None
+    residual_slots: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:

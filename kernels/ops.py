@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from llmd.kernels import cpu_attention, reference
+from llmd.kernels import cpu_attention, kivi, reference
 from llmd.kernels.metadata import AttentionMetadata
-from llmd.quant.kv import PagedKVCache
+from llmd.quant.kv import PagedKVCache, to_residual
 from llmd.quant.rotation import rotate
 
 BACKENDS = ("cpu", "torch", "triton")
@@ -31,8 +31,14 @@ BACKENDS = ("cpu", "torch", "triton")
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache,
              slot_mapping: torch.Tensor, backend: str = "torch") -> None:
     """Write ``key``/``value`` ``[T, num_kv_heads, head_dim]`` at ``slot_mapping`` ``[T]`` int64,
-    quantizing on write for int8/fp8/int4 caches (K rotated first for a ``--kv-rotation`` cache)."""
+    quantizing on write for int8/fp8/int4 caches (K rotated first for a ``--kv-rotation`` cache).
+    int4 (:mod:`llmd.kernels.kivi`): V is stored here; K, in 16 bits, waits in the cache's
+    ``new_keys`` for :func:`paged_attention`, which has the step's block tables and residual slots."""
     key = rotate(key, _rotation(kv_cache))
+    if isinstance(kv_cache, PagedKVCache) and kv_cache.fmt.k_per_block:
+        kivi.store_values(value, kv_cache, slot_mapping)
+        kv_cache.new_keys = to_residual(key, kv_cache.residual.dtype)
+        return
     if backend == "triton":
         from llmd.kernels.kv_store import store_kv as triton_store_kv
 
@@ -57,11 +63,17 @@ def _rotation(kv_cache: torch.Tensor | PagedKVCache) -> str:
 def _paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, meta: AttentionMetadata,
                      scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """:func:`paged_attention` without the rotation, on ``meta.attn_backend``."""
+    tails = None
+    if isinstance(kv_cache, PagedKVCache) and kv_cache.fmt.k_per_block:
+        if kv_cache.new_keys is not None:  # store-then-read: the step's K first
+            kv_cache.step_tails = kivi.store_keys(kv_cache, kv_cache.new_keys, meta)
+            kv_cache.new_keys = None
+        tails = kv_cache.step_tails
     if meta.attn_backend == "cpu":
-        return cpu_attention.paged_attention(query, kv_cache, meta, scale, sliding_window)
+        return cpu_attention.paged_attention(query, kv_cache, meta, scale, sliding_window, tails)
     if meta.attn_backend != "triton":
         compute = torch.float64 if query.dtype == torch.float64 else torch.float32
-        return reference.paged_attention(query, kv_cache, meta, scale, sliding_window, compute)
+        return reference.paged_attention(query, kv_cache, meta, scale, sliding_window, compute, tails)
     cache = PagedKVCache.wrap(kv_cache)
     if max(meta.query_lens_cpu) == 1:
         from llmd.kernels.decode_attention import paged_decode_attention

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from llmd.kernels import kivi
 from llmd.kernels.metadata import AttentionMetadata
 from llmd.quant.kv import PagedKVCache, compute_scales, dequantize, quantize
 
@@ -83,6 +84,7 @@ def attention_one_seq(
     scale: float,
     sliding_window: int | None = None,
     compute_dtype: torch.dtype = torch.float32,
+    own: tuple[torch.Tensor, int, int] | None = None,
 ) -> torch.Tensor:
     """Causal attention of the last ``Q`` positions of a sequence over its ``L`` keys.
 
@@ -91,6 +93,9 @@ def attention_one_seq(
         k, v: ``[L, num_kv_heads, head_dim]``; ``num_heads % num_kv_heads == 0`` (GQA).
         scale: softmax scale (usually ``head_dim ** -0.5``).
         sliding_window: ``W`` or None; query ``p`` sees keys ``[p - W + 1, p]``.
+        own: int4's read rule (:mod:`llmd.kernels.kivi`): ``(k_own [L - t0, kv_heads,
+            head_dim], t0, block_size)``, the exact K of positions ``t0..L - 1``; a query reads
+            the keys of its own block from it, the others from ``k``.
     Returns:
         ``[Q, num_heads, head_dim]`` in ``q.dtype``.
     """
@@ -103,6 +108,11 @@ def attention_one_seq(
     scores = torch.einsum("qhd,khd->hqk", qf, kf) * scale
     qpos = torch.arange(seq_len - nq, seq_len, device=q.device)[:, None]
     kpos = torch.arange(seq_len, device=q.device)[None, :]
+    if own is not None:
+        k_own, t0, bs = own
+        exact = torch.einsum("qhd,khd->hqk", qf, k_own.to(compute_dtype).repeat_interleave(group, dim=1)) * scale
+        same = kivi.own_block_mask(qpos[:, 0], kpos[0, t0:], bs)
+        scores[:, :, t0:] = torch.where(same, exact, scores[:, :, t0:])
     mask = kpos <= qpos
     if sliding_window is not None:
         mask &= kpos > qpos - sliding_window
@@ -118,6 +128,7 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     compute_dtype: torch.dtype = torch.float32,
+    tails: list | None = None,
 ) -> torch.Tensor:
     """Attention for a mixed batch of prefill chunks and decodes, K/V read from the paged cache.
 
@@ -129,14 +140,24 @@ def paged_attention(
         kv_cache: :class:`PagedKVCache` or an ``auto`` data tensor.
         meta: :class:`AttentionMetadata` for the step.
         compute_dtype: float32 (the CPU path) or float64 (the kernels' oracle).
+        tails: int4 only: :func:`llmd.kernels.kivi.store_keys`' result for this layer (the
+            chunks' exact K; the own blocks of decodes are read from the residual).
     Returns:
         ``[T, num_heads, head_dim]`` in ``query.dtype``.
     """
     out = torch.empty_like(query)
+    cache = PagedKVCache.wrap(kv_cache)
     start = 0
     for b, (qlen, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-        k, v = gather_kv(kv_cache, meta.block_tables[b], seq_len, compute_dtype)
+        own = None
+        if cache.fmt.k_per_block:
+            k, v = kivi.gather_blocks(cache, meta.block_tables[b], seq_len, compute_dtype)
+            s = seq_len - qlen
+            own = (kivi.own_keys(cache, meta, tails or [None] * meta.num_seqs, b), s - s % meta.block_size,
+                   meta.block_size)
+        else:
+            k, v = gather_kv(kv_cache, meta.block_tables[b], seq_len, compute_dtype)
         out[start : start + qlen] = attention_one_seq(query[start : start + qlen], k, v, scale, sliding_window,
-                                                      compute_dtype)
+                                                      compute_dtype, own)
         start += qlen
     return out

@@ -10,19 +10,22 @@ Layout of one layer's paged cache (vLLM vocabulary: block, block_size, slot):
   ``[block, offset]`` index, so a token at slot ``s`` has its scales at
   ``scales[:, s // block_size, s % block_size]``. Bytes per token per layer:
   ``2 · kv_heads · (head_dim + 4)``.
-* ``int4`` (:attr:`KVCacheFormat.group_size` 16): data ``[2, num_blocks, block_size,
-  num_kv_heads, head_dim // 2]`` uint8, two codes per byte (element ``2j`` in the low nibble,
-  ``2j + 1`` in the high one, each stored as ``code + 8`` with codes in ``[-7, 7]``), and scales
-  ``[2, num_blocks, block_size, num_kv_heads, head_dim // 16]`` **float16**: one scale per
-  (token, KV head, 16 channels), so a token is quantized from its own values only
-  (store-then-read and chunk-size invariance hold as for int8). Bytes per token per layer:
-  ``2 · kv_heads · (head_dim / 2 + 2 · head_dim / 16)``, the same as float32 scales per 32
-  channels; measured on SmolLM2 (README) groups of 16 with float16 scales beat groups of 32
-  with float32 ones (ΔNLL 2.45 % vs 3.36 %) and asymmetric groups of 32 (scale + zero point in
-  float16, 3.58 %). With ``--kv-rotation hadamard`` (:mod:`llmd.quant.rotation`) the stored
-  K is ``RoPE(K) H`` (V as it is). KIVI (arXiv:2402.02750) groups K per channel over tokens
-  instead, which makes a block's scales change while it fills (it needs a 16-bit residual of
-  the open block); per-token groups avoid that.
+* ``int4`` (KIVI, arXiv:2402.02750; :attr:`KVCacheFormat.k_per_block`): data ``[2, num_blocks,
+  block_size, num_kv_heads, head_dim // 2]`` uint8, two 4-bit codes per byte (element ``2j`` in
+  the low nibble, ``2j + 1`` in the high one). **K per channel over the block's tokens**: per
+  (block, KV head, channel) an asymmetric float16 scale ``(max - min) / 15`` and zero point
+  ``min`` over the block's ``block_size`` tokens, codes ``0..15``, value ``code × scale + zero``.
+  **V per token**: symmetric, a float16 scale per 16 channels, codes ``-7..7`` stored ``+ 8``.
+  Scales ``[1, num_blocks, 2 · kv_heads · head_dim + block_size · kv_heads · head_dim / 16]``
+  float16 per block: K's scales ``[kv_heads, head_dim]``, K's zero points, then V's
+  ``[block_size, kv_heads, head_dim / 16]`` (views: :meth:`PagedKVCache.k_scale`, ``k_zero``,
+  ``v_scale``). Scales and zero points are rounded to float16 *before* quantizing, so the codes
+  are those of the stored values. A block's K is quantized once the block is full, from 16-bit
+  values; until then (and for every query in the same block) K is read from the **residual**
+  ``[R, block_size, num_kv_heads, head_dim]`` (bfloat16 for a bfloat16 model, else float16
+  clamped to ±65504), one slot per (sequence, KV cache group) held by the KV manager. Bytes per
+  token per layer at block 16: ``kv_heads · head_dim · 1.375`` (2.91× fewer than 16-bit) plus
+  the residual.
 
 Value = stored code × scale (in float32). Scales are *dynamic* by default, computed when K/V
 are written: ``scale = max(amax(|x|) / qmax, SCALE_FLOOR)`` over the head_dim values of one
@@ -76,6 +79,12 @@ class PagedKVCache:
         static_scales: (k_scale, v_scale) per-tensor scales, or None for dynamic scales.
         rotation: ``--kv-rotation`` ("none" or "hadamard", :mod:`llmd.quant.rotation`): the
             stored K is rotated; the attention ops rotate the query the same way.
+        residual: int4 only: ``[R, block_size, num_kv_heads, head_dim]`` 16-bit, the exact K of
+            each sequence's open block (slot per (sequence, KV cache group)), else None.
+        new_keys: int4 only, transient: this step's K ``[T, num_kv_heads, head_dim]`` (rotated,
+            16-bit) left by ``store_kv`` for ``paged_attention``, which stores them (it has the
+            step's metadata: block tables, residual slots) before it reads; ``step_tails`` what
+            that store returned (:func:`llmd.kernels.kivi.store_keys`), for this layer's reads.
     """
 
     data: torch.Tensor
@@ -83,18 +92,44 @@ class PagedKVCache:
     fmt: KVCacheFormat
     static_scales: tuple[float, float] | None = None
     rotation: str = "none"
+    residual: torch.Tensor | None = None
+    new_keys: torch.Tensor | None = None
+    step_tails: list | None = None
 
     @classmethod
     def allocate(cls, shape: tuple[int, ...], fmt: KVCacheFormat, model_dtype: torch.dtype, device,
-                 static_scales: tuple[float, float] | None = None, rotation: str = "none") -> "PagedKVCache":
-        """Zeroed cache of ``shape = [2, num_blocks, block_size, num_kv_heads, head_dim]``.
-        Raises ValueError if ``fmt`` cannot store this head_dim."""
+                 static_scales: tuple[float, float] | None = None, rotation: str = "none",
+                 residual_slots: int = 0) -> "PagedKVCache":
+        """Zeroed cache of ``shape = [2, num_blocks, block_size, num_kv_heads, head_dim]``
+        (int4: with ``residual_slots`` residual slots). Raises ValueError if ``fmt`` cannot store
+        this head_dim."""
         fmt.check_head_dim(shape[-1])
         data_shape = (*shape[:-1], fmt.code_dim(shape[-1]))
         data = zeros(data_shape, fmt.storage_dtype(model_dtype), device)
+        if fmt.k_per_block:
+            _, n, bs, heads, d = shape
+            scales = zeros((1, n, fmt.block_scale_elems(d, heads, bs)), fmt.scale_dtype, device)
+            res_dtype = getattr(torch, fmt.residual_dtype_name(model_dtype))
+            residual = zeros((max(1, residual_slots), bs, heads, d), res_dtype, device)
+            return cls(data, scales, fmt, None, rotation, residual)
         groups = (fmt.scale_groups(shape[-1]),) if fmt.group_size else ()
         scales = zeros((*shape[:-1], *groups), fmt.scale_dtype, device) if fmt.quantized else None
         return cls(data, scales, fmt, static_scales if fmt.quantized else None, rotation)
+
+    def k_scale(self) -> torch.Tensor:
+        """int4: K's per-channel scales ``[num_blocks, kv_heads, head_dim]`` float16 (a view)."""
+        n, h, d = self.data.shape[1], self.data.shape[3], self.head_dim
+        return self.scales[0, :, : h * d].view(n, h, d)
+
+    def k_zero(self) -> torch.Tensor:
+        """int4: K's per-channel zero points ``[num_blocks, kv_heads, head_dim]`` float16 (a view)."""
+        n, h, d = self.data.shape[1], self.data.shape[3], self.head_dim
+        return self.scales[0, :, h * d : 2 * h * d].view(n, h, d)
+
+    def v_scale(self) -> torch.Tensor:
+        """int4: V's per-token scales ``[num_blocks, block_size, kv_heads, head_dim // 16]`` float16."""
+        n, bs, h, d = self.data.shape[1], self.data.shape[2], self.data.shape[3], self.head_dim
+        return self.scales[0, :, 2 * h * d :].view(n, bs, h, self.fmt.scale_groups(d))
 
     @classmethod
     def wrap(cls, cache: "torch.Tensor | PagedKVCache") -> "PagedKVCache":
@@ -209,6 +244,41 @@ def quantize(x: torch.Tensor, scales: torch.Tensor, fmt: KVCacheFormat) -> torch
     if fmt.packed:
         return pack_int4(round_half_even(y))
     return round_half_even(y).to(fmt.dtype)
+
+
+def to_residual(k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K in the residual's 16-bit ``dtype`` (float16: clamped to ±65504 first, no inf)."""
+    if dtype == torch.float16:
+        k = torch.clamp(k, -F16_SCALE_MAX, F16_SCALE_MAX)
+    return k.to(dtype)
+
+
+def quantize_k_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KIVI K: per (block, KV head, channel) asymmetric 4-bit over the block's tokens.
+
+    Args:
+        x: ``[n, block_size, kv_heads, head_dim]`` full blocks of K (16-bit residual values).
+    Returns:
+        ``(codes, scale, zero)``: codes ``[n, block_size, kv_heads, head_dim // 2]`` uint8
+        (:func:`pack_int4` of ``code - 8``, codes ``0..15``); scale = ``(max - min) / 15`` clamped
+        to ``[2^-14, 65504]`` and zero = ``min`` clamped to ±65504, both ``[n, kv_heads, head_dim]``
+        rounded to float16 first; code = ``round((x - zero) / scale)`` (ties to even) clamped to ``[0, 15]``.
+    """
+    xf = x.float()
+    lo, hi = xf.amin(dim=1), xf.amax(dim=1)
+    scale = torch.clamp((hi - lo) / 15, F16_SCALE_FLOOR, F16_SCALE_MAX).half()
+    zero = torch.clamp(lo, -F16_SCALE_MAX, F16_SCALE_MAX).half()
+    q = torch.clamp(round_half_even((xf - zero.float()[:, None]) / scale.float()[:, None]), 0, 15)
+    return pack_int4(q - 8), scale, zero
+
+
+def dequantize_k_blocks(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``code × scale + zero`` in ``dtype``: codes ``[..., T, kv_heads, head_dim // 2]`` uint8 and
+    scale / zero ``[..., kv_heads, head_dim]`` (broadcast over the ``T`` tokens) → ``[..., T,
+    kv_heads, head_dim]``."""
+    c = (unpack_int4(codes).to(dtype) + 8)
+    return c * scale.to(dtype).unsqueeze(-3) + zero.to(dtype).unsqueeze(-3)
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -46,6 +46,10 @@ class KVCacheFormat:
         scale_dtype_name: the stored scales' torch dtype name (``"float32"``; ``"float16"`` for
             int4, whose scales are rounded to float16 *before* quantizing, so the codes are those
             of the stored scale).
+        k_per_block: K quantized per (block, KV head, channel) over the block's tokens with an
+            asymmetric float16 scale and zero point (KIVI, arXiv:2402.02750; codes 0..15), the
+            open block's K kept in a 16-bit residual until it fills; V stays per token
+            (``group_size`` channels per symmetric scale). int4 only.
     """
 
     name: str
@@ -56,6 +60,7 @@ class KVCacheFormat:
     bits: int = 8
     group_size: int = 0
     scale_dtype_name: str = "float32"
+    k_per_block: bool = False
 
     @cached_property
     def dtype(self) -> "torch.dtype | None":
@@ -106,12 +111,37 @@ class KVCacheFormat:
             return 0
         return head_dim // self.group_size if self.group_size else 1
 
-    def head_bytes(self, head_dim: int, model_dtype: "torch.dtype | str") -> int:
-        """Bytes of one (token, KV head) of K (or of V), codes and scales: ``head_dim · 2`` for
-        16-bit ``auto``, ``head_dim + 4`` for int8/fp8, ``head_dim / 2 + 2 · head_dim / 16`` for int4.
-        ``model_dtype``: a torch dtype or its name."""
+    def head_bytes(self, head_dim: int, model_dtype: "torch.dtype | str", block_size: int = 16) -> float:
+        """Bytes per (token, KV head) of K and V, halved (so ``2 · head_bytes`` is both), codes and
+        scales: ``head_dim · 2`` for 16-bit ``auto``, ``head_dim + 4`` for int8/fp8; for int4
+        ``(K + V) / 2`` with K ``head_dim / 2 + 4 · head_dim / block_size`` (a float16 scale and
+        zero point per channel per block) and V ``head_dim / 2 + 2 · head_dim / 16``
+        (``head_dim · 0.6875`` at block 16). ``model_dtype``: a torch dtype or its name."""
+        return self.block_head_bytes(head_dim, model_dtype, block_size) / (2 * block_size)
+
+    def block_head_bytes(self, head_dim: int, model_dtype: "torch.dtype | str", block_size: int) -> int:
+        """Bytes of one block's K and V for one KV head (codes, scales, zero points; int)."""
         codes = self.code_dim(head_dim) * self.bytes_per_element(model_dtype)
-        return codes + self.scale_bytes * self.scale_groups(head_dim)
+        if self.k_per_block:
+            k = block_size * codes + 2 * head_dim * self.scale_bytes
+            v = block_size * (codes + self.scale_bytes * self.scale_groups(head_dim))
+            return k + v
+        return 2 * block_size * (codes + self.scale_bytes * self.scale_groups(head_dim))
+
+    def block_scale_elems(self, head_dim: int, kv_heads: int, block_size: int) -> int:
+        """int4: float16 values per block in the scales tensor ``[1, num_blocks, n]``: K's scale
+        and zero point ``2 · kv_heads · head_dim``, then V's ``block_size · kv_heads · head_dim / 16``."""
+        return 2 * kv_heads * head_dim + block_size * kv_heads * self.scale_groups(head_dim)
+
+    def residual_dtype_name(self, model_dtype: "torch.dtype | str") -> str:
+        """The 16-bit dtype of the open block's K residual: ``bfloat16`` for a bfloat16 model,
+        else ``float16`` (values clamped to ±65504 first)."""
+        return "bfloat16" if str(model_dtype).removeprefix("torch.") == "bfloat16" else "float16"
+
+    @property
+    def scheme(self) -> str:
+        """What the block bytes mean, for the prefix cache's extra keys (``int4-kivi`` for int4)."""
+        return f"{self.name}-kivi{self.group_size}" if self.k_per_block else self.name
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raise ValueError (one line) if ``head_dim`` cannot be stored in this format."""
@@ -125,7 +155,7 @@ KV_CACHE_FORMATS: dict[str, KVCacheFormat] = {
     "int8": KVCacheFormat("int8", "int8", 127.0),
     "fp8_e4m3": KVCacheFormat("fp8_e4m3", "float8_e4m3fn", 448.0, 3, -6),
     "fp8_e5m2": KVCacheFormat("fp8_e5m2", "float8_e5m2", 57344.0, 2, -14),
-    "int4": KVCacheFormat("int4", "uint8", 7.0, bits=4, group_size=16, scale_dtype_name="float16"),
+    "int4": KVCacheFormat("int4", "uint8", 7.0, bits=4, group_size=16, scale_dtype_name="float16", k_per_block=True),
 }
 
 

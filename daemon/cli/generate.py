@@ -90,11 +90,13 @@ def generate(prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, be
 @click.option("--context", default=None, type=int, help="Tokens per sequence (default: the model's context length).")
 @click.option("--memory", default="512MiB", show_default=True, callback=parse_bytes_option, help="KV cache budget.")
 @click.option("--block-size", default=16, show_default=True, type=int)
+@click.option("--max-num-seqs", default=64, show_default=True, type=int,
+              help="Sizes int4's open-block K residual (one 16-bit block per sequence and KV cache group).")
 @click.option("--total-memory", default=None, callback=parse_bytes_option,
               help="Memory for weights + KV (e.g. 2GiB): per --weight-quant, what is left for a bfloat16 KV cache "
                    "and how many sequences of --context fit (GGUF models).")
 @one_line_errors
-def kv_size(model, context, memory, block_size, total_memory):
+def kv_size(model, context, memory, block_size, max_num_seqs, total_memory):
     """KV cache bytes per token and sequences that fit, per cache dtype (GGUF metadata only);
     with --total-memory, the weights per --weight-quant format and what fits beside them."""
     from llmd.daemon.core.kv_size import group_summary, kv_size_rows
@@ -123,7 +125,7 @@ def kv_size(model, context, memory, block_size, total_memory):
         click.echo(group_summary(make_kv_cache_groups(windows, hybrid), block_size) + title)
         click.echo(f"{'kv dtype':<12}{'B/token':>12}{'B/sequence':>16}{'blocks':>10}{'sequences':>12}"
                    f"{'x 16-bit':>10}")
-        rows = kv_size_rows(cfg, context, memory, block_size, hybrid)
+        rows = kv_size_rows(cfg, context, memory, block_size, hybrid, max_num_seqs=max_num_seqs)
         half = next(r.num_blocks for r in rows if r.name == "bf16/fp16")
         for r in rows:
             click.echo(f"{r.name:<12}{r.bytes_per_token:>12,.0f}{r.bytes_per_sequence:>16,.0f}{r.num_blocks:>10}"
@@ -136,15 +138,16 @@ def _what_fits(model: str, cfg, context: int, total: int, block_size: int) -> No
     from llmd.models.header_cache import header_info
     from llmd.models.registry import layer_tensors as layer_tensors_of
     from llmd.models.registry import resolve_model
-    from llmd.models.weight_bytes import weight_bytes
+    from llmd.models.weight_bytes import cpu_has_avx512_bf16, weight_bytes
 
     tensors = {t.name: t for t in header_info(resolve_model(model)).tensors}  # the cached header's tensor infos
     layer_tensors = layer_tensors_of(cfg.architecture)  # torch-free (not the model class)
     click.echo(f"{cfg.name}: bfloat16 model, context {context} tokens, total {total / 2**20:.0f} MiB for weights + KV")
     click.echo(f"{'--weight-quant':<16}{'weights MiB':>12}{'KV MiB':>10}{'sequences':>11}")
+    bnb_cpu = cpu_has_avx512_bf16()  # nf4 in bitsandbytes' CPU layout (bfloat16 absmax) on this CPU
     for label, mode, keep in (("none", "none", False), ("auto", "gguf", True), ("gguf", "gguf", False),
-                              ("int8", "int8", False)):
-        w = weight_bytes(tensors, layer_tensors, mode, 2, keep)
+                              ("int8", "int8", False), ("nf4", "nf4", False)):
+        w = weight_bytes(tensors, layer_tensors, mode, 2, keep, bnb_cpu_layout=bnb_cpu)
         left = total - w
         seqs = 0.0
         if left > 0:  # the bfloat16 KV row, by name

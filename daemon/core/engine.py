@@ -37,7 +37,8 @@ from llmd.daemon.core.gpu_memory import activation_bytes, cuda_kv_cache_bytes
 from llmd.daemon.core.grammar import GrammarCompiler, GrammarState
 from llmd.daemon.core.input_processor import InputProcessor, ProcessedPrompt, Prompt
 from llmd.daemon.core.kv_exchange import KVExchange
-from llmd.daemon.core.kv_size import group_summary, kv_cache_block_bytes, kv_cache_bytes_per_token
+from llmd.daemon.core.kv_size import (group_summary, kv_cache_block_bytes, kv_cache_bytes_per_token,
+                                     kv_residual_bytes, residual_slots)
 from llmd.daemon.core.model_runner import ModelRunner
 from llmd.daemon.core.outputs import RequestOutput, SchedulerOutput, TokenLogprobs
 from llmd.daemon.core.parallel import ParallelRequests, sampling_rows
@@ -137,6 +138,7 @@ class Engine:
         check_kv_layout(cfg, self.config.kv_cache_dtype, self.config.kv_rotation)
         self.max_model_len = min(config.max_model_len or cfg.max_position, cfg.max_position)
         self.bytes_per_token = kv_cache_bytes_per_token(cfg, self.config.kv_cache_dtype, kv_dtype)
+        fmt = get_format(self.config.kv_cache_dtype)
         self.kv_cache_groups = make_kv_cache_groups(cfg.layer_windows,
                                                     hybrid=not self.config.disable_hybrid_kv_cache_manager)
         self.block_bytes = kv_cache_block_bytes(cfg, self.kv_cache_groups, config.block_size,
@@ -150,13 +152,24 @@ class Engine:
                 memory = cuda_kv_cache_bytes(self.config.gpu_memory_utilization, total, free, act)
             else:
                 memory = DEFAULT_KV_CACHE_MEMORY_CPU
-        self.num_blocks = num_kv_blocks(memory, config.block_size, self.block_bytes)
+        num_residual = residual_slots(self.kv_cache_groups, self.config.max_num_seqs) if fmt.k_per_block else 0
+        self.residual_bytes = kv_residual_bytes(cfg, self.kv_cache_groups, config.block_size,
+                                                self.config.kv_cache_dtype, self.config.max_num_seqs)
+        if memory - self.residual_bytes < 2 * self.block_bytes:
+            raise LlmdError(f"--kv-cache-memory {memory} B leaves no room for blocks beside int4's open-block residual "
+                            f"({self.residual_bytes} B for --max-num-seqs {self.config.max_num_seqs}); "
+                            f"raise --kv-cache-memory or lower --max-num-seqs")
+        self.num_blocks = num_kv_blocks(memory - self.residual_bytes, config.block_size, self.block_bytes)
+        if self.residual_bytes:  # int4: the residual's share of the pool, spread over its tokens
+            self.bytes_per_token = round(self.bytes_per_token * (1 + self.residual_bytes /
+                                                                 (self.num_blocks * self.block_bytes)))
         self.kv_cache_memory = memory
         self.kv_manager = KVCacheManager(
             self.num_blocks, config.block_size, self.kv_cache_groups, enable_caching=self.config.enable_prefix_caching,
             prefix_cache_seed=self.config.prefix_cache_seed,
             model_id=f"{cfg.name}|{cfg.architecture}|{self.config.dtype}",
-            kv_cache_dtype=f"{self.config.kv_cache_dtype}|{self.config.kv_scales}|{self.config.kv_rotation}",
+            kv_cache_dtype=f"{fmt.scheme}|{self.config.kv_scales}|{self.config.kv_rotation}",
+            num_residual_slots=num_residual,
         )
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, self.config.max_prefill_chunk, self.config.max_num_waiting,
@@ -166,10 +179,17 @@ class Engine:
             self.config.kv_cache_dtype, self.config.kv_scales, self.config.attention_backend, self.kv_cache_groups,
             max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_model_len=self.max_model_len, cuda_graphs=not self.config.enforce_eager,
-            kv_rotation=self.config.kv_rotation,
+            kv_rotation=self.config.kv_rotation, residual_slots=num_residual,
         )
         self.input_processor = InputProcessor(tokenizer, cfg.vocab_size, self.max_model_len,
                                               self.config.context_overflow, self.config.keep, self.config.block_size)
+        if fmt.k_per_block:  # int4: its open-block residual is not re-rotated by a shift
+            self.input_processor.shift_refusal = ("context_overflow \"shift\" is not supported with "
+                                                  "--kv-cache-dtype int4 (its 16-bit open-block residual is not "
+                                                  "re-rotated); use \"stop\" or an int8 KV cache")
+            if self.config.context_overflow == "shift":
+                raise LlmdError("--context-overflow shift is not supported with --kv-cache-dtype int4 yet "
+                                "(use int8)")
         if self.config.context_overflow == "shift" and self.config.keep > self.input_processor.max_keep:
             raise LlmdError(f"--keep {self.config.keep} leaves no whole block of the {self.max_model_len}-token "
                             f"context to discard: at most {self.input_processor.max_keep} (or -1, the prompt)")
@@ -258,11 +278,16 @@ class Engine:
         fmt = get_format(c.kv_cache_dtype)
         scales = (f"static scales k={c.kv_scales[0]:g}, v={c.kv_scales[1]:g}" if c.kv_scales
                   else f"dynamic {str(fmt.scale_dtype).removeprefix('torch.')} scales")
-        if fmt.group_size:
+        if fmt.k_per_block:
+            scales = (f"K per channel over each {c.block_size}-token block (float16 scale + zero point), "
+                      f"V per {fmt.group_size} channels; open blocks' K in a 16-bit residual "
+                      f"({self.residual_bytes / 2**20:.1f} MiB, {self.kv_manager.num_residual_slots} slots)")
+        elif fmt.group_size:
             scales += f" per {fmt.group_size} channels"
         rotation = "" if c.kv_rotation == "none" else f", {c.kv_rotation} rotation"
         full = kv_cache_block_bytes(self.model_config, self.kv_cache_groups, c.block_size, "auto", torch.bfloat16)
-        return (f"{c.kv_cache_dtype} + {scales}{rotation}, {full / self.block_bytes:.2f}x the blocks of "
+        multiple = self.num_blocks / max(1, self.kv_cache_memory // full) if fmt.k_per_block else full / self.block_bytes
+        return (f"{c.kv_cache_dtype} + {scales}{rotation}, {multiple:.2f}x the blocks of "
                 f"16-bit; attention {c.attention_backend}")
 
     # ---- requests -----------------------------------------------------------------
@@ -592,7 +617,8 @@ class Engine:
             raise RuntimeError(f"KV pool too small for {len(ids)} tokens")
         try:
             tables = mgr.get_block_tables(rid)
-            out = [self.runner.prefill_logits(rid, ids[pos : pos + chunk], pos, tables)
+            res = mgr.residual_slots(rid)
+            out = [self.runner.prefill_logits(rid, ids[pos : pos + chunk], pos, tables, res)
                    for pos in range(start, len(ids), chunk)]
             if cache:
                 mgr.cache_blocks(rid, ids, len(ids))

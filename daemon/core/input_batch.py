@@ -139,6 +139,7 @@ class InputBatch:
             metas.append(AttentionMetadata(
                 slot_mapping=self._out(slots), block_tables=self._out(bt), query_start_loc=qsl_t, seq_lens=sl_t,
                 query_lens_cpu=qlens, seq_lens_cpu=seq_lens, block_size=bs, attn_backend=self.attention_backend,
+                residual_slots=_residual_slots(sched, g),
             ))
         return StepInputs(self._out(ids), self._out(pos), metas, logits_indices)
 
@@ -158,5 +159,13 @@ class InputBatch:
             metas.append(AttentionMetadata(
                 slot_mapping=self._out(slots), block_tables=self._out(bt), query_start_loc=qsl_t, seq_lens=sl_t,
                 query_lens_cpu=qlens, seq_lens_cpu=seq_lens, block_size=bs, attn_backend=self.attention_backend,
+                residual_slots=_residual_slots([s], g),
             ))
         return StepInputs(self._out(ids), self._out(pos), metas, logits_indices)
+
+
+def _residual_slots(sched, g: int) -> list[int] | None:
+    """Group ``g``'s int4 residual slot of each scheduled request (None without a residual)."""
+    if sched[0].residual_slots is None:
+        return None
+    return [s.residual_slots[g] for s in sched]

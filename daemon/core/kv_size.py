@@ -39,7 +39,8 @@ class KVSizeRow:
 
     Attributes:
         name: format name.
-        bytes_per_token: KV bytes per token if every layer kept every token (scales included).
+        bytes_per_token: KV bytes per token if every layer kept every token (scales included;
+            int4: the open-block residual amortized over the pool's tokens).
         bytes_per_sequence: bytes one ``context``-token sequence really holds (window bounds applied).
         num_blocks: ``floor(memory / block_bytes)``.
         sequences: full-context sequences that fit (``num_blocks / blocks per sequence``).
@@ -63,7 +64,7 @@ def kv_bytes_per_token(cfg: ModelConfig, element_bytes: int, scale_bytes: int = 
 def kv_cache_bytes_per_token(cfg: ModelConfig, kv_cache_dtype: str, model_dtype: "torch.dtype | str") -> int:
     """Bytes per token of all layers in the cache ``--kv-cache-dtype`` allocates (scales included);
     ``model_dtype``: a torch dtype or its name."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * get_format(kv_cache_dtype).head_bytes(cfg.head_dim, model_dtype)
+    return round(2 * cfg.num_layers * cfg.num_kv_heads * get_format(kv_cache_dtype).head_bytes(cfg.head_dim, model_dtype))
 
 
 def kv_block_bytes(cfg: ModelConfig, groups: list[KVCacheGroupSpec], block_size: int, element_bytes: int,
@@ -77,8 +78,24 @@ def kv_cache_block_bytes(cfg: ModelConfig, groups: list[KVCacheGroupSpec], block
                          model_dtype: "torch.dtype | str") -> int:
     """Bytes of one block of the cache ``--kv-cache-dtype`` allocates (scales included)."""
     group_size = max(len(g.layer_ids) for g in groups)
-    head = get_format(kv_cache_dtype).head_bytes(cfg.head_dim, model_dtype)
-    return block_size * 2 * group_size * cfg.num_kv_heads * head
+    head = get_format(kv_cache_dtype).block_head_bytes(cfg.head_dim, model_dtype, block_size)
+    return group_size * cfg.num_kv_heads * head
+
+
+def residual_slots(groups: list[KVCacheGroupSpec], max_num_seqs: int) -> int:
+    """Residual slots of an int4 cache: one per (running sequence, KV cache group)."""
+    return max_num_seqs * len(groups)
+
+
+def kv_residual_bytes(cfg: ModelConfig, groups: list[KVCacheGroupSpec], block_size: int, kv_cache_dtype: str,
+                      max_num_seqs: int) -> int:
+    """Bytes of the int4 cache's open-block K residual (0 for other formats): per cache tensor
+    (``group_size`` of them) :func:`residual_slots` × ``[block_size, kv_heads, head_dim]`` in 16 bits.
+    It is taken from ``--kv-cache-memory`` before the blocks are counted."""
+    if not get_format(kv_cache_dtype).k_per_block:
+        return 0
+    group_size = max(len(g.layer_ids) for g in groups)
+    return group_size * residual_slots(groups, max_num_seqs) * block_size * cfg.num_kv_heads * cfg.head_dim * 2
 
 
 def blocks_per_sequence(groups: list[KVCacheGroupSpec], num_tokens: int, block_size: int, chunk_size: int) -> int:
@@ -87,21 +104,27 @@ def blocks_per_sequence(groups: list[KVCacheGroupSpec], num_tokens: int, block_s
 
 
 def kv_size_rows(cfg: ModelConfig, context: int, memory: int, block_size: int, hybrid: bool = True,
-                 chunk_size: int = 1) -> list[KVSizeRow]:
+                 chunk_size: int = 1, max_num_seqs: int = 64) -> list[KVSizeRow]:
     """Capacity of a ``memory``-byte KV cache for each row of :data:`KV_SIZE_ROWS`.
 
     Args:
         context: tokens per sequence; memory: bytes; block_size: tokens per block.
         hybrid: group sliding-window layers apart (False: every layer keeps every token).
         chunk_size: prefill chunk in tokens for the window bound (1 = decode).
+        max_num_seqs: sizes int4's open-block residual (:func:`kv_residual_bytes`), which comes
+            out of ``memory``; int4's bytes/token then include it, amortized over the pool's
+            tokens (``(blocks · block bytes + residual) / (blocks · block_size)``).
     """
     groups = make_kv_cache_groups(cfg.layer_windows, hybrid)
     per_seq = blocks_per_sequence(groups, context, block_size, chunk_size)
     rows = []
     for name, kv_cache_dtype, model_dtype in KV_SIZE_ROWS:
         block = kv_cache_block_bytes(cfg, groups, block_size, kv_cache_dtype, model_dtype)
-        blocks = memory // block
+        residual = kv_residual_bytes(cfg, groups, block_size, kv_cache_dtype, max_num_seqs)
+        blocks = max(0, memory - residual) // block
         per_token = kv_cache_bytes_per_token(cfg, kv_cache_dtype, model_dtype)
+        if residual and blocks:  # the residual's share of the pool, spread over its tokens
+            per_token = round(per_token * (1 + residual / (blocks * block)))
         rows.append(KVSizeRow(name, per_token, block * per_seq, blocks, blocks / per_seq))
     return rows
 

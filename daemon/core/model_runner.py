@@ -52,6 +52,8 @@ class ModelRunner:
             triton backend only; elsewhere ignored). ``--enforce-eager`` turns it off.
         kv_rotation: ``--kv-rotation`` of every layer's cache ("none" / "hadamard";
             :mod:`llmd.quant.rotation`, applied by the attention ops).
+        residual_slots: int4: slots of each cache tensor's open-block K residual (the KV
+            manager's ``num_residual_slots``).
 
     Attributes:
         caches: the ``group_size`` physical caches; layer ``k`` of every group uses ``caches[k]``
@@ -71,7 +73,7 @@ class ModelRunner:
                  kv_cache_dtype: str = "auto", kv_scales: tuple[float, float] | None = None,
                  attention_backend: str = "torch", kv_cache_groups: list[KVCacheGroupSpec] | None = None,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 256, max_model_len: int = 2048,
-                 cuda_graphs: bool = False, kv_rotation: str = "none"):
+                 cuda_graphs: bool = False, kv_rotation: str = "none", residual_slots: int = 0):
         self.model = model
         self.config: ModelConfig = model.config
         self.block_size = block_size
@@ -81,8 +83,8 @@ class ModelRunner:
         self.layer_group = [placement[i][0] for i in range(self.config.num_layers)]
         shape = kv_cache_shape(self.config, num_blocks, block_size)
         fmt = get_format(kv_cache_dtype)
-        self.caches = [PagedKVCache.allocate(shape, fmt, kv_dtype, self.device, kv_scales, kv_rotation)
-                       for _ in range(group_size)]
+        self.caches = [PagedKVCache.allocate(shape, fmt, kv_dtype, self.device, kv_scales, kv_rotation,
+                                             residual_slots) for _ in range(group_size)]
         self.layer_caches = [self.caches[placement[i][1]] for i in range(self.config.num_layers)]
         self.kv_caches = [c.data for c in self.layer_caches]
         self.kv_scales = [c.scales for c in self.layer_caches]
@@ -174,6 +176,16 @@ class ModelRunner:
                 c.scales[:, dst] = c.scales[:, src]
 
     @torch.inference_mode()
+    def copy_residuals(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """int4 forks: residual slot ``src``'s 16-bit K into slot ``dst`` in every cache tensor."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        for c in self.caches:
+            c.residual[dst] = c.residual[src]
+
+    @torch.inference_mode()
     def shift_blocks(self, shifts: Sequence[BlockShift]) -> None:
         """Context shift: re-rotate each op's block keys by ``-delta`` positions in every layer of
         its KV cache group, with that layer's RoPE base (:func:`llmd.kernels.kv_shift.shift_keys`).
@@ -200,6 +212,7 @@ class ModelRunner:
         with ``sample=True`` (batch order), on the model's device (a GPU samples them there)."""
         self.shift_blocks(out.blocks_to_shift)
         self.copy_blocks(out.blocks_to_copy)
+        self.copy_residuals(out.residual_copies)
         graphs = self.decode_graphs
         if graphs is not None and graphs.accepts(out):
             step = self.host_inputs.prepare(out)  # host tensors: the padded copies go to the static buffers
@@ -224,13 +237,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill_logits(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
-                       block_tables: list[list[int]]) -> torch.Tensor:
+                       block_tables: list[list[int]], residual_slots: list[int] | None = None) -> torch.Tensor:
         """Teacher forcing: run one sequence's chunk at positions ``num_computed_tokens..`` (its
         K/V stored first, then read back: store-then-read) and return the logits of *every*
         position, ``[len(token_ids), vocab]`` float32 on CPU. ``block_tables`` (one per KV cache
-        group) must cover the chunk; nothing is sampled."""
+        group) must cover the chunk; ``residual_slots`` the request's int4 residual slots; nothing
+        is sampled."""
         step = SchedulerOutput([ScheduledRequest(request_id, list(token_ids), num_computed_tokens, block_tables,
-                                                 sample=True, is_prefill=True)])
+                                                 sample=True, is_prefill=True, residual_slots=residual_slots)])
         input_ids, positions, meta, _ = self.prepare_inputs(step)
         hidden = self.model(input_ids, positions, self.layer_caches, meta)
         return self.model.compute_logits(hidden).float().cpu()

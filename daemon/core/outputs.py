@@ -28,6 +28,8 @@ class ScheduledRequest:
         sample: True when this step reaches the end of the request's known tokens, so a new
             token is sampled from the last position's logits.
         is_prefill: True while the prompt is not fully computed.
+        residual_slots: int4 KV caches: the request's residual slot per group (the 16-bit K of
+            its open block); None otherwise.
     """
 
     request_id: str
@@ -36,6 +38,7 @@ class ScheduledRequest:
     block_tables: list[list[int]]
     sample: bool
     is_prefill: bool
+    residual_slots: list[int] | None = None
 
     @property
     def block_table(self) -> list[int]:
@@ -68,6 +71,8 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     #: context-shift re-rotations, applied before the copies and the forward
     blocks_to_shift: list[BlockShift] = field(default_factory=list)
+    #: int4 residual (src slot, dst slot) copies of forks, with the block copies
+    residual_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

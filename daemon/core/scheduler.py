@@ -166,6 +166,7 @@ class Scheduler:
             block_tables=self.kv.get_block_tables(req.request_id),
             sample=start + num_new == req.num_tokens,
             is_prefill=start < req.num_prompt_tokens,
+            residual_slots=self.kv.residual_slots(req.request_id),
         )
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
@@ -255,6 +256,7 @@ class Scheduler:
             out.scheduled.append(self._scheduled(req, num_cached, num_new))
             budget -= num_new
         out.blocks_to_copy = self.kv.take_pending_copies()
+        out.residual_copies = self.kv.take_pending_residual_copies()
         if self.pending_shifts:  # those of requests preempted or finished since are dropped
             out.blocks_to_shift = [op for rid, op in self.pending_shifts if rid in self.kv.req_to_blocks]
             self.pending_shifts = []

@@ -19,7 +19,9 @@ def check_integrity(manager: "KVCacheManager") -> None:
     block is not queued and appears only in sliding-window tables, before every real
     block (after a context-shift request's kept head blocks); every block is either queued with
     ``ref_cnt`` 0 or has ``ref_cnt`` equal to
-    the number of tables holding it; free + used == usable.
+    the number of tables holding it; free + used == usable; int4 residual slots: each
+    request holding tables holds one per group (a pin may hold none), no slot is held twice or
+    both held and free, and held + free == the pool's slots.
     """
     pool = manager.block_pool
     queue = pool.free_block_queue
@@ -61,3 +63,20 @@ def check_integrity(manager: "KVCacheManager") -> None:
         f"free ({len(free)}) + used ({used}) != usable ({pool.num_usable_blocks})"
     )
     assert manager.num_used_blocks == used, f"num_used_blocks {manager.num_used_blocks} != {used}"
+    _check_residual(manager)
+
+
+def _check_residual(manager: "KVCacheManager") -> None:
+    n = manager.num_residual_slots
+    if not n:
+        assert not manager.req_residual, "residual slots held without a residual pool"
+        return
+    held = [s for slots in manager.req_residual.values() for s in slots]
+    free = manager.free_residual_slots
+    assert len(set(held)) == len(held), "a residual slot is held twice"
+    assert not set(held) & set(free), "a residual slot is both held and free"
+    assert len(held) + len(free) == n and set(held) | set(free) == set(range(n)), (
+        f"residual slots: held ({len(held)}) + free ({len(free)}) != {n}")
+    for rid, slots in manager.req_residual.items():
+        assert rid in manager.req_to_blocks, f"{rid!r} holds residual slots but no block tables"
+        assert len(slots) == manager.num_groups, f"{rid!r} holds {len(slots)} residual slots"

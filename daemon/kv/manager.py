@@ -15,6 +15,12 @@ reference counted; a shared, partly filled block is copied on write before a req
 appends to it (parallel sampling), the copies being queued in :attr:`pending_copies` for
 the runner.
 
+int4 KV caches (KIVI) keep each sequence's open block's K in a 16-bit *residual*: with
+``num_residual_slots`` > 0 every request holding tables holds one residual slot per group
+(:attr:`req_residual`), taken when its tables are created (allocation fails, allocating nothing,
+when no slot is free), copied for a fork (:attr:`pending_residual_copies`, for the runner) and
+released with its blocks (:meth:`free`: finish, abort, preemption).
+
 Pure bookkeeping: nothing here touches tensors.
 """
 
@@ -36,13 +42,14 @@ class KVCacheManager:
         enable_caching: prefix caching on.
         prefix_cache_seed: seed of the chain root hash (None: random per manager).
         model_id, kv_cache_dtype: extra keys of every block hash.
+        num_residual_slots: int4 residual slots (0: the format has none).
 
     Raises ``ValueError`` for out-of-range arguments.
     """
 
     def __init__(self, num_blocks: int, block_size: int, groups: list[KVCacheGroupSpec] | None = None,
                  enable_caching: bool = False, prefix_cache_seed: int | None = None, model_id: str = "",
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", num_residual_slots: int = 0) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
         self.block_size = block_size
@@ -62,6 +69,10 @@ class KVCacheManager:
         # requests whose later blocks hold shifted K (never registered in the prefix cache)
         self.req_keep_blocks: dict[str, int] = {}
         self.shifted: set[str] = set()
+        self.num_residual_slots = num_residual_slots
+        self.free_residual_slots: list[int] = list(range(num_residual_slots - 1, -1, -1))  # popped from the end
+        self.req_residual: dict[str, list[int]] = {}  # request_id -> its residual slot per group
+        self.pending_residual_copies: list[tuple[int, int]] = []  # fork: (src slot, dst slot) for the runner
         self.prefix_cache_queries = 0  # prompt tokens looked up (tokens)
         self.prefix_cache_hits = 0  # of which served from the cache (tokens)
 
@@ -184,6 +195,8 @@ class KVCacheManager:
         cow = self._cow_positions(request_id, num_computed_tokens)
         if num_new + touched_free + len(cow) > self.num_free_blocks:
             return None
+        if not self._take_residual(request_id):
+            return None
         if new_computed_blocks is not None:
             tables = [[b if b is not None else self.block_pool.null_block for b in t] for t in new_computed_blocks]
             for t in tables:
@@ -205,6 +218,25 @@ class KVCacheManager:
             new_ids.extend(b.block_id for b in blocks)
         return new_ids
 
+    def _take_residual(self, request_id: str) -> bool:
+        """Give a request its residual slots (one per group) if it needs them and has none;
+        False (nothing taken) when too few are free."""
+        if not self.num_residual_slots or request_id in self.req_residual:
+            return True
+        if len(self.free_residual_slots) < self.num_groups:
+            return False
+        self.req_residual[request_id] = [self.free_residual_slots.pop() for _ in self.groups]
+        return True
+
+    def residual_slots(self, request_id: str) -> list[int] | None:
+        """The request's residual slot per group (int4 caches), or None."""
+        return self.req_residual.get(request_id)
+
+    def take_pending_residual_copies(self) -> list[tuple[int, int]]:
+        """Residual (src slot, dst slot) copies queued by forks since the last call."""
+        out, self.pending_residual_copies = self.pending_residual_copies, []
+        return out
+
     def _cow_positions(self, request_id: str, num_computed_tokens: int | None) -> list[tuple[int, int]]:
         """(group, table index) of shared partly filled blocks the next token would write into."""
         tables = self.req_to_blocks.get(request_id)
@@ -213,16 +245,21 @@ class KVCacheManager:
         i = num_computed_tokens // self.block_size
         return [(g, i) for g, t in enumerate(tables) if i < len(t) and t[i].ref_cnt > 1]
 
-    def fork(self, parent_id: str, child_id: str, share: bool = True) -> None:
+    def fork(self, parent_id: str, child_id: str, share: bool = True, residual: bool = True) -> None:
         """Give ``child_id`` the parent's block tables, sharing every block (ref count +1);
         the first append into a shared partial block copies it (parallel sampling, beams).
 
         ``share=False`` (the beam benchmark's baseline without sharing) gives the child fresh
         blocks instead, each queued in :attr:`pending_copies` from the parent's. Raises
         ``ValueError`` if the child has tables already, ``RuntimeError`` if the pool cannot
-        hold the copies (nothing allocated then)."""
+        hold the copies (nothing allocated then). With int4 residual slots the child gets its own,
+        a copy of the parent's (``residual=False``: none, for a pin that only keeps full blocks;
+        ``RuntimeError`` when none is free)."""
         if child_id in self.req_to_blocks:
             raise ValueError(f"request {child_id!r} already has block tables")
+        parent_res = self.req_residual.get(parent_id) if residual else None
+        if parent_res is not None and len(self.free_residual_slots) < self.num_groups:
+            raise RuntimeError(f"no free int4 residual slot for {child_id!r}")
         tables = [list(t) for t in self.req_to_blocks[parent_id]]
         if not share:
             real = [(g, i) for g, t in enumerate(tables) for i, b in enumerate(t) if not b.is_null]
@@ -234,6 +271,9 @@ class KVCacheManager:
         else:
             for t in tables:
                 self.block_pool.touch(t)
+        if parent_res is not None:
+            self._take_residual(child_id)
+            self.pending_residual_copies.extend(zip(parent_res, self.req_residual[child_id]))
         self.req_to_blocks[child_id] = tables
         if parent_id in self.shifted:
             self.shifted.add(child_id)
@@ -312,6 +352,7 @@ class KVCacheManager:
             d.pop(request_id, None)
         self.shifted.discard(request_id)
         self.req_keep_blocks.pop(request_id, None)
+        self.free_residual_slots.extend(reversed(self.req_residual.pop(request_id, ())))
         for table in tables or ():
             self.block_pool.free_blocks(reversed(table))
 

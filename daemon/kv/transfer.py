@@ -71,7 +71,7 @@ def pin_blocks(manager: KVCacheManager, request_id: str, pin_id: str) -> bool:
     Raises ``ValueError`` if ``pin_id`` already holds tables."""
     if request_id not in manager.req_to_blocks:
         return False
-    manager.fork(request_id, pin_id)
+    manager.fork(request_id, pin_id, residual=False)
     return True
 
 

@@ -1,5 +1,5 @@
 """``llmd kv-size`` (and ``--total-memory``) without torch: a fresh process in which importing
-torch, numpy, gguf or transformers raises prints the same table as before the KV formats became
+torch, numpy, gguf, transformers or bitsandbytes raises prints the same table as before the KV formats became
 torch-free (the figures below are today's, copied from its output for SmolLM2 and Gemma 3), and
 imports no other command's module (the CLI loads commands lazily)."""
 
@@ -16,11 +16,12 @@ import torch
 from llmd.daemon.core.kv_size import KV_SIZE_ROWS, kv_cache_block_bytes, kv_cache_bytes_per_token, kv_size_rows
 from llmd.daemon.kv import make_kv_cache_groups
 from llmd.models.presets import preset_config
+from llmd.models.weight_bytes import cpu_has_avx512_bf16
 from llmd.quant.kv_format import ITEMSIZE, KV_CACHE_FORMATS
 
 KV_SIZE_IN_A_BARE_PROCESS = textwrap.dedent("""
     import sys
-    for name in ("torch", "numpy", "gguf", "transformers"):
+    for name in ("torch", "numpy", "gguf", "transformers", "bitsandbytes"):
         sys.modules[name] = None  # any import of these now raises
     from llmd.daemon.cli.main import main
     for args in sys.argv[1:]:
@@ -36,7 +37,7 @@ float32           46,080     377,487,360       728        1.42     0.50x
 bf16/fp16         23,040     188,743,680      1456        2.84     1.00x
 fp8               12,240     100,270,080      2741        5.35     1.88x
 int8              12,240     100,270,080      2741        5.35     1.88x
-int4               7,200      58,982,400      4660        9.10     3.20x
+int4               8,098      64,880,640      4143        8.09     2.85x
 """
 SMOLLM2_TOTAL_MEMORY = """\
 --weight-quant   weights MiB    KV MiB  sequences
@@ -45,6 +46,9 @@ auto                     347      1701       9.45
 gguf                     144      1904      10.57
 int8                     183      1865      10.36
 """
+# nf4: bitsandbytes' CPU layout keeps a bfloat16 absmax per 64 weights on an AVX512-BF16 CPU, float32 elsewhere
+SMOLLM2_NF4 = {True: "nf4                      122      1926      10.70",
+               False: "nf4                      126      1922      10.68"}
 GEMMA3_ROWS = ("bf16/fp16         18,432     108,773,376     10922        4.94     1.00x",  # hybrid KV cache groups
                "bf16/fp16         18,432     603,979,776      1820        0.89     1.00x")  # every layer global
 
@@ -62,7 +66,8 @@ def test_kv_size_imports_no_torch_and_prints_todays_numbers(tmp_path, smollm2_pa
     out = kv_size_without_torch(tmp_path, "", "--total-memory 2GiB", "--model random:qwen3-0.6b")
     assert SMOLLM2_TABLE in out
     assert SMOLLM2_TOTAL_MEMORY in out
-    assert "int4              35,840   1,468,006,400       936        0.37     3.21x" in out  # random:qwen3-0.6b
+    assert SMOLLM2_TOTAL_MEMORY.splitlines()[-1] + "\n" + SMOLLM2_NF4[cpu_has_avx512_bf16()] in out
+    assert "int4              44,266   1,614,807,040       758        0.30     2.60x" in out  # random:qwen3-0.6b (int4: its 64-sequence residual out of the 512 MiB)
 
 
 def test_kv_size_gemma3_without_torch(tmp_path, gemma3_path):
@@ -89,4 +94,8 @@ def test_dtype_names_and_torch_dtypes_give_the_same_bytes(kv):
         assert kv_cache_block_bytes(cfg, groups, 16, kv, name) == kv_cache_block_bytes(cfg, groups, 16, kv, dtype)
     rows = {r.name: r for r in kv_size_rows(cfg, 4096, 2**30, 16)}
     for row_name, kv_dtype, model_dtype in KV_SIZE_ROWS:
-        assert rows[row_name].bytes_per_token == kv_cache_bytes_per_token(cfg, kv_dtype, getattr(torch, model_dtype))
+        per_token = kv_cache_bytes_per_token(cfg, kv_dtype, getattr(torch, model_dtype))
+        if kv_dtype == "int4":  # plus its residual, amortized over the pool
+            assert per_token < rows[row_name].bytes_per_token < 1.1 * per_token
+        else:
+            assert rows[row_name].bytes_per_token == per_token
