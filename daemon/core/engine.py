@@ -37,8 +37,13 @@ from llmd.daemon.core.gpu_memory import activation_bytes, cuda_kv_cache_bytes
 from llmd.daemon.core.grammar import GrammarCompiler, GrammarState
 from llmd.daemon.core.input_processor import InputProcessor, ProcessedPrompt, Prompt
 from llmd.daemon.core.kv_exchange import KVExchange
-from llmd.daemon.core.kv_size import (group_summary, kv_cache_block_bytes, kv_cache_bytes_per_token,
-                                     kv_residual_bytes, residual_slots)
+from llmd.daemon.core.kv_size import (
+    group_summary,
+    kv_cache_block_bytes,
+    kv_cache_bytes_per_token,
+    kv_residual_bytes,
+    residual_slots,
+)
 from llmd.daemon.core.model_runner import ModelRunner
 from llmd.daemon.core.outputs import RequestOutput, SchedulerOutput, TokenLogprobs
 from llmd.daemon.core.parallel import ParallelRequests, sampling_rows
@@ -286,7 +291,8 @@ class Engine:
             scales += f" per {fmt.group_size} channels"
         rotation = "" if c.kv_rotation == "none" else f", {c.kv_rotation} rotation"
         full = kv_cache_block_bytes(self.model_config, self.kv_cache_groups, c.block_size, "auto", torch.bfloat16)
-        multiple = self.num_blocks / max(1, self.kv_cache_memory // full) if fmt.k_per_block else full / self.block_bytes
+        multiple = (self.num_blocks / max(1, self.kv_cache_memory // full) if fmt.k_per_block
+                    else full / self.block_bytes)
         return (f"{c.kv_cache_dtype} + {scales}{rotation}, {multiple:.2f}x the blocks of "
                 f"16-bit; attention {c.attention_backend}")
 

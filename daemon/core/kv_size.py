@@ -64,7 +64,8 @@ def kv_bytes_per_token(cfg: ModelConfig, element_bytes: int, scale_bytes: int = 
 def kv_cache_bytes_per_token(cfg: ModelConfig, kv_cache_dtype: str, model_dtype: "torch.dtype | str") -> int:
     """Bytes per token of all layers in the cache ``--kv-cache-dtype`` allocates (scales included);
     ``model_dtype``: a torch dtype or its name."""
-    return round(2 * cfg.num_layers * cfg.num_kv_heads * get_format(kv_cache_dtype).head_bytes(cfg.head_dim, model_dtype))
+    head = get_format(kv_cache_dtype).head_bytes(cfg.head_dim, model_dtype)
+    return round(2 * cfg.num_layers * cfg.num_kv_heads * head)
 
 
 def kv_block_bytes(cfg: ModelConfig, groups: list[KVCacheGroupSpec], block_size: int, element_bytes: int,

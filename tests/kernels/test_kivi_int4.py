@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kivi_steps import BS, make_seqs, oracle, run_steps
 
 from llmd.quant.kv import dequantize_k_blocks, quantize_k_blocks, unpack_int4
-from kivi_steps import BS, make_seqs, oracle, run_steps
 
 LENGTHS = [1, 16, 37, 70]  # a context of 1, one full block, non-multiples of the block size
 
