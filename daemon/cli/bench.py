@@ -61,15 +61,27 @@ def bench_single(formats, prompt_len, decode, repeats, weight_quant, **engine_kw
               help="Also run HF transformers with fake-quantized K/V (loads the HF model, in --dtype).")
 @click.option("--cached-prefix", default=0, show_default=True, type=int,
               help="Serve this many leading tokens from the prefix cache (a first request computes them); 0 = off.")
+@click.option("--text", "text_name", type=click.Choice(["short", "long"]), default="short", show_default=True,
+              help="short: the ~1,000-token Q1/Q4 text; long: it plus original prose (>= 2,000 tokens).")
+@click.option("--jitter-runs", default=0, show_default=True, type=int,
+              help="Report ΔNLL/top-1 as mean ± sd over N runs, each with the float32 embedding table "
+                   "jittered by a relative 1e-6 (needs --dtype float32); 0 = one plain run.")
 @engine_options
 @one_line_errors
-def bench_kv_quality(chunk, hf_reference, cached_prefix, kv_cache_dtype, **engine_kw):
-    """Teacher-forced ΔNLL and top-1 agreement per KV dtype on a fixed ~1,000-token text (cases Q1/Q4).
+def bench_kv_quality(chunk, hf_reference, cached_prefix, text_name, jitter_runs, kv_cache_dtype, **engine_kw):
+    """Teacher-forced ΔNLL and top-1 agreement per KV dtype on a fixed text (cases Q1/Q4; ~1,000 tokens, --text long >= 2,000).
 
     Every quantized dtype runs without and with --kv-rotation hadamard unless --kv-rotation is
     given; --kv-cache-dtype other than auto keeps only that dtype's rows (and the auto base)."""
     from llmd.daemon.bench.kv_quality import BENCH_KV_DTYPES, ROTATIONS, format_table, hf_reference_table, kv_quality
-    from llmd.daemon.bench.kv_quality_text import QUALITY_TEXT
+    from llmd.daemon.bench.kv_quality_text import LONG_QUALITY_TEXT, QUALITY_TEXT
+
+    if jitter_runs < 0:
+        raise LlmdError(f"--jitter-runs must be >= 0, got {jitter_runs}")
+    if jitter_runs and engine_kw.get("dtype") != "float32":
+        raise LlmdError("--jitter-runs needs --dtype float32 (a 1e-6 jitter rounds away in 16 bits)")
+    if jitter_runs and hf_reference:
+        raise LlmdError("--jitter-runs and --hf-reference: choose one (the HF reference is not jittered)")
 
     kv_scales = engine_kw.pop("kv_scales", None)  # for the quantized rows (the first engine is auto)
     rotation = engine_kw.pop("kv_rotation", None)
@@ -84,7 +96,7 @@ def bench_kv_quality(chunk, hf_reference, cached_prefix, kv_cache_dtype, **engin
     if cached_prefix < 0:
         raise LlmdError(f"--cached-prefix must be >= 0 tokens, got {cached_prefix}")
     engine = build_engine(**engine_kw)
-    ids = engine.input_processor.tokenize(QUALITY_TEXT)
+    ids = engine.input_processor.tokenize(LONG_QUALITY_TEXT if text_name == "long" else QUALITY_TEXT)
     kw = {k: getattr(engine.config, k)
           for k in ("device", "dtype", "block_size", "kv_cache_memory", "attention_backend", "threads")}
     t0 = time.monotonic()
@@ -92,14 +104,22 @@ def bench_kv_quality(chunk, hf_reference, cached_prefix, kv_cache_dtype, **engin
         raise LlmdError(f"--cached-prefix must be in [0, {len(ids)}) tokens, got {cached_prefix}")
     if cached_prefix and not engine.config.enable_prefix_caching:
         raise LlmdError("--cached-prefix needs prefix caching (drop --no-prefix-caching)")
-    rows = kv_quality(engine.runner.model, engine.tokenizer, ids, kv_dtypes, chunk, cached_prefix, kv_scales,
-                      rotations, **kw)
+    if jitter_runs:
+        from llmd.daemon.bench.kv_quality_runs import format_stats, jitter_runs as run_jittered
+
+        stats = run_jittered(engine.runner.model, engine.tokenizer, ids, jitter_runs, kv_dtypes=kv_dtypes, chunk=chunk,
+                             cached_prefix=cached_prefix, kv_scales=kv_scales, rotations=rotations, **kw)
+        table = format_stats(stats)
+    else:
+        rows = kv_quality(engine.runner.model, engine.tokenizer, ids, kv_dtypes, chunk, cached_prefix, kv_scales,
+                          rotations, **kw)
+        table = format_table(rows)
     bs = engine.config.block_size
     served = f", first {cached_prefix // bs * bs} from the prefix cache" if cached_prefix else ""
     served += f", static KV scales k={kv_scales[0]:g} v={kv_scales[1]:g}" if kv_scales else ""
     click.echo(f"{engine.model_config.name}: {len(ids)} tokens{served}, chunks of {chunk}, {engine.config.dtype} "
                f"weights, attention {engine.config.attention_backend} ({time.monotonic() - t0:.0f} s)")
-    for line in format_table(rows):
+    for line in table:
         click.echo(line)
     if hf_reference:
         for line in hf_reference_table(engine, ids, rows):
