@@ -98,10 +98,12 @@ def engine_options(fn):
         click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]),
                      default="auto", show_default=True,
                      help="KV cache storage: auto = model dtype; 8-bit formats keep float32 scales per "
-                          "(token, KV head); int4 packs two codes per byte with a float16 scale per 16 channels."),
+                          "(token, KV head); int4 packs two codes per byte: K per channel over each "
+                          "16-token block (KIVI; the open block's K in 16 bits), V with a float16 scale "
+                          "per 16 channels."),
         click.option("--kv-rotation", type=click.Choice(["none", "hadamard"]), default=None,
                      help="Rotate K (after RoPE) per head by a Walsh-Hadamard matrix before quantizing "
-                          "(the query is rotated to match; default: hadamard for int8/int4)."),
+                          "(the query is rotated to match; default: hadamard for int8)."),
         click.option("--kv-scales", default=None, callback=parse_kv_scales_option,
                      help="Static per-tensor KV scales k,v (vLLM convention: stored = x / scale); default: dynamic."),
         click.option("--attention-backend", type=click.Choice(["cpu", "torch", "triton"]), default=None,

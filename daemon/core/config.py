@@ -18,7 +18,7 @@ CONTEXT_OVERFLOW_CHOICES = ("stop", "shift")  # --context-overflow (llama.cpp: -
 DEFAULT_KV_CACHE_MEMORY_CPU = 512 * 1024**2  # bytes
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
 #: --kv-rotation when not given, per --kv-cache-dtype (README "Quantized KV cache": measured wins)
-DEFAULT_KV_ROTATION = {"int8": "hadamard", "int4": "hadamard"}
+DEFAULT_KV_ROTATION = {"int8": "hadamard"}  # int4 (KIVI K per channel): none measured better (README)
 MAX_NUM_SEQS_CPU, MAX_NUM_SEQS_CUDA = 64, 256
 
 
@@ -52,7 +52,7 @@ class EngineConfig:
         kv_cache_dtype: "auto" (model dtype), "int8", "fp8_e4m3", "fp8_e5m2", "int4" (``llmd.quant.kv``).
         kv_rotation: "none" or "hadamard" (``llmd.quant.rotation``: K after RoPE stored rotated
             by a normalized Walsh-Hadamard matrix, the query too); ``None`` = :data:`DEFAULT_KV_ROTATION`
-            of the KV dtype (hadamard for int8 and int4, none otherwise).
+            of the KV dtype (hadamard for int8, none otherwise).
         kv_scales: static (k_scale, v_scale) per-tensor KV scales; ``None`` = dynamic scales.
         attention_backend: "cpu" (the fast batched CPU path) / "torch" (``kernels/reference.py``,
             the pure-torch oracle) / "triton"; ``None`` = triton on CUDA, cpu on CPU (torch with
