@@ -89,6 +89,15 @@ def check_slots_cover(slots: dict, params: dict[str, torch.Tensor]) -> None:
             raise GGUFLoadError(f"llmd parameter {name} rows {sorted(ranges)} do not tile [0, {params[name].shape[0]})")
 
 
+def cache_mode(weight_quant: str, device) -> str:
+    """``weight_quant`` as the weights cache's key sees it: bitsandbytes layers depend on the device
+    (layout, int8 backend), so those modes carry its type (``nf4@cpu``)."""
+    from llmd.models.weight_quant import uses_bnb
+
+    dev = torch.device(device).type
+    return f"{weight_quant}@{dev}" if uses_bnb(weight_quant, dev) else weight_quant
+
+
 def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                weight_quant: str = "none", keep_dense: bool = False, weights_cache: bool = False,
                cache_dir: str | None = None):
@@ -115,7 +124,7 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torc
         from llmd.models.header_cache import header_info
 
         info = header_info(path, cache_dir)
-        key = wc.cache_key(path, info.data_offset, dtype, weight_quant, keep_dense)
+        key = wc.cache_key(path, info.data_offset, dtype, cache_mode(weight_quant, device), keep_dense)
         model = wc.load_cached(model_class(info.config.architecture), info.config, dtype, key, cache_dir)
         if model is not None:
             return model.to(device).eval(), info.config
@@ -146,7 +155,7 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torc
     from llmd.models.weight_quant import quantize_linears
 
     model.weight_quant_summary = quantize_linears(model, {t.name: t for t in reader.tensors}, weight_quant,
-                                                  keep_dense=keep_dense)
+                                                  keep_dense=keep_dense, device=torch.device(device).type)
     if key is not None:
         wc.store(model, key, cache_dir)
     model.to(device).eval()

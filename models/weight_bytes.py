@@ -11,9 +11,31 @@ from __future__ import annotations
 GROUP = 32  # the int4 kernels' group size (llmd.quant.gguf_packs.GROUP)
 INT4_TYPES = frozenset({2, 3, 12})  # Q4_0, Q4_1, Q4_K
 INT8_TYPES = frozenset({8})  # Q8_0
+BNB_BLOCK, BNB_TILE = 64, 32  # bitsandbytes' 4-bit block, and the row tile of its CPU layout (llmd.quant.bnb_linear)
 
 
-def weight_bytes(tensors: dict, layer_tensors: dict, mode: str, elem_bytes: int, keep_dense: bool = False) -> int:
+def bnb_4bit_bytes(n: int, k: int, cpu_layout: bool) -> int:
+    """Bytes of an ``[n, k]`` weight in bitsandbytes NF4/FP4 (:mod:`llmd.quant.bnb_linear`): half a
+    byte per weight plus one absmax per 64 weights, float32 (bitsandbytes' format; no double
+    quantization), or bfloat16 in its AVX512-BF16 CPU layout (``cpu_layout``, which needs
+    ``n % 32 == 0`` and ``k % 64 == 0``; other shapes stay in the float32 format)."""
+    blocks = -(-n * k // BNB_BLOCK)
+    absmax = 2 if cpu_layout and n % BNB_TILE == 0 and k % BNB_BLOCK == 0 else 4
+    return (n * k + 1) // 2 + blocks * absmax
+
+
+def cpu_has_avx512_bf16() -> bool:
+    """Whether ``/proc/cpuinfo`` lists ``avx512_bf16`` (torch-free: what selects bitsandbytes' CPU
+    layout, whose own probe is its native ``has_avx512bf16_cpu``); False where the file is absent."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " avx512_bf16" in line for line in f)
+    except OSError:
+        return False
+
+
+def weight_bytes(tensors: dict, layer_tensors: dict, mode: str, elem_bytes: int, keep_dense: bool = False,
+                 bnb_cpu_layout: bool = False) -> int:
     """Bytes :func:`quantize_linears` leaves in memory for ``mode``, from GGUF tensor infos alone.
 
     Args:
@@ -22,9 +44,12 @@ def weight_bytes(tensors: dict, layer_tensors: dict, mode: str, elem_bytes: int,
             ``(fused module, part)``): parts of one fused projection are one layer, as at load.
         mode: one of :data:`WEIGHT_QUANT_MODES`; elem_bytes: the model dtype's bytes (2 for bfloat16).
         keep_dense: packed layers keep their dense weights too (``--weight-quant auto``).
+        bnb_cpu_layout: ``nf4`` / ``fp4`` layers in bitsandbytes' CPU layout (a bfloat16 model on an
+            AVX512-BF16 CPU), see :func:`bnb_4bit_bytes`.
     Returns:
         Weight bytes (int4 packs: K/2 bytes per row and a (scale, zero) pair per 32; int8: K
-        bytes per row and one scale; dense: ``elem_bytes`` per element), embedding table included.
+        bytes per row and one scale; nf4 / fp4: :func:`bnb_4bit_bytes`; dense: ``elem_bytes``
+        per element), embedding table included.
     """
     groups: dict = {}
     total = 0
@@ -49,6 +74,8 @@ def weight_bytes(tensors: dict, layer_tensors: dict, mode: str, elem_bytes: int,
         extra = n * k * elem_bytes if keep_dense and key != "lm_head" else 0  # a tied head reuses the table
         if mode == "none":
             total += n * k * elem_bytes
+        elif mode in ("nf4", "fp4"):
+            total += bnb_4bit_bytes(n, k, bnb_cpu_layout)
         elif mode == "gguf" and types <= INT4_TYPES and k % GROUP == 0 and n % 16 == 0:
             total += n * k // 2 + n * (k // GROUP) * 2 * elem_bytes + extra
         elif mode == "int8" or types <= INT8_TYPES or head:

@@ -7,10 +7,16 @@ Modes (CPU; the packs are torch's CPU kernels, see :mod:`llmd.quant.packed_linea
   Q8_0 → int8 per output row (re-quantized: torch has no grouped int8 kernel). A fused
   projection is packed only when all its parts are of one family; anything else (Q5_0, Q6_K,
   F16, mixed parts) stays dense and is listed in the summary.
-* ``int8``: every linear re-quantized to symmetric per-row int8 from its float32 dequantization.
+* ``int8``: every linear re-quantized to symmetric per-row int8 from its float32 dequantization
+  (torch's kernel on a CPU; on CUDA bitsandbytes' LLM.int8(), :class:`~llmd.quant.bnb_linear.BnbLinear`).
+* ``nf4`` / ``fp4``: every linear re-quantized by bitsandbytes to 4-bit NF4 / FP4 blocks of 64
+  with a float32 absmax each (:mod:`llmd.quant.bnb_linear`; on an AVX512-BF16 CPU in bitsandbytes'
+  CPU layout with bfloat16 absmax), on CPU and CUDA. The GGUF's 4-bit weights are quantized a
+  second time, so the error compounds (README "Weights": the measured ΔNLL).
 
 The lm_head (tied to the embedding in SmolLM2 and Gemma 3) is packed too: int4 when its tensor
-is a 4-bit type, else per-row int8; the embedding lookup keeps the dense table. With
+is a 4-bit type, else per-row int8 (``nf4`` / ``fp4``: in that format); the embedding lookup keeps
+the dense table. With
 ``keep_dense`` every packed layer also keeps its dense weight for batches of more than
 ``SMALL_BATCH`` rows (see the measurements there), costing the packs' bytes on top of the
 dense model.
@@ -26,15 +32,21 @@ from torch import nn
 
 from llmd.models.errors import GGUFLoadError
 from llmd.models.weight_bytes import weight_bytes  # noqa: F401  (re-exported: its home before)
+from llmd.quant import bnb_linear
+from llmd.quant.bnb_linear import BnbLinear
 from llmd.quant.gguf_packs import GROUP, INT4_TYPES, INT8_TYPES, int4_codes, int8_rows
 from llmd.quant.packed_linear import PackedLinear, pack_int4, pack_int8
 
-WEIGHT_QUANT_MODES = ("none", "gguf", "int8")
+WEIGHT_QUANT_MODES = ("none", "gguf", "int8", "nf4", "fp4")
+BNB_4BIT_MODES = ("nf4", "fp4")  # through bitsandbytes on every device
 
 
 @dataclass
 class WeightQuantSummary:
-    """What :func:`quantize_linears` did: layer counts per kind, the dense ones by name, bytes."""
+    """What :func:`quantize_linears` did: layer counts per kind, the dense ones by name, bytes.
+
+    ``bnb``: layers run by bitsandbytes (``nf4`` / ``fp4``, CUDA ``int8``), ``layouts`` their
+    layouts ("cpu" / "plain", :mod:`llmd.quant.bnb_linear`)."""
 
     mode: str
     int4: int = 0
@@ -42,12 +54,20 @@ class WeightQuantSummary:
     dense: list[str] = field(default_factory=list)
     pack_bytes: int = 0
     dense_bytes: int = 0
+    bnb: int = 0
+    layouts: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
-        """One line for the startup message, e.g. ``weights gguf: 210 int4 + 1 int8 layers, 71 MiB``."""
+        """One line for the startup message, e.g. ``weights gguf: 210 int4 + 1 int8 layers, 71 MiB``
+        or ``weights nf4 (bitsandbytes, cpu layout): 211 nf4 layers, 72 MiB + 54 MiB dense``."""
         if self.mode == "none":
             return f"weights dense ({self.dense_bytes / 2**20:.0f} MiB)"
-        text = f"weights {self.mode}: {self.int4} int4 + {self.int8} int8 layers, {self.pack_bytes / 2**20:.0f} MiB"
+        if self.bnb:
+            kind = "int8" if self.mode == "int8" else self.mode
+            text = (f"weights {self.mode} (bitsandbytes, {'+'.join(self.layouts)} layout): {self.bnb} {kind} layers, "
+                    f"{self.pack_bytes / 2**20:.0f} MiB")
+        else:
+            text = f"weights {self.mode}: {self.int4} int4 + {self.int8} int8 layers, {self.pack_bytes / 2**20:.0f} MiB"
         if self.dense_bytes:
             text += f" + {self.dense_bytes / 2**20:.0f} MiB dense"
         if self.dense:
@@ -87,18 +107,38 @@ def _pack(model, parts, k: int, mode: str, dtype: torch.dtype):
     return None
 
 
-def quantize_linears(model: nn.Module, tensors: dict, mode: str, *, keep_dense: bool = False) -> WeightQuantSummary:
-    """Swap the linear layers (and the lm_head) of a loaded GGUF model for :class:`PackedLinear`.
+def _bnb_layer(model, parts, k: int, mode: str, dtype: torch.dtype, device: str, sizes=None):
+    """A :class:`BnbLinear` of ``mode`` ("nf4" / "fp4", or "int8" for CUDA) from the float32
+    dequantization of the GGUF tensors ``parts`` (stacked by rows)."""
+    w = np.concatenate([_dequantized(model, name, t) for name, t, _ in parts])
+    if mode == "int8":
+        return BnbLinear(k, w.shape[0], "int8", *bnb_linear.quantize_int8(w), sizes=sizes)
+    layout = bnb_linear.layout_for(w.shape[0], k, dtype, device)
+    packed, scales = bnb_linear.quantize_4bit(torch.from_numpy(w), mode, layout)
+    return BnbLinear(k, w.shape[0], mode, packed, scales, layout, sizes)
+
+
+def uses_bnb(mode: str, device: str) -> bool:
+    """Whether ``mode`` on ``device`` ("cpu" / "cuda...") goes through bitsandbytes."""
+    return mode in BNB_4BIT_MODES or (mode == "int8" and not device.startswith("cpu"))
+
+
+def quantize_linears(model: nn.Module, tensors: dict, mode: str, *, keep_dense: bool = False,
+                     device: str = "cpu") -> WeightQuantSummary:
+    """Swap the linear layers (and the lm_head) of a loaded GGUF model for :class:`PackedLinear`
+    (torch's CPU kernels) or :class:`~llmd.quant.bnb_linear.BnbLinear` (bitsandbytes).
 
     Args:
         model: a model :func:`~llmd.models.gguf_loader.load_model` filled (on the CPU).
         tensors: GGUF tensor name → ``GGUFReader`` tensor, for the file it was loaded from.
         mode: one of :data:`WEIGHT_QUANT_MODES`.
-        keep_dense: keep each packed layer's dense weight for larger batches.
+        keep_dense: keep each packed layer's dense weight for larger batches (torch packs only).
+        device: where the model will run ("cpu" / "cuda..."): picks bitsandbytes for ``int8`` off
+            the CPU and the 4-bit layout (:func:`~llmd.quant.bnb_linear.layout_for`).
     Returns:
         A :class:`WeightQuantSummary`. The model computes in its parameters' dtype throughout.
     Raises:
-        GGUFLoadError: unknown mode.
+        GGUFLoadError: unknown mode, or bitsandbytes needed and not importable.
     """
     if mode not in WEIGHT_QUANT_MODES:
         raise GGUFLoadError(f"--weight-quant must be one of {', '.join(WEIGHT_QUANT_MODES)}, got {mode!r}")
@@ -106,6 +146,14 @@ def quantize_linears(model: nn.Module, tensors: dict, mode: str, *, keep_dense: 
     if mode == "none":
         summary.dense_bytes = sum(p.nbytes for p in model.parameters())
         return summary
+    bnb = uses_bnb(mode, str(device))
+    if bnb:
+        from llmd.quant.bnb import import_bitsandbytes
+
+        try:
+            import_bitsandbytes()
+        except ImportError as e:
+            raise GGUFLoadError(f"--weight-quant {mode}: {e}") from None
     by_param: dict[str, list] = {}
     for name, slot in model.gguf_tensor_map().items():
         rows = slot.rows or (0, None)
@@ -116,6 +164,11 @@ def quantize_linears(model: nn.Module, tensors: dict, mode: str, *, keep_dense: 
         names = [n for _, n in sorted(by_param.get(f"{mod_name}.weight", []))]
         sizes = getattr(mod, "sizes", None) or [mod.out_features]
         parts = [(n, tensors[n], rows) for n, rows in zip(names, sizes)]  # rows of each part, in row order
+        if bnb and parts:
+            model.set_submodule(mod_name, _bnb_layer(model, parts, mod.in_features, mode, dtype, str(device),
+                                                     getattr(mod, "sizes", None)))
+            summary.bnb += 1
+            continue
         packed = _pack(model, parts, mod.in_features, mode, dtype) if parts else None
         if packed is None:
             summary.dense.append(mod_name)
@@ -127,18 +180,25 @@ def quantize_linears(model: nn.Module, tensors: dict, mode: str, *, keep_dense: 
         setattr(summary, kind, getattr(summary, kind) + 1)
     head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     w = model.embed_tokens.weight if model.lm_head is None else model.lm_head
-    kind, packs = _pack(model, [(head, tensors[head], w.shape[0])], w.shape[1], mode, dtype) or \
-        _pack(model, [(head, tensors[head], w.shape[0])], w.shape[1], "int8", dtype)
     tied = model.lm_head is None  # a tied head's dense table stays anyway (the lookup): batches use it
-    model.logits_proj = PackedLinear(w.shape[1], w.shape[0], **{kind: packs},
-                                     dense=w.data if keep_dense or tied else None)
-    setattr(summary, kind, getattr(summary, kind) + 1)
+    head_parts = [(head, tensors[head], w.shape[0])]
+    if bnb:  # the head in the same format: no dense path for batches, so every logit is the format's
+        model.logits_proj = _bnb_layer(model, head_parts, w.shape[1], mode, dtype, str(device))
+        summary.bnb += 1
+    else:
+        kind, packs = _pack(model, head_parts, w.shape[1], mode, dtype) or \
+            _pack(model, head_parts, w.shape[1], "int8", dtype)
+        model.logits_proj = PackedLinear(w.shape[1], w.shape[0], **{kind: packs},
+                                         dense=w.data if keep_dense or tied else None)
+        setattr(summary, kind, getattr(summary, kind) + 1)
     if not tied:
         model.lm_head = None  # the packs (and the dense copy, if kept) replace it
     for mod in model.modules():
-        if isinstance(mod, PackedLinear):
+        if isinstance(mod, (PackedLinear, BnbLinear)):
             pb, db = mod.nbytes()
             summary.pack_bytes += pb
             summary.dense_bytes += db if mod is not model.logits_proj or not tied else 0
+            if isinstance(mod, BnbLinear) and mod.layout not in summary.layouts:
+                summary.layouts.append(mod.layout)
     summary.dense_bytes += sum(p.nbytes for n, p in model.named_parameters() if "dense" not in n.split("."))
     return summary

@@ -39,6 +39,7 @@ from torch import nn
 
 from llmd.models.paths import cache_dir as default_cache_dir
 from llmd.models.paths import ensure_cache_dir
+from llmd.quant.bnb_linear import BnbLinear
 from llmd.quant.packed_linear import PackedLinear
 
 log = logging.getLogger("llmd.weights_cache")
@@ -56,7 +57,7 @@ _QUANT = os.path.join(os.path.dirname(_MODELS), "quant")
 #: (this one's entry layout is :data:`FORMAT`), and the weight packs of llmd.quant (not its KV formats)
 _NOT_CONVERSION = ("assemble.py", "errors.py", "paths.py", "presets.py", "tokenizer.py", "fast_tokenizer.py",
                    "chat_template.py", "weights_cache.py", "__init__.py")
-_QUANT_SOURCES = ("gguf_packs.py", "packed_linear.py")
+_QUANT_SOURCES = ("gguf_packs.py", "packed_linear.py", "bnb_linear.py")
 
 
 def enabled() -> bool:
@@ -118,6 +119,7 @@ def store(model: nn.Module, key: str, cache_dir: str | None = None) -> str | Non
         "packed": [{"name": n, "in": m.in_features, "out": m.out_features, "kind": m.kind, "sizes": m.sizes,
                     "small_batch": m.small_batch, "dense": m.dense is not None}
                    for n, m in model.named_modules() if isinstance(m, PackedLinear)],
+        "bnb": [{"name": n, **m.spec()} for n, m in model.named_modules() if isinstance(m, BnbLinear)],
         "lm_head_none": model.lm_head is None,
         "aliases": aliases,
         "summary": dataclasses.asdict(model.weight_quant_summary),
@@ -232,6 +234,11 @@ def load_cached(cls, cfg, dtype: torch.dtype, key: str, cache_dir: str | None = 
             dense = tensors.pop(f"{p['name']}.dense") if p["dense"] else None
             mod = PackedLinear(p["in"], p["out"], **{p["kind"]: packs}, dense=dense, small_batch=p["small_batch"],
                                sizes=p["sizes"])
+            parent, _, leaf = p["name"].rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, mod)
+        for p in spec.get("bnb", []):  # bitsandbytes layers (--weight-quant nf4 / fp4, CUDA int8)
+            mod = BnbLinear.from_spec(p, aligned(tensors.pop(f"{p['name']}.packed")),
+                                      aligned(tensors.pop(f"{p['name']}.scales")))
             parent, _, leaf = p["name"].rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, leaf, mod)
         if spec["lm_head_none"]:

@@ -36,7 +36,8 @@ def bench_throughput(num_requests, min_prompt, max_prompt, min_output, max_outpu
 
 @bench.command("single")
 @click.option("--formats", default="none,auto,gguf,int8", show_default=True,
-              help="Comma-separated --weight-quant formats, one row each (the first is the ratio's base).")
+              help="Comma-separated --weight-quant formats, one row each (the first is the ratio's base; "
+                   "nf4 / fp4 need bitsandbytes).")
 @click.option("--prompt", "prompt_len", default=512, show_default=True, type=int, help="Prompt tokens (one step).")
 @click.option("--decode", default=128, show_default=True, type=int, help="Greedy tokens decoded at batch 1.")
 @click.option("--repeats", default=3, show_default=True, type=int, help="Runs per format; the best is shown.")
@@ -45,8 +46,11 @@ def bench_throughput(num_requests, min_prompt, max_prompt, min_output, max_outpu
 def bench_single(formats, prompt_len, decode, repeats, weight_quant, **engine_kw):
     """Single-stream prefill and batch-1 decode tok/s per --weight-quant format, side by side."""
     from llmd.daemon.bench.single import single_stream
+    from llmd.daemon.core.config import EngineConfig
 
     fmts = [f.strip() for f in formats.split(",") if f.strip()]
+    for f in fmts:  # every format checked (bitsandbytes present, device, dtype) before the first row runs
+        EngineConfig(**{k: v for k, v in engine_kw.items() if k != "name"}, weight_quant=f).resolve()
     try:
         single_stream(lambda f: build_engine(**engine_kw, weight_quant=f), fmts, prompt_len, decode, repeats,
                       echo=click.echo)

@@ -72,11 +72,13 @@ def engine_options(fn):
                      default="auto", show_default=True,
                      help="Weights/activations dtype; auto = bfloat16 on CUDA and on CPUs with native bf16 "
                           "(AVX512-BF16/AMX), else float32; float64: CPU reference runs."),
-        click.option("--weight-quant", type=click.Choice(["auto", "none", "gguf", "int8"]), default="auto",
-                     show_default=True,
-                     help="Linear weights (CPU): gguf = the file's 4-bit blocks as int4 packs (Q8_0 as int8), "
-                          "dense weights dropped; int8 = per-row int8; auto = on a bfloat16 CPU model the gguf "
-                          "packs for steps of <= 4 tokens plus the dense weights for larger steps, else none."),
+        click.option("--weight-quant", type=click.Choice(["auto", "none", "gguf", "int8", "nf4", "fp4"]),
+                     default="auto", show_default=True,
+                     help="Linear weights: gguf (CPU) = the file's 4-bit blocks as int4 packs (Q8_0 as int8), "
+                          "dense weights dropped; int8 = per-row int8 (CPU: torch's kernel, CUDA: bitsandbytes "
+                          "LLM.int8()); nf4 / fp4 = bitsandbytes 4-bit blocks of 64 (CPU and CUDA); auto = on a "
+                          "bfloat16 CPU model the gguf packs for steps of <= 4 tokens plus the dense weights for "
+                          "larger steps, else none."),
         click.option("--threads", default=None, type=int,
                      help="torch CPU threads (default: $OMP_NUM_THREADS if set, else the cores this process may use; "
                           "two processes sharing the cores: split them, e.g. --threads 1 each on 2 cores)."),

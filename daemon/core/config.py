@@ -13,7 +13,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DTYPE_CHOICES = ("auto", *DTYPES)
 ATTENTION_BACKENDS = ("cpu", "torch", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy values
-WEIGHT_QUANT_CHOICES = ("auto", "none", "gguf", "int8")  # llmd.models.weight_quant modes, and auto
+WEIGHT_QUANT_CHOICES = ("auto", "none", "gguf", "int8", "nf4", "fp4")  # llmd.models.weight_quant modes, and auto
 CONTEXT_OVERFLOW_CHOICES = ("stop", "shift")  # --context-overflow (llama.cpp: --context-shift = shift)
 DEFAULT_KV_CACHE_MEMORY_CPU = 512 * 1024**2  # bytes
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
@@ -70,11 +70,16 @@ class EngineConfig:
         scheduling_policy: "fcfs" (default: arrival order; a request with a non-zero
             ``priority`` is refused) or "priority" (lower ``priority`` first, FCFS among equals;
             the largest value is preempted first) — vLLM's ``--scheduling-policy`` and values.
-        weight_quant: "auto" / "none" / "gguf" / "int8" (``llmd.models.weight_quant``; CPU only).
-            "gguf" keeps the file's 4-bit blocks as int4 packs (Q8_0 as per-row int8) and
-            drops the dense weights; "auto" (the default) = on a bfloat16 CPU model the same
-            packs for steps of at most 4 tokens plus the dense weights for larger ones (one
-            stream decodes from ~4× fewer bytes, batches keep the bfloat16 GEMM), else "none".
+        weight_quant: "auto" / "none" / "gguf" / "int8" / "nf4" / "fp4" (``llmd.models.weight_quant``).
+            "nf4" / "fp4" (CPU and CUDA) and "int8" on CUDA run through bitsandbytes and need it
+            importable (checked here, before any weights load; on CUDA they also set
+            ``enforce_eager``: LLM.int8()'s outlier split reads its columns on the host, which a CUDA
+            graph cannot capture, and the 4-bit kernels' capture has not run on a GPU here);
+            "gguf" and "auto"'s packs are CPU only; "int8" on a CPU is torch's kernel. "gguf" keeps
+            the file's 4-bit blocks as int4 packs (Q8_0 as per-row int8) and drops the dense
+            weights; "auto" (the default) = on a bfloat16 CPU model the same packs for steps of
+            at most 4 tokens plus the dense weights for larger ones (one stream decodes from ~4×
+            fewer bytes, batches keep the bfloat16 GEMM), else "none".
         context_overflow: what a sequence reaching ``max_model_len`` does: "stop" (default:
             ``finish_reason`` "length", and prompt + ``max_tokens`` beyond the context is refused)
             or "shift" (llama.cpp's ``--context-shift``: keep the first ``keep`` tokens, discard
@@ -170,15 +175,25 @@ class EngineConfig:
             self.weight_quant = "gguf" if gguf_model and not on_cuda and self.dtype == "bfloat16" else "none"
             self.keep_dense_weights = True  # not a dataclass field, as dtype_auto
         elif self.weight_quant != "none":
-            if on_cuda:
+            bnb = self.weight_quant in ("nf4", "fp4") or (self.weight_quant == "int8" and on_cuda)
+            if on_cuda and not bnb:
                 raise LlmdError(f"--weight-quant {self.weight_quant} runs on CPU only (torch's CPU weight-only "
-                                "kernels); use --weight-quant none on CUDA")
+                                "kernels); on CUDA use none, int8 or nf4 (bitsandbytes)")
             if self.dtype not in ("bfloat16", "float32"):
                 raise LlmdError(f"--weight-quant {self.weight_quant} needs --dtype bfloat16 or float32, "
                                 f"got {self.dtype}")
             if self.model.startswith("random:"):
                 raise LlmdError(f"--weight-quant {self.weight_quant} packs a GGUF file's weights; "
                                 f"{self.model} has none (use none)")
+            if bnb:
+                from llmd.quant.bnb import BNB_REQUIREMENT, bitsandbytes_available
+
+                if not bitsandbytes_available():
+                    where = " on CUDA" if self.weight_quant == "int8" else ""
+                    raise LlmdError(f"--weight-quant {self.weight_quant}{where} needs bitsandbytes, which is not "
+                                    f"installed (pip install {BNB_REQUIREMENT})")
+                if on_cuda:
+                    self.enforce_eager = True  # no CUDA graphs over bitsandbytes layers (class docstring)
 
     def _resolve_kv_and_backend(self, on_cuda: bool) -> None:
         """Validate --kv-cache-dtype / --kv-scales / --attention-backend (issue 4)."""

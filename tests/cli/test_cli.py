@@ -18,18 +18,21 @@ try:
 finally:
     sys.stdout.flush()
     bad = sorted(m for m in sys.modules if re.match(r"transformers\.models\.[^.]+\.modeling_", m))
+    print("BITSANDBYTES_IMPORTED=" + str("bitsandbytes" in sys.modules), file=sys.stderr)  # only nf4/fp4 need it
     print("MODELING_MODULES=" + ",".join(bad), file=sys.stderr)
 """
 
 
 def test_generate_chat_answers_paris_without_transformers_modeling():
     """`llmd generate ... --chat` in a fresh process: the answer names Paris, and no
-    transformers modeling module was imported (the tokens come from llmd's own model)."""
+    transformers modeling module was imported (the tokens come from llmd's own model), nor
+    bitsandbytes (imported only for a format that needs it)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     proc = subprocess.run([sys.executable, "-c", GENERATE_AND_LIST_MODULES], capture_output=True, text=True, env=env,
                           timeout=300, cwd="/")
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
+    assert "BITSANDBYTES_IMPORTED=False\n" in proc.stderr  # the default (--weight-quant auto) start-up
     assert "MODELING_MODULES=\n" in proc.stderr or proc.stderr.rstrip().endswith("MODELING_MODULES=")
     assert "KV cache: 46080 B/token" in proc.stderr
     assert "; dtype float32, attention cpu, " in proc.stderr  # the load line names dtype, backend, threads

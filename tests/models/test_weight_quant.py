@@ -1,6 +1,9 @@
-"""``--weight-quant``: every projection of a GGUF model replaced by torch weight-only packs,
-the engine's tokens unchanged in float32, the chosen format on the startup line, bad
-combinations refused before loading, and SmolLM2's teacher-forced quality per format."""
+"""``--weight-quant``: every projection of a GGUF model replaced by torch weight-only packs (or
+bitsandbytes layers for nf4 / fp4 and CUDA int8), the engine's tokens unchanged in float32, the
+chosen format on the startup line, bad combinations refused before loading (bitsandbytes missing,
+formats a device cannot run), and SmolLM2's teacher-forced quality per format."""
+
+import sys
 
 import gguf
 import pytest
@@ -12,7 +15,10 @@ from llmd.daemon.core.config import EngineConfig
 from llmd.daemon.core.engine import Engine
 from llmd.daemon.core.errors import LlmdError
 from llmd.daemon.core.request import SamplingParams
-from llmd.models.gguf_loader import load_model
+from llmd.models.errors import GGUFLoadError
+from llmd.models.gguf_loader import cache_mode, load_model
+from llmd.models.weight_bytes import cpu_has_avx512_bf16
+from llmd.quant.bnb_linear import BnbLinear
 from llmd.quant.packed_linear import PackedLinear
 
 T = gguf.GGMLQuantizationType
@@ -43,32 +49,102 @@ def test_every_projection_is_packed_and_logits_match(tmp_path, qtype, kind):
     assert (logits_d - logits_p).abs().max() < (1e-4 if kind == "int4" else 3e-2) * logits_d.abs().max()
 
 
+PROMPTS = [[5, 6, 7], [40, 41], [100, 3, 9, 27, 31, 2, 8]]
+
+
+def _tokens(model, path, max_num_seqs=64):
+    engine = Engine(model, ByteTokenizer(), EngineConfig(model=str(path), dtype="float32",
+                                                         max_num_seqs=max_num_seqs, **KW))
+    ids = [engine.add_request(p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)) for p in PROMPTS]
+    out = {i: [] for i in ids}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    return list(out.values())
+
+
 def test_engine_tokens_equal_dense_in_float32_and_auto_dispatch(tmp_path):
     path = tmp_path / "m.gguf"
     write_tiny_llama(path, layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, qtype=T.Q4_1)
-    prompts = [[5, 6, 7], [40, 41], [100, 3, 9, 27, 31, 2, 8]]
-
-    def tokens(model, max_num_seqs=64):
-        engine = Engine(model, ByteTokenizer(), EngineConfig(model=str(path), dtype="float32",
-                                                             max_num_seqs=max_num_seqs, **KW))
-        ids = [engine.add_request(p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
-               for p in prompts]
-        out = {i: [] for i in ids}
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                out[o.request_id] += o.new_token_ids
-        return list(out.values())
-
-    dense_tokens = tokens(load_model(str(path), torch.float32)[0])
-    assert tokens(load_model(str(path), torch.float32, weight_quant="gguf")[0]) == dense_tokens
+    dense_tokens = _tokens(load_model(str(path), torch.float32)[0], path)
+    assert _tokens(load_model(str(path), torch.float32, weight_quant="gguf")[0], path) == dense_tokens
     both, _ = load_model(str(path), torch.float32, weight_quant="gguf", keep_dense=True)
     for m in both.modules():  # poison the dense copies: 3 decoding rows (<= 4) must read only the packs
         if isinstance(m, PackedLinear) and m is not both.logits_proj:
             m.dense.data.fill_(float("nan"))
     # one sequence at a time: every step has <= 3 rows (prompts of <= 3 tokens, then decodes)
-    assert tokens(both, max_num_seqs=1)[:2] == dense_tokens[:2]
+    assert _tokens(both, path, max_num_seqs=1)[:2] == dense_tokens[:2]
     assert "weights gguf: 9 int4 + 0 int8 layers" in Engine(both, ByteTokenizer(), EngineConfig(
         model=str(path), dtype="float32", **KW)).runtime_summary()
+
+
+@pytest.mark.parametrize("fmt,dtype", [("nf4", torch.bfloat16), ("fp4", torch.float32)])
+def test_bitsandbytes_formats_replace_every_projection(tmp_path, fmt, dtype):
+    path = tmp_path / "m.gguf"
+    write_tiny_llama(path, layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, qtype=T.Q4_1)
+    model, _ = load_model(str(path), dtype, weight_quant=fmt)
+    layers = [m for m in model.modules() if isinstance(m, BnbLinear)]
+    assert _linears(model) == [] and len(layers) == 2 * 4 + 1 and {m.kind for m in layers} == {fmt}
+    assert model.logits_proj is layers[-1]  # the tied head too; the embedding lookup keeps the dense table
+    layout = "cpu" if dtype == torch.bfloat16 and cpu_has_avx512_bf16() else "plain"
+    s = model.weight_quant_summary
+    assert (s.bnb, s.int4, s.int8, s.dense, s.layouts) == (9, 0, 0, [], [layout])
+    assert s.describe().startswith(f"weights {fmt} (bitsandbytes, {layout} layout): 9 {fmt} layers, ")
+
+
+def test_nf4_engine_tokens_equal_a_dense_model_of_its_weights(tmp_path):
+    """float32 nf4 (bitsandbytes' plain layout: dequantize + F.linear) gives the greedy tokens of a
+    dense model holding each layer's dequantized nf4 weight (the tied head as a separate linear)."""
+    path = tmp_path / "m.gguf"
+    write_tiny_llama(path, layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, qtype=T.Q4_1)
+    nf4, _ = load_model(str(path), torch.float32, weight_quant="nf4")
+    dense, _ = load_model(str(path), torch.float32)
+    functional = sys.modules["bitsandbytes"].functional
+    for name, m in nf4.named_modules():
+        if isinstance(m, BnbLinear):
+            w = functional.dequantize_4bit(m.packed, m.quant_state())
+            if name == "logits_proj":
+                dense.logits_proj = torch.nn.Linear(64, 256, bias=False)
+                dense.logits_proj.weight.data = w
+            else:
+                dense.get_submodule(name).weight.data.copy_(w)
+    assert _tokens(nf4, path) == _tokens(dense, path)
+
+
+def test_bitsandbytes_formats_on_cuda_and_without_bitsandbytes(tmp_path, monkeypatch):
+    """The CUDA decisions at configuration (no GPU here: ``torch.cuda.is_available`` patched), and
+    bitsandbytes missing (its import patched to fail): one clear line before any weights load."""
+    from click.testing import CliRunner
+
+    from llmd.daemon.cli.main import main
+
+    def resolve(**kw):
+        return EngineConfig(**kw).resolve()
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for fmt in ("nf4", "fp4", "int8"):
+        c = resolve(device="cuda", weight_quant=fmt)
+        assert (c.weight_quant, c.dtype, c.enforce_eager) == (fmt, "bfloat16", True)  # no CUDA graphs over them
+    assert resolve(device="cuda").weight_quant == "none" and not resolve(device="cuda").enforce_eager
+    with pytest.raises(LlmdError, match="runs on CPU only .*on CUDA use none, int8 or nf4"):
+        resolve(device="cuda", weight_quant="gguf")
+    with pytest.raises(LlmdError, match="bfloat16 or float32, got float16"):
+        resolve(device="cuda", weight_quant="nf4", dtype="float16")
+    with pytest.raises(LlmdError, match="has none"):
+        resolve(device="cuda", weight_quant="nf4", model="random:qwen3-0.6b")
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` now raises
+    with pytest.raises(LlmdError, match=r"--weight-quant int8 on CUDA needs bitsandbytes, which is not installed "
+                                        r"\(pip install bitsandbytes==0.50.2\)"):
+        resolve(device="cuda", weight_quant="int8")
+    assert resolve(device="cpu", weight_quant="int8", dtype="bfloat16").weight_quant == "int8"  # torch's kernel
+    path = tmp_path / "m.gguf"
+    write_tiny_llama(path, layers=1, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, qtype=T.Q4_1)
+    r = CliRunner().invoke(main, ["generate", "hi", "--model", str(path), "--device", "cpu", "--weight-quant", "nf4"])
+    assert r.exit_code == 1 and r.output.strip().splitlines() == [
+        "llmd: error: --weight-quant nf4 needs bitsandbytes, which is not installed (pip install bitsandbytes==0.50.2)"]
+    with pytest.raises(GGUFLoadError, match="--weight-quant fp4: bitsandbytes failed to import"):
+        load_model(str(path), torch.float32, weight_quant="fp4")  # past the configuration, still one line
+    assert cache_mode("nf4", "cpu") == "nf4@cpu" != cache_mode("nf4", "cuda") and cache_mode("int8", "cpu") == "int8"
 
 
 def test_bad_combinations_fail_before_loading():
@@ -87,18 +163,28 @@ def test_bad_combinations_fail_before_loading():
     assert (resolve(dtype="bfloat16", weight_quant="gguf").keep_dense) is False
 
 
-# teacher-forced ΔNLL vs the float32-dequantized model (dense) and top-1 agreement, bfloat16 packs
-QUALITY = {"gguf": (0.2, 0.955), "int8": (0.25, 0.93)}
+# teacher-forced ΔNLL vs the float32-dequantized model (dense) and top-1 agreement, bfloat16 packs.
+# nf4 re-quantizes the file's Q4_1 blocks (README "Weights": measured +29.7 % / 53.8 %): its bounds
+# are the measurement plus a margin, so a regression of the format's path fails
+QUALITY = {"gguf": (0.2, 0.955), "int8": (0.25, 0.93), "nf4": (32.0, 0.51)}
 
 
-@pytest.mark.parametrize("fmt", ["gguf", "int8"])
-def test_smollm2_quality_per_format(smollm2, smollm2_path, smollm2_tokenizer, fmt):
+@pytest.fixture(scope="module")
+def float32_base(smollm2, smollm2_tokenizer):
+    """The float32 dense model's teacher-forced row on the kv-quality text (every format's base)."""
     from llmd.daemon.bench.kv_quality import quality_row
     from llmd.daemon.bench.kv_quality_text import QUALITY_TEXT
 
     ids = smollm2_tokenizer.encode(QUALITY_TEXT)[:1000]
     kw = dict(device="cpu", kv_cache_memory=64 * 2**20, attention_backend="torch", threads=torch.get_num_threads())
-    base = quality_row(smollm2[0], smollm2_tokenizer, ids, "auto", None, dtype="float32", **kw)
+    return ids, quality_row(smollm2[0], smollm2_tokenizer, ids, "auto", None, dtype="float32", **kw), kw
+
+
+@pytest.mark.parametrize("fmt", ["gguf", "int8", "nf4"])
+def test_smollm2_quality_per_format(float32_base, smollm2_path, smollm2_tokenizer, fmt):
+    from llmd.daemon.bench.kv_quality import quality_row
+
+    ids, base, kw = float32_base
     model, _ = load_model(smollm2_path, torch.bfloat16, weight_quant=fmt)
     row = quality_row(model, smollm2_tokenizer, ids, "auto", base, dtype="bfloat16", **kw)
     max_dnll, min_top1 = QUALITY[fmt]
@@ -118,6 +204,12 @@ def test_weight_bytes_from_metadata_equal_the_loaded_model(tmp_path, qtype):
         model, _ = load_model(str(path), torch.bfloat16, weight_quant=mode, keep_dense=keep)
         s = model.weight_quant_summary
         assert weight_bytes(tensors, LlamaForCausalLM.layer_tensors, mode, 2, keep) == s.pack_bytes + s.dense_bytes
+    for dtype in (torch.bfloat16, torch.float32):  # nf4: bitsandbytes' CPU layout (bf16 absmax) or its plain one
+        s = load_model(str(path), dtype, weight_quant="nf4")[0].weight_quant_summary
+        cpu_layout = s.layouts == ["cpu"]
+        assert cpu_layout == (dtype == torch.bfloat16 and cpu_has_avx512_bf16())
+        assert weight_bytes(tensors, LlamaForCausalLM.layer_tensors, "nf4", dtype.itemsize,
+                            bnb_cpu_layout=cpu_layout) == s.pack_bytes + s.dense_bytes
 
 
 def test_kv_size_what_fits(capsys):
@@ -127,6 +219,6 @@ def test_kv_size_what_fits(capsys):
 
     out = CliRunner().invoke(main, ["kv-size", "--total-memory", "1GiB", "--context", "8192"]).output
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[2:]}
-    assert set(rows) == {"none", "auto", "gguf", "int8"}
-    assert float(rows["gguf"][0]) < float(rows["none"][0]) < float(rows["auto"][0])  # MiB of weights
+    assert set(rows) == {"none", "auto", "gguf", "int8", "nf4"}
+    assert float(rows["nf4"][0]) < float(rows["gguf"][0]) < float(rows["none"][0]) < float(rows["auto"][0])  # MiB
     assert float(rows["gguf"][2]) > float(rows["none"][2])  # more sequences fit beside smaller weights

@@ -38,7 +38,8 @@ def _entries(root):
 
 @pytest.mark.parametrize("weight_quant,keep_dense,dtype,tied", [
     ("none", False, torch.float32, True), ("gguf", False, torch.float32, False),
-    ("gguf", True, torch.bfloat16, True), ("int8", False, torch.bfloat16, False)])
+    ("gguf", True, torch.bfloat16, True), ("int8", False, torch.bfloat16, False),
+    ("nf4", False, torch.bfloat16, True), ("fp4", False, torch.float32, False)])  # bitsandbytes layers
 def test_warm_load_is_bit_identical(tmp_path, monkeypatch, weight_quant, keep_dense, dtype, tied):
     path = str(tmp_path / "m.gguf")
     write_tiny_llama(path, qtype=T.Q4_1, tied=tied, seed=1)
