@@ -91,11 +91,20 @@ def check_slots_cover(slots: dict, params: dict[str, torch.Tensor]) -> None:
 
 def cache_mode(weight_quant: str, device) -> str:
     """``weight_quant`` as the weights cache's key sees it: bitsandbytes layers depend on the device
-    (layout, int8 backend), so those modes carry its type (``nf4@cpu``)."""
+    (layout, int8 backend) and on bitsandbytes' version (its CPU layout), so those modes carry both
+    (``nf4@cpu|bitsandbytes0.50.2``; the version read from its metadata, not by importing it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
     from llmd.models.weight_quant import uses_bnb
 
     dev = torch.device(device).type
-    return f"{weight_quant}@{dev}" if uses_bnb(weight_quant, dev) else weight_quant
+    if not uses_bnb(weight_quant, dev):
+        return weight_quant
+    try:
+        bnb = version("bitsandbytes")
+    except PackageNotFoundError:
+        bnb = "missing"
+    return f"{weight_quant}@{dev}|bitsandbytes{bnb}"
 
 
 def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
