@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmd.kernels import cpu_cascade
 from llmd.kernels.metadata import AttentionMetadata
 from llmd.quant.kv import SCALE_FLOOR, PagedKVCache
 
@@ -86,6 +87,8 @@ class StepPlan:
             each: ``members`` ``[n]`` int64 positions in ``decode_idx`` (None for a single bucket
             of all decodes in order), ``gather`` with ``Q = 1`` padded to the bucket's longest.
         prefills: ``(token_start, query_len, gather)`` per prefill chunk, ``gather`` with ``N = 1``.
+        cascades: decodes sharing leading blocks (:mod:`llmd.kernels.cpu_cascade`): their buckets
+            start after the shared prefix, which each group attends to once.
         workspace: output buffers of the gathers, matmuls and softmax, keyed by (role, shape,
             dtype), reused by every layer of the group in this step. Fresh multi-MB tensors per
             layer cost more in first-touch page faults than the gathers themselves (measured
@@ -96,6 +99,7 @@ class StepPlan:
     decodes: list[tuple[torch.Tensor | None, _Gather]]
     prefills: list[tuple[int, int, _Gather]]
     decode_only: bool = False
+    cascades: list = field(default_factory=list)
     workspace: dict = field(default_factory=dict, repr=False)
 
     def buffer(self, role: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -119,20 +123,26 @@ def _key_rows(block_tables: torch.Tensor, first_pos: torch.Tensor, length: int, 
     return (slots[:, None, :] * kv_heads + heads[None, :, None]).reshape(-1)
 
 
-def build_plan(meta: AttentionMetadata, kv_heads: int, sliding_window: int | None, group: int = 1) -> StepPlan:
+def build_plan(meta: AttentionMetadata, kv_heads: int, sliding_window: int | None, group: int = 1,
+               cascade_ok: bool = True) -> StepPlan:
     """The step's :class:`StepPlan` (index math on the host, vector ops only per group of
-    sequences; one Python iteration per prefill chunk)."""
+    sequences; one Python iteration per prefill chunk). ``cascade_ok``: look for decodes sharing
+    a prefix (not for int4 caches, whose branch has no cascade)."""
     qlens = torch.tensor(meta.query_lens_cpu, dtype=torch.int64)
     seq_lens = torch.tensor(meta.seq_lens_cpu, dtype=torch.int64)
     starts = torch.cumsum(qlens, 0) - qlens
     tables = meta.block_tables.cpu()
     bs = meta.block_size
     is_dec = qlens == 1
-    decode_idx, decodes = None, []
+    decode_idx, decodes, cascades = None, [], []
     if bool(is_dec.any()):
         sel = torch.nonzero(is_dec).flatten()
         lens = seq_lens[sel]
         first = torch.zeros_like(lens) if sliding_window is None else torch.clamp(lens - sliding_window, min=0)
+        if sliding_window is None and cascade_ok and len(sel) >= cpu_cascade.CASCADE_MIN_SEQS:
+            cascades = cpu_cascade.find_cascades(tables[sel], lens, bs, kv_heads, _key_rows)
+            for c in cascades:
+                first[c.members] = c.prefix_len
         span = lens - first
         decode_idx = starts[sel]
         order = torch.argsort(span, descending=True, stable=True)
@@ -157,7 +167,7 @@ def build_plan(meta: AttentionMetadata, kv_heads: int, sliding_window: int | Non
         bias = torch.zeros(q_len, seq_len - first).masked_fill_(~visible, float("-inf"))[None, None]
         rows = _key_rows(tables[b : b + 1], torch.tensor([first]), seq_len - first, bs, kv_heads)
         prefills.append((int(starts[b]), q_len, _Gather(rows, bias, group, kv_heads)))
-    return StepPlan(decode_idx, decodes, prefills, decode_only=not prefills)
+    return StepPlan(decode_idx, decodes, prefills, decode_only=not prefills, cascades=cascades)
 
 
 # Decode length buckets (length_buckets): a new bucket below 0.7 x its first span, >= 8 sequences each, 4 at most
@@ -184,12 +194,13 @@ def length_buckets(spans: list[int], ratio: float = BUCKET_RATIO, min_size: int 
     return out + [(lo, len(spans))]
 
 
-def get_plan(meta: AttentionMetadata, kv_heads: int, sliding_window: int | None, group: int = 1) -> StepPlan:
+def get_plan(meta: AttentionMetadata, kv_heads: int, sliding_window: int | None, group: int = 1,
+             cascade_ok: bool = True) -> StepPlan:
     """The plan cached on ``meta`` (built by the group's first layer, reused by the others)."""
-    key = ("cpu", kv_heads, sliding_window, group)
+    key = ("cpu", kv_heads, sliding_window, group, cascade_ok)
     plan = meta.plans.get(key)
     if plan is None:
-        plan = meta.plans[key] = build_plan(meta, kv_heads, sliding_window, group)
+        plan = meta.plans[key] = build_plan(meta, kv_heads, sliding_window, group, cascade_ok)
     return plan
 
 
@@ -237,7 +248,7 @@ def _gather_kv(plan: StepPlan, role: str, cache: PagedKVCache, rows: torch.Tenso
 
 
 def _attend(plan: StepPlan, role: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: _Gather,
-            scale: float, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None) -> torch.Tensor:
+            scale: float, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None, with_lse: bool = False):
     """``softmax(scale · q (k·ks)^T + bias) (v·vs)`` per (sequence, KV head).
 
     The scale and the mask ride in one ``baddbmm``; ``× ks`` after it leaves the mask as it is
@@ -249,8 +260,10 @@ def _attend(plan: StepPlan, role: str, q: torch.Tensor, k: torch.Tensor, v: torc
         k, v: ``[N * kv_heads, L, head_dim]`` compute dtype (codes for int8/fp8).
         g: the gather (its mask, laid out like the scores).
         k_scales, v_scales: ``[N * kv_heads, 1, L]`` float32/float64 or None.
+        with_lse: also return the scores' log-sum-exp (for :mod:`llmd.kernels.cpu_cascade`).
     Returns:
-        ``[N * kv_heads, group * Q, head_dim]`` in the compute dtype (a new tensor).
+        ``[N * kv_heads, group * Q, head_dim]`` in the compute dtype (a new tensor); with
+        ``with_lse`` the pair ``(out, lse [N * kv_heads, group * Q] float32/float64)``.
     """
     rows, gq, length = q.shape[0], q.shape[1], k.shape[1]
     sdt = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -258,12 +271,13 @@ def _attend(plan: StepPlan, role: str, q: torch.Tensor, k: torch.Tensor, v: torc
                            out=plan.buffer(role + "s", (rows, gq, length), q.dtype))
     if k_scales is not None:
         scores.mul_(k_scales)
+    lse = torch.logsumexp(scores.to(sdt), -1) if with_lse else None
     probs = torch.softmax(scores, dim=-1, dtype=sdt, out=plan.buffer(role + "p", (rows, gq, length), sdt))
     if v_scales is not None:
         probs.mul_(v_scales)
     if probs.dtype != v.dtype:
         probs = plan.buffer(role + "p16", (rows, gq, length), v.dtype).copy_(probs)
-    return torch.bmm(probs, v)
+    return (torch.bmm(probs, v), lse) if with_lse else torch.bmm(probs, v)
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, meta: AttentionMetadata,
@@ -286,7 +300,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, 
     kv_heads = cache.data.shape[3]
     group = num_heads // kv_heads
     cdt = compute_dtype_for(query.dtype)
-    plan = get_plan(meta, kv_heads, sliding_window, group)
+    plan = get_plan(meta, kv_heads, sliding_window, group, cascade_ok=not cache.fmt.k_per_block)
     if plan.decode_only and t <= SMALL_DECODE and cdt == torch.bfloat16:
         cdt = torch.float32  # tiny matmuls: float32's ~15 µs beats bfloat16's ~35 µs per call here
     if cache.fmt.k_per_block:  # int4 (KIVI): kernels/cpu_int4.py
@@ -294,12 +308,16 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, 
 
         return cpu_int4.paged_attention(query, cache, meta, scale, sliding_window, tails, plan, cdt).to(query.dtype)
     q = query.to(cdt)
-    if plan.decode_only and len(plan.decodes) == 1:  # the common CPU step: no index maps, no scatter
+    if plan.decode_only and len(plan.decodes) == 1 and not plan.cascades:  # the common CPU step: no index maps
         g = plan.decodes[0][1]
         k, v, ks, vs = _gather_kv(plan, "d", cache, g.rows, g.bias.shape[-1], cdt)
         o = _attend(plan, "d", q.reshape(t * kv_heads, group, head_dim), k, v, g, scale, ks, vs)
         return o.view(t, num_heads, head_dim).to(query.dtype)
     out = torch.empty(t, num_heads, head_dim, dtype=cdt)
+    lse = None
+    if plan.cascades:  # per decode, the log-sum-exp of its own keys after the shared prefix
+        lse = torch.empty(plan.decode_idx.shape[0], num_heads,
+                          dtype=torch.float64 if cdt == torch.float64 else torch.float32)
     for i, (members, g) in enumerate(plan.decodes):
         idx = plan.decode_idx if members is None else plan.decode_idx[members]
         nd = idx.shape[0]
@@ -308,8 +326,13 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, 
             continue
         k, v, ks, vs = _gather_kv(plan, f"d{i}", cache, g.rows, g.bias.shape[-1], cdt)
         qd = q.index_select(0, idx).view(nd * kv_heads, group, head_dim)
-        o = _attend(plan, f"d{i}", qd, k, v, g, scale, ks, vs).view(nd, num_heads, head_dim)
-        out.index_copy_(0, idx, o)
+        o = _attend(plan, f"d{i}", qd, k, v, g, scale, ks, vs, with_lse=lse is not None)
+        if lse is not None:
+            o, part = o
+            lse[slice(None) if members is None else members] = part.view(nd, num_heads)
+        out.index_copy_(0, idx, o.view(nd, num_heads, head_dim))
+    if lse is not None:
+        cpu_cascade.merge_prefixes(plan, q, cache, out, lse, scale, _gather_kv)
     for start, q_len, g in plan.prefills:
         k, v, ks, vs = _gather_kv(plan, "p", cache, g.rows, g.bias.shape[-1], cdt)
         qp = q[start : start + q_len].reshape(q_len, kv_heads, group, head_dim).permute(1, 2, 0, 3)

@@ -66,3 +66,24 @@ def test_fast_backend_int8_matches_reference(make_engine, rotation, tol):
     for fast, ref in zip(results["cpu"], results["torch"]):
         assert [lp.token_id for lp in fast] == [lp.token_id for lp in ref]
         assert max(abs(a.logprob - b.logprob) for a, b in zip(fast, ref)) < tol
+
+
+@pytest.mark.slow
+def test_cascade_attention_keeps_reference_tokens(make_engine, monkeypatch):
+    """Four chats on one 100-token system prompt (prefix-cache hits, so their tables share its
+    blocks; a 64-token budget admits them one after another, so later ones hit the cache): the fast
+    backend's decodes attend to the shared blocks once (cascade attention, kernels/cpu_cascade.py)
+    and still give the reference backend's greedy tokens."""
+    from llmd.kernels import cpu_cascade
+
+    found = []
+    real = cpu_cascade.find_cascades
+    monkeypatch.setattr(cpu_cascade, "find_cascades", lambda *a: found.append(real(*a)) or found[-1])
+    results = {}
+    for backend in ("torch", "cpu"):
+        engine = make_engine(attention_backend=backend, **ENGINE)
+        ids = engine.tokenizer.encode(TEXT)
+        prompts = [ids[:100] + ids[200 + 9 * i : 209 + 9 * i] for i in range(4)]
+        results[backend] = run(engine, prompts)
+    assert results["cpu"][0] == results["torch"][0]
+    assert any(len(c.members) >= 2 and c.prefix_len >= 64 for step in found for c in step)

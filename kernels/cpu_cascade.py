@@ -1,0 +1,117 @@
+"""Cascade attention for decodes that share a prefix (the CPU fast path; vLLM's "cascade
+attention", FlashInfer's cascade / Hydragen, arXiv:2402.05099).
+
+Decodes whose block tables start with the same physical blocks (a prefix-cache hit on a common
+system prompt, the siblings of ``n > 1``, beams) read the same keys for those positions. The
+plain batched path gathers and multiplies them once *per sequence*; here each group of such
+decodes attends to the shared prefix **once** — every member's queries stacked into one matrix
+per KV head, ``[kv_heads, members · group, head_dim] @ [kv_heads, head_dim, P]`` — and to the
+rest of its own context in the usual length buckets (which then start at ``P``). The two partial
+results merge exactly through their log-sum-exps:
+
+``lse = logaddexp(lse_p, lse_s)``, ``out = o_p · exp(lse_p - lse) + o_s · exp(lse_s - lse)``,
+
+where ``o_p``, ``o_s`` are each part's softmax-normalised output. In exact arithmetic this equals
+one softmax over all keys; in floating point only the reduction order differs (so a request's
+logits can move in the last bits with which other requests share its prefix in a step, the same
+class of batch dependence as the length buckets' padding; README, "Batch invariance").
+
+Only for groups without a sliding window (a window would cut into the prefix) and caches whose
+reads fold into the per-key products (auto, int8, fp8; int4 takes its own branch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: a group needs at least this many decodes and shared full blocks to pay for its extra matmuls
+CASCADE_MIN_SEQS, CASCADE_MIN_BLOCKS = 2, 4
+
+
+@dataclass
+class Cascade:
+    """Decodes sharing their first ``prefix_len`` keys (whole blocks).
+
+    Attributes:
+        members: ``[n]`` int64 positions among the step's decodes (the order of
+            ``StepPlan.decode_idx``).
+        prefix_len: shared tokens ``P`` (a multiple of the block size, below every member's length).
+        rows: ``[kv_heads * P]`` int64 gather rows of the prefix (ordered KV head, position).
+    """
+
+    members: torch.Tensor
+    prefix_len: int
+    rows: torch.Tensor
+
+
+def find_cascades(tables: torch.Tensor, lens: torch.Tensor, block_size: int, kv_heads: int,
+                  key_rows) -> list[Cascade]:
+    """Groups of decodes whose tables start with the same blocks.
+
+    Args:
+        tables: ``[Nd, max_blocks]`` int32 block tables of the step's decodes (host).
+        lens: ``[Nd]`` int64 their sequence lengths (keys, the new token included).
+        key_rows: :func:`llmd.kernels.cpu_attention._key_rows` (passed in: this module sits below it).
+    Returns:
+        One :class:`Cascade` per first block shared by at least :data:`CASCADE_MIN_SEQS` decodes
+        whose common leading blocks (full in every member, the member's own last key after them)
+        number at least :data:`CASCADE_MIN_BLOCKS`. Block 0 (the null block) never counts.
+        Decodes without a partner cost one ``unique`` and nothing else.
+    """
+    first = tables[:, 0].long()
+    ids, counts = torch.unique(first, return_counts=True)
+    out = []
+    for bid in ids[counts >= CASCADE_MIN_SEQS].tolist():
+        if bid == 0:
+            continue
+        members = torch.nonzero(first == bid).flatten()
+        sub = tables[members]
+        lcp = int((sub == sub[:1]).all(0).long().cumprod(0).sum())
+        shared = min(lcp, int(((lens[members] - 1) // block_size).min()))
+        if shared >= CASCADE_MIN_BLOCKS:
+            p = shared * block_size
+            rows = key_rows(sub[:1], torch.zeros(1, dtype=torch.int64), p, block_size, kv_heads)
+            out.append(Cascade(members, p, rows))
+    return out
+
+
+def merge_prefixes(plan, q: torch.Tensor, cache, out: torch.Tensor, lse: torch.Tensor, scale: float,
+                   gather_kv) -> None:
+    """Attend each cascade's members to their shared prefix and merge into ``out`` in place.
+
+    Args:
+        plan: the step's ``StepPlan`` (``cascades``, ``decode_idx``, ``buffer``).
+        q: ``[T, num_heads, head_dim]`` queries in the compute dtype.
+        cache: the layer's :class:`~llmd.quant.kv.PagedKVCache`.
+        out: ``[T, num_heads, head_dim]`` compute dtype; the decode rows hold each member's
+            attention over its own keys after the prefix (normalised), replaced by the merge.
+        lse: ``[Nd, num_heads]`` float32/float64 log-sum-exp of those suffix scores.
+        gather_kv: :func:`llmd.kernels.cpu_attention._gather_kv`.
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = cache.data.shape[3]
+    group = num_heads // kv_heads
+    sdt = lse.dtype
+    for j, c in enumerate(plan.cascades):
+        idx = plan.decode_idx[c.members]
+        n = idx.shape[0]
+        qc = q.index_select(0, idx).view(n, kv_heads, group, head_dim).transpose(0, 1).reshape(
+            kv_heads, n * group, head_dim)
+        k, v, ks, vs = gather_kv(plan, f"c{j}", cache, c.rows, c.prefix_len, q.dtype)
+        scores = torch.bmm(qc, k.transpose(1, 2)).to(sdt).mul_(scale)  # [kv_heads, n * group, P]
+        if ks is not None:
+            scores.mul_(ks)
+        lse_p = torch.logsumexp(scores, -1)  # [kv_heads, n * group]
+        probs = torch.exp(scores.sub_(lse_p[..., None]))
+        if vs is not None:
+            probs.mul_(vs)
+        o_p = torch.bmm(probs.to(v.dtype), v).to(sdt)  # [kv_heads, n * group, head_dim]
+        o_p = o_p.view(kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, num_heads, head_dim)
+        lse_p = lse_p.view(kv_heads, n, group).transpose(0, 1).reshape(n, num_heads)
+        lse_s = lse[c.members]
+        total = torch.logaddexp(lse_p, lse_s)
+        merged = (o_p * torch.exp(lse_p - total)[..., None]
+                  + out.index_select(0, idx).to(sdt) * torch.exp(lse_s - total)[..., None])
+        out.index_copy_(0, idx, merged.to(out.dtype))
