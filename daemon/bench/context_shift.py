@@ -21,6 +21,7 @@ import torch
 from llmd.daemon.core import context_shift
 from llmd.daemon.core.config import EngineConfig
 from llmd.daemon.core.engine import Engine
+from llmd.daemon.core.outputs import BlockShift, ResidualShift
 from llmd.daemon.core.request import Request, SamplingParams
 
 
@@ -47,14 +48,15 @@ def shifted_teacher_forced(engine: Engine, ids: list[int], chunk: int, keep: int
                 pending: list = []
                 if context_shift.shift(req, kv, pending) != "shifted":
                     raise RuntimeError("the context cannot shift in place here (keep too large?)")
-                runner.shift_blocks([op for _, op in pending])
+                runner.shift_blocks([op for _, op in pending if isinstance(op, BlockShift)],
+                                    [op for _, op in pending if isinstance(op, ResidualShift)])
                 run.num_shifts += 1
                 run.shift_starts.append(pos)
             start = req.num_computed_tokens
             if kv.allocate_slots(rid, start + len(part), start) is None:
                 raise RuntimeError(f"KV pool too small for {start + len(part)} tokens")
             req.token_ids += part
-            rows.append(runner.prefill_logits(rid, part, start, kv.get_block_tables(rid)))
+            rows.append(runner.prefill_logits(rid, part, start, kv.get_block_tables(rid), kv.residual_slots(rid)))
             req.num_computed_tokens += len(part)
     finally:
         kv.free(rid)

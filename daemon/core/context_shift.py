@@ -28,7 +28,7 @@ discarded tokens were still in view (as in llama.cpp, not a fresh prefill of the
 
 from __future__ import annotations
 
-from llmd.daemon.core.outputs import BlockShift
+from llmd.daemon.core.outputs import BlockShift, ResidualShift
 from llmd.daemon.core.request import Request
 from llmd.daemon.kv.shift import can_shift_in_place, shift_blocks
 
@@ -56,11 +56,13 @@ def plan(req: Request, block_size: int) -> tuple[int, int] | None:
     return kb, max(1, (rest // 2) // block_size)
 
 
-def shift(req: Request, kv, pending: list[tuple[str, BlockShift]]) -> str | None:
+def shift(req: Request, kv, pending: list[tuple[str, BlockShift | ResidualShift]]) -> str | None:
     """Shift ``req`` (RUNNING, its newest token not computed yet): returns "shifted" (the
-    re-rotations appended to ``pending`` as ``(request_id, op)``), "recompute" (tokens discarded, blocks to be freed
-    by the caller, who requeues it with ``num_computed_tokens`` 0) or None (nothing to
-    discard: finish it with "length")."""
+    re-rotations appended to ``pending`` as ``(request_id, op)``: one :class:`BlockShift` per
+    moved block and, with an int4 cache, one :class:`ResidualShift` per KV cache group for the
+    open block's 16-bit K, which lives in the request's residual slot, not in its block),
+    "recompute" (tokens discarded, blocks to be freed by the caller, who requeues it with
+    ``num_computed_tokens`` 0) or None (nothing to discard: finish it with "length")."""
     p = plan(req, kv.block_size)
     if p is None:
         return None
@@ -73,5 +75,7 @@ def shift(req: Request, kv, pending: list[tuple[str, BlockShift]]) -> str | None
     delta = end - start
     ops = shift_blocks(kv, req.request_id, kb, nd)
     pending.extend((req.request_id, BlockShift(src, dst, g, delta)) for src, dst, g in ops)
+    slots = kv.residual_slots(req.request_id)  # int4: the open block's K follows the sequence, not a block
+    pending.extend((req.request_id, ResidualShift(slot, g, delta)) for g, slot in enumerate(slots or ()))
     req.discard(start, end)
     return "shifted"

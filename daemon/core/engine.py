@@ -188,13 +188,6 @@ class Engine:
         )
         self.input_processor = InputProcessor(tokenizer, cfg.vocab_size, self.max_model_len,
                                               self.config.context_overflow, self.config.keep, self.config.block_size)
-        if fmt.k_per_block:  # int4: its open-block residual is not re-rotated by a shift
-            self.input_processor.shift_refusal = ("context_overflow \"shift\" is not supported with "
-                                                  "--kv-cache-dtype int4 (its 16-bit open-block residual is not "
-                                                  "re-rotated); use \"stop\" or an int8 KV cache")
-            if self.config.context_overflow == "shift":
-                raise LlmdError("--context-overflow shift is not supported with --kv-cache-dtype int4 yet "
-                                "(use int8)")
         if self.config.context_overflow == "shift" and self.config.keep > self.input_processor.max_keep:
             raise LlmdError(f"--keep {self.config.keep} leaves no whole block of the {self.max_model_len}-token "
                             f"context to discard: at most {self.input_processor.max_keep} (or -1, the prompt)")

@@ -94,7 +94,6 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.context_overflow, self.keep = context_overflow, keep
-        self.shift_refusal: str | None = None  # why this engine cannot context-shift (int4 KV), or None
         self.max_keep = max_keep(max_model_len, block_size)
 
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -134,8 +133,6 @@ class InputProcessor:
         if params.n_keep is None:
             params.n_keep = self.keep
         n, context = len(ids), self.max_model_len
-        if params.context_overflow == "shift" and self.shift_refusal:
-            raise RequestError(self.shift_refusal, "context_overflow")
         if params.context_overflow == "shift" and params.n_keep > self.max_keep:
             raise RequestError(f"n_keep ({params.n_keep}) leaves no whole block of the {context}-token context to "
                                f"discard: at most {self.max_keep} (or -1, the prompt)", "n_keep")

@@ -19,11 +19,12 @@ import torch
 from llmd.daemon.core.cuda_graphs import DecodeGraphs
 from llmd.daemon.core.errors import LlmdError
 from llmd.daemon.core.input_batch import InputBatch
-from llmd.daemon.core.outputs import BlockShift, ScheduledRequest, SchedulerOutput
+from llmd.daemon.core.outputs import BlockShift, ResidualShift, ScheduledRequest, SchedulerOutput
 from llmd.daemon.core.request import Request
 from llmd.daemon.core.sampler import Sampler, SamplerOutput
 from llmd.daemon.kv import KVCacheGroupSpec, layer_placement, make_kv_cache_groups
 from llmd.kernels import AttentionMetadata, shift_keys
+from llmd.kernels.kv_shift import shift_residual
 from llmd.models.config import ModelConfig
 from llmd.quant.kv import PagedKVCache, get_format
 
@@ -186,23 +187,29 @@ class ModelRunner:
             c.residual[dst] = c.residual[src]
 
     @torch.inference_mode()
-    def shift_blocks(self, shifts: Sequence[BlockShift]) -> None:
+    def shift_blocks(self, shifts: Sequence[BlockShift], residuals: Sequence[ResidualShift] = ()) -> None:
         """Context shift: re-rotate each op's block keys by ``-delta`` positions in every layer of
         its KV cache group, with that layer's RoPE base (:func:`llmd.kernels.kv_shift.shift_keys`).
         One call per cache tensor with every op that touches it (the layers of several groups share
         a tensor): all sources are read before any destination is written, so a block released by
-        one shift and taken as another's fresh block in the same step is never read overwritten."""
-        if not shifts:
+        one shift and taken as another's fresh block in the same step is never read overwritten.
+        int4: ``residuals`` re-rotate the shifting sequences' open-block K in their residual slots
+        (:func:`llmd.kernels.kv_shift.shift_residual`; a slot belongs to one sequence and group)."""
+        if not shifts and not residuals:
             return
-        per_cache: dict[int, tuple] = {}  # id(cache tensor) -> (cache, [(src, dst, delta, theta)])
+        per_cache: dict[int, tuple] = {}  # id(cache tensor) -> (cache, [(src, dst, delta, theta)], [(slot, ...)])
         for layer, g in enumerate(self.layer_group):
             cache, theta = self.layer_caches[layer], self.config.layer_rope_theta(layer)
-            per_cache.setdefault(id(cache), (cache, []))[1].extend(
-                (op.src, op.dst, op.delta, theta) for op in shifts if op.group == g)
-        for cache, ops in per_cache.values():
+            _, ops, res = per_cache.setdefault(id(cache), (cache, [], []))
+            ops.extend((op.src, op.dst, op.delta, theta) for op in shifts if op.group == g)
+            res.extend((op.slot, op.delta, theta) for op in residuals if op.group == g)
+        for cache, ops, res in per_cache.values():
             if ops:
                 src, dst, delta, theta = (list(c) for c in zip(*ops))
                 shift_keys(cache, src, dst, delta, theta)
+            if res:
+                slots, delta, theta = (list(c) for c in zip(*res))
+                shift_residual(cache, slots, delta, theta)
 
     @torch.inference_mode()
     def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:
@@ -210,7 +217,7 @@ class ModelRunner:
         copies, in that order: a shift's source may be a copy's destination); return
         ``[num_sampling_seqs, vocab]`` float32 logits of the last position of every sequence
         with ``sample=True`` (batch order), on the model's device (a GPU samples them there)."""
-        self.shift_blocks(out.blocks_to_shift)
+        self.shift_blocks(out.blocks_to_shift, out.residuals_to_shift)
         self.copy_blocks(out.blocks_to_copy)
         self.copy_residuals(out.residual_copies)
         graphs = self.decode_graphs

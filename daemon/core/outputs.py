@@ -3,8 +3,8 @@
 vLLM v1's ``vllm/v1/core/sched/output.py`` in small: the runner and the input batch import
 these, never the scheduler; the serving layer imports :class:`RequestOutput`, never the engine.
 
-* :class:`ScheduledRequest` / :class:`SchedulerOutput` / :class:`BlockShift`: what one step runs
-  (scheduler → runner);
+* :class:`ScheduledRequest` / :class:`SchedulerOutput` / :class:`BlockShift` /
+  :class:`ResidualShift`: what one step runs (scheduler → runner);
 * :class:`TokenLogprobs`: one sampled token's logprobs (sampler → outputs);
 * :class:`RequestOutput`: what one step produced for one request (engine → callers).
 """
@@ -62,6 +62,16 @@ class BlockShift:
     delta: int
 
 
+@dataclass(frozen=True)
+class ResidualShift:
+    """int4 context shift: re-rotate the 16-bit open-block K of residual slot ``slot`` (the
+    shifting sequence's slot in KV cache group ``group``) by ``-delta`` positions, in place."""
+
+    slot: int
+    group: int
+    delta: int
+
+
 @dataclass
 class SchedulerOutput:
     """What runs in one step: requests in batch order and the total token count."""
@@ -71,6 +81,8 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     #: context-shift re-rotations, applied before the copies and the forward
     blocks_to_shift: list[BlockShift] = field(default_factory=list)
+    #: int4: the shifting sequences' residual slots, re-rotated with the blocks
+    residuals_to_shift: list[ResidualShift] = field(default_factory=list)
     #: int4 residual (src slot, dst slot) copies of forks, with the block copies
     residual_copies: list[tuple[int, int]] = field(default_factory=list)
 

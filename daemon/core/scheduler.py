@@ -33,7 +33,7 @@ from collections import deque
 
 from llmd.daemon.core import context_shift
 from llmd.daemon.core.errors import QueueFullError, RequestError
-from llmd.daemon.core.outputs import ScheduledRequest, SchedulerOutput
+from llmd.daemon.core.outputs import BlockShift, ResidualShift, ScheduledRequest, SchedulerOutput
 from llmd.daemon.core.parallel import attach_followers, drop_follower, fork_followers, promote_heir
 from llmd.daemon.core.request import Request, RequestStatus
 from llmd.daemon.kv import KVCacheManager
@@ -68,7 +68,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # total preemptions that freed blocks
         self.num_context_shifts = 0  # context shifts done (in place or by recompute)
-        self.pending_shifts: list = []  # (request_id, BlockShift) for the next step's runner
+        self.pending_shifts: list = []  # (request_id, BlockShift | ResidualShift) for the next step's runner
 
     # ---- admission ----------------------------------------------------------------
     def max_tokens_of(self, req: Request) -> int:
@@ -258,7 +258,9 @@ class Scheduler:
         out.blocks_to_copy = self.kv.take_pending_copies()
         out.residual_copies = self.kv.take_pending_residual_copies()
         if self.pending_shifts:  # those of requests preempted or finished since are dropped
-            out.blocks_to_shift = [op for rid, op in self.pending_shifts if rid in self.kv.req_to_blocks]
+            live = [op for rid, op in self.pending_shifts if rid in self.kv.req_to_blocks]
+            out.blocks_to_shift = [op for op in live if isinstance(op, BlockShift)]
+            out.residuals_to_shift = [op for op in live if isinstance(op, ResidualShift)]
             self.pending_shifts = []
         return out
 

@@ -30,13 +30,14 @@ def _run(engine, requests, check=None):
                  check=check, integrity=True)
 
 
-@pytest.mark.parametrize("kv", ["auto", "int8", "fp8_e4m3"])  # int4: refused (test_kv_int4_engine.py)
+@pytest.mark.parametrize("kv", ["auto", "int8", "fp8_e4m3", "int4"])
 def test_shift_generates_past_the_context_and_frees_blocks(shift_engine, kv):
-    """Every KV dtype (int8 and int4 with their default hadamard rotation): 120 tokens from a
-    36-token prompt in a 64-token context: finish_reason length at
+    """Every KV dtype (int8 with its default hadamard rotation, int4 KIVI without): 120 tokens
+    from a 36-token prompt in a 64-token context: finish_reason length at
     max_tokens (not at the context), the usage counts the prompt as sent and every generated
     token, each shift frees a whole block (keep 10 → one block kept, 16 tokens dropped), the
-    integrity check holds after every step and the pool is whole at the end."""
+    integrity check holds after every step (int4: its residual slots too) and the pool, and every
+    residual slot, is free at the end."""
     eng = shift_engine(kv_cache_dtype=kv)
     held = []
 
@@ -49,6 +50,12 @@ def test_shift_generates_past_the_context_and_frees_blocks(shift_engine, kv):
     assert eng.scheduler.num_context_shifts == (36 + 120 - CTX) // 16 + 1 == 6
     assert max(held) == CTX // 16 and min(held[5:]) >= 3  # a 64-token context never holds more than 4
     assert eng.kv_manager.num_free_blocks == eng.kv_manager.num_usable_blocks
+    _assert_residual_free(eng)
+
+
+def _assert_residual_free(eng):
+    kv = eng.kv_manager
+    assert not kv.req_residual and len(kv.free_residual_slots) == kv.num_residual_slots
 
 
 def test_preempted_shifted_request_recomputes_its_shorter_context(shift_engine):
@@ -90,21 +97,27 @@ def test_shifted_output_does_not_depend_on_the_batch(shift_engine):
     assert max(abs(a - b) for ta, tb in zip(alone["top"], both["a"]["top"]) for (_, a), (_, b) in zip(ta, tb)) < 1e-4
 
 
-def test_shift_never_serves_shifted_blocks_from_the_prefix_cache(shift_engine):
+@pytest.mark.parametrize("kv", ["auto", "int4"])
+def test_shift_never_serves_shifted_blocks_from_the_prefix_cache(shift_engine, kv):
     """After a long shifted request, the same prompt (stop mode, 20 tokens) on the warm cache
-    equals a fresh engine's: the cache only serves blocks computed without a shift."""
-    eng = shift_engine()
+    equals a fresh engine's: the cache only serves blocks computed without a shift (int4: its
+    full, quantized blocks; no residual slot stays held)."""
+    eng = shift_engine(kv_cache_dtype=kv)
     _run(eng, {"a": (PROMPT, greedy(100, logprobs=None))})
     warm = _run(eng, {"w": (PROMPT, greedy(20, context_overflow="stop"))})["w"]
-    cold = _run(shift_engine(enable_prefix_caching=False), {"c": (PROMPT, greedy(20))})["c"]
+    cold = _run(shift_engine(enable_prefix_caching=False, kv_cache_dtype=kv), {"c": (PROMPT, greedy(20))})["c"]
     assert warm["cached"] == 32 and warm["tokens"] == cold["tokens"]
+    _assert_residual_free(eng)
 
 
-def test_parallel_siblings_shift_their_shared_blocks_by_copy(shift_engine):
+@pytest.mark.parametrize("kv", ["auto", "int4"])
+def test_parallel_siblings_shift_their_shared_blocks_by_copy(shift_engine, kv):
     """n = 3 sampled siblings share the prompt's blocks; each shift copies a shared block before
     re-rotating it, so every sibling equals the same seed run alone (sibling 0 of a lone request
-    draws as sibling 0 of the group), and no block leaks."""
-    eng = shift_engine()
+    draws as sibling 0 of the group), and no block leaks. int4: each shift also moves an open
+    block of 15 tokens, whose K each sibling holds in its own residual slot (copied at the fork),
+    and every slot is free at the end."""
+    eng = shift_engine(kv_cache_dtype=kv)
     sp = SamplingParams(max_tokens=80, temperature=0.8, seed=7, ignore_eos=True)
     ids = eng.add_parallel_request(PROMPT, sp, ["p0", "p1", "p2"])
     toks = {i: [] for i in ids}
@@ -113,10 +126,52 @@ def test_parallel_siblings_shift_their_shared_blocks_by_copy(shift_engine):
             toks[o.request_id] += o.new_token_ids
         eng.kv_manager.check_integrity()
     assert eng.kv_manager.num_free_blocks == eng.kv_manager.num_usable_blocks
-    alone = _run(shift_engine(), {"s": (PROMPT, SamplingParams(max_tokens=80, temperature=0.8, seed=7,
-                                                                 ignore_eos=True))})["s"]
+    _assert_residual_free(eng)
+    assert eng.scheduler.num_context_shifts >= 3
+    alone = _run(shift_engine(kv_cache_dtype=kv),
+                 {"s": (PROMPT, SamplingParams(max_tokens=80, temperature=0.8, seed=7, ignore_eos=True))})["s"]
     assert toks["p0"] == alone["tokens"] and all(len(t) == 80 for t in toks.values())
     assert len({tuple(t) for t in toks.values()}) == 3
+
+
+def test_int4_shift_rotates_the_open_blocks_residual(shift_engine):
+    """int4 (KIVI), 64-token context, keep 10: a shift happens when the newest token (position 63)
+    would not fit, so the last block moved is open, with 15 tokens (48..62, then 32..46) whose K
+    lives in the request's 16-bit residual slot, not in its block. After the step that applies
+    the shift, those 15 rows equal the float64 rotation by −Δ of what the slot held, to the
+    residual's float16 rounding, in every cache tensor. Fails if the residual is not rotated
+    (the rows would still hold the old keys)."""
+    from llmd.kernels.kv_shift import rope_shift_tables
+
+    eng = shift_engine(kv_cache_dtype="int4")
+    runner, bs = eng.runner, eng.config.block_size
+    snap: dict = {}
+    checked, worst = 0, 0.0
+
+    def check(e):
+        nonlocal checked, worst
+        for op in e.last_scheduler_output.residuals_to_shift:  # applied in this step
+            for layer, cache in enumerate(runner.layer_caches):
+                old, n = snap.pop((layer, op.slot))
+                cos, sin = (t.double() for t in rope_shift_tables(op.delta, cache.head_dim,
+                                                                   eng.model_config.layer_rope_theta(layer), "cpu"))
+                want = old * cos + old.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin
+                got = cache.residual[op.slot, :n].double()
+                worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
+                checked += 1
+        assert not snap
+        for rid, op in e.scheduler.pending_shifts:  # planned in this step: snapshot the open rows
+            if not hasattr(op, "slot"):
+                continue
+            n = e.scheduler.requests[rid].num_computed_tokens % bs
+            assert n == 15 and e.kv_manager.residual_slots(rid) == [op.slot]
+            for layer, cache in enumerate(runner.layer_caches):
+                snap[(layer, op.slot)] = (cache.residual[op.slot, :n].double().clone(), n)
+
+    out = _run(eng, {"a": (PROMPT, greedy(60, logprobs=None))}, check)["a"]
+    assert len(out["tokens"]) == 60 and eng.scheduler.num_context_shifts == 2
+    assert checked == eng.scheduler.num_context_shifts * len(runner.layer_caches) and worst < 2.0**-10
+    _assert_residual_free(eng)
 
 
 def test_keep_covering_the_context_stops_at_length(shift_engine):

@@ -1,16 +1,13 @@
 """int4 (KIVI) KV cache in the engine: chunk-size invariance (S1) and store-then-read on a tiny
 random model and on SmolLM2, prefix-cache hits equal to cold runs, parallel sampling (shared
 open blocks: copy-on-write + residual copies), abort storms and preemption returning every block
-and residual slot, and the refusals (context shift)."""
+and residual slot (context shift with int4: tests/core/test_context_shift.py)."""
 
 from __future__ import annotations
 
 import pytest
 from test_engine_scheduling import drive, greedy
 from tiny_engine import tiny_engine
-
-from llmd.daemon.core.errors import LlmdError, RequestError
-from llmd.daemon.core.request import SamplingParams
 
 PROMPT = [(7 * i + 3) % 200 + 10 for i in range(75)]  # 75 tokens: 4 full blocks + an open one
 
@@ -74,15 +71,6 @@ def test_int4_parallel_sampling_abort_storm_and_preemption_free_everything(tmp_p
     assert small.scheduler.num_preemptions >= 1
     assert all(v["tokens"][:10] == lone for v in out.values())
     _assert_empty(small)
-
-
-def test_int4_refuses_context_shift(tmp_path):
-    with pytest.raises(LlmdError, match="context-overflow shift is not supported with --kv-cache-dtype int4"):
-        _engine(tmp_path, context_overflow="shift")
-    e = _engine(tmp_path)
-    with pytest.raises(RequestError, match="not supported with --kv-cache-dtype int4") as err:
-        e.add_request(list(PROMPT), SamplingParams(max_tokens=4, context_overflow="shift"))
-    assert err.value.param == "context_overflow"
 
 
 def test_int4_smollm2_chunked_prefill_is_exact(make_engine):
