@@ -88,8 +88,6 @@ def serve(socket_path, host, port, api_key_file, api_key, served_model_name, dra
     if port is not None:
         check_bind(host or "127.0.0.1", port, key)
     kv_transfer = None
-    if kv_role != "both" and engine_kw.get("kv_cache_dtype") == "int4":
-        raise LlmdError("--kv-role does not transfer int4's open-block K residual yet; use --kv-cache-dtype int8")
     if kv_role != "both":
         from llmd.daemon.serving.kv_transfer.config import KVTransferConfig
 

@@ -15,7 +15,9 @@ against this engine (:meth:`accept`: same fingerprint, same prompt, the ranges t
 would keep); on any mismatch it computes its prefill itself and the reason is logged and
 counted. Accepted, the scheduler admits it with ``P - 1`` tokens computed
 (:func:`llmd.daemon.kv.transfer.allocate_imported`) and :meth:`apply` writes the payload into
-its blocks before the step's forward, which computes the last prompt token only.
+its blocks before the step's forward, which computes the last prompt token only (int4: the
+full blocks' tokens computed, the last block's 1 to ``block_size`` tokens recomputed, since its
+16-bit residual does not travel; :func:`~llmd.daemon.kv.transfer.imported_tokens`).
 
 Counters (``/v1/stats`` ``kv_transfer``): pins made / pulled / expired / live, blocks and bytes
 exported; requests imported, tokens imported, blocks and bytes imported, recomputed (by reason
@@ -39,7 +41,7 @@ from llmd.daemon.core.kv_transfer import (
     scatter_blocks,
     token_digest,
 )
-from llmd.daemon.kv.transfer import import_ranges, imported_block_ids, pin_id_of, pinned_block_ids
+from llmd.daemon.kv.transfer import import_ranges, imported_block_ids, imported_tokens, pin_id_of, pinned_block_ids
 
 log = logging.getLogger("llmd.kv_transfer")
 
@@ -84,8 +86,16 @@ class KVExchange:
             self._fingerprint = kv_fingerprint(self.engine)
         return self._fingerprint
 
+    @property
+    def full_blocks_only(self) -> bool:
+        """int4 (KIVI): the open block's K lives in a residual slot that does not travel, so only
+        the full blocks are imported and the last block's tokens recomputed
+        (:func:`llmd.daemon.kv.transfer.imported_tokens`)."""
+        return self.engine.kv_manager.num_residual_slots > 0
+
     def _ranges(self, num_prompt_tokens: int) -> list[tuple[int, int]]:
-        return import_ranges(self.engine.kv_cache_groups, num_prompt_tokens, self.engine.config.block_size)
+        return import_ranges(self.engine.kv_cache_groups, num_prompt_tokens, self.engine.config.block_size,
+                             self.full_blocks_only)
 
     # ---- producer ------------------------------------------------------------------
     def on_finished(self, req) -> dict | None:
@@ -200,6 +210,8 @@ class KVExchange:
         if reason is None and payload.num_prompt_tokens >= 2 and payload.ranges != self._ranges(req.num_prompt_tokens):
             reason = f"block ranges {payload.ranges} differ from this engine's {self._ranges(req.num_prompt_tokens)}"
         if reason is None:
+            payload.computed_tokens = imported_tokens(payload.num_prompt_tokens, self.engine.config.block_size,
+                                                      self.full_blocks_only)
             req.kv_import = payload
             return None
         self.recomputed(req.request_id, "mismatch", reason)

@@ -6,8 +6,8 @@ disaggregation; the block bookkeeping is :mod:`llmd.daemon.kv.transfer`).
   the prompt's digest and the producer's :func:`kv_fingerprint`.
 * :func:`kv_fingerprint`: everything that must agree between producer and consumer for the
   bytes to mean the same K/V: llmd's version, the model (name, architecture, a digest of its
-  weights), dtype and weight format, block size, KV cache dtype, static scales, rotation and
-  the KV cache group layout. :func:`fingerprint_mismatch` names what differs.
+  weights), dtype and weight format, block size, KV cache dtype and scheme (:attr:`KVCacheFormat.scheme`),
+  static scales, rotation and the KV cache group layout. :func:`fingerprint_mismatch` names what differs.
 * :func:`gather_blocks` / :func:`scatter_blocks`: the engine thread's copies between the
   runner's paged cache tensors and a payload (vLLM's NixlConnector moves the same per-layer
   block slices with RDMA; here they are copied through host memory).
@@ -41,7 +41,11 @@ class KVPayload:
         data: per group, ``[group_size, 2, end - first, block_size, kv_heads, code_dim]`` in
             the cache's storage dtype (CPU).
         scales: per group, ``[group_size, 2, end - first, block_size, kv_heads(, groups)]``
-            float32 (int4: float16), or None for an ``auto`` cache.
+            float32 (int4: float16, ``[group_size, 1, end - first, per-block scales]``), or None
+            for an ``auto`` cache.
+        computed_tokens: set by the consumer that accepts it
+            (:func:`llmd.daemon.kv.transfer.imported_tokens`: ``P - 1``, or the full blocks'
+            tokens for int4, whose open-block residual does not travel); None until then.
     """
 
     num_prompt_tokens: int
@@ -50,11 +54,13 @@ class KVPayload:
     ranges: list[tuple[int, int]]
     data: list[torch.Tensor]
     scales: list[torch.Tensor | None] = field(default_factory=list)
+    computed_tokens: int | None = None
 
     @property
     def num_computed_tokens(self) -> int:
-        """Tokens the consumer marks computed: ``P - 1`` (the last is recomputed for its logits)."""
-        return self.num_prompt_tokens - 1
+        """Tokens the consumer marks computed: :attr:`computed_tokens`, by default ``P - 1`` (the
+        last is recomputed for its logits)."""
+        return self.num_prompt_tokens - 1 if self.computed_tokens is None else self.computed_tokens
 
     @property
     def num_blocks(self) -> int:
@@ -110,6 +116,7 @@ def kv_fingerprint(engine) -> dict:
         "weight_quant": str(c.weight_quant),
         "block_size": c.block_size,
         "kv_cache_dtype": c.kv_cache_dtype,
+        "kv_scheme": cache.fmt.scheme,  # what the block bytes mean (int4: "int4-kivi16")
         "kv_scales": "dynamic" if c.kv_scales is None else f"{c.kv_scales[0]!r},{c.kv_scales[1]!r}",
         "kv_rotation": str(c.kv_rotation),
         "kv_layout": f"{cfg.num_layers}x{cfg.num_kv_heads}x{cfg.head_dim}|{str(cache.data.dtype)}|{groups}",

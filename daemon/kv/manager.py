@@ -195,7 +195,7 @@ class KVCacheManager:
         cow = self._cow_positions(request_id, num_computed_tokens)
         if num_new + touched_free + len(cow) > self.num_free_blocks:
             return None
-        if not self._take_residual(request_id):
+        if not self.take_residual(request_id):
             return None
         if new_computed_blocks is not None:
             tables = [[b if b is not None else self.block_pool.null_block for b in t] for t in new_computed_blocks]
@@ -218,7 +218,7 @@ class KVCacheManager:
             new_ids.extend(b.block_id for b in blocks)
         return new_ids
 
-    def _take_residual(self, request_id: str) -> bool:
+    def take_residual(self, request_id: str) -> bool:
         """Give a request its residual slots (one per group) if it needs them and has none;
         False (nothing taken) when too few are free."""
         if not self.num_residual_slots or request_id in self.req_residual:
@@ -272,7 +272,7 @@ class KVCacheManager:
             for t in tables:
                 self.block_pool.touch(t)
         if parent_res is not None:
-            self._take_residual(child_id)
+            self.take_residual(child_id)
             self.pending_residual_copies.extend(zip(parent_res, self.req_residual[child_id]))
         self.req_to_blocks[child_id] = tables
         if parent_id in self.shifted:

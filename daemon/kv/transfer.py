@@ -15,6 +15,15 @@ query at position ``>= P - 1`` can see: those whose last token is ``< P - W`` (t
 compute this range with :func:`first_kept_block` and :func:`num_table_blocks`, so a consumer
 never receives a block it would drop at once.
 
+int4 (KIVI) caches keep each sequence's open block's K in a 16-bit residual slot
+(:class:`KVCacheManager` ``num_residual_slots``), not in its block. Such a pair transfers the
+blocks only: the consumer imports the full blocks before the last prompt token's block, i.e.
+``imported_tokens = ((P - 1) // block_size) · block_size`` tokens, and recomputes the last block's
+``P - imported_tokens`` (1 to ``block_size``) tokens itself, as after a prefix-cache hit, which
+rebuilds their residual (:func:`imported_tokens`; the sliding-window ranges start at what a query
+at ``imported_tokens`` still sees). The last block's bytes still travel (the ranges are the same
+shape) and are rewritten by that recompute.
+
 Pinning is a fork under a private id (:func:`pin_blocks`): the pin holds one reference to each
 block like a request's table does, so ``check_integrity()`` holds throughout and freeing the
 pin (:meth:`KVCacheManager.free`) is the one way back to the pool.
@@ -55,14 +64,25 @@ def num_table_blocks(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def import_ranges(groups: list[KVCacheGroupSpec], num_prompt_tokens: int, block_size: int) -> list[tuple[int, int]]:
+def imported_tokens(num_prompt_tokens: int, block_size: int, full_blocks_only: bool = False) -> int:
+    """Prompt tokens a consumer marks computed from the pulled KV: ``P - 1`` (the last is
+    recomputed for its logits), or with ``full_blocks_only`` (int4's open-block residual does not
+    travel) the tokens of the full blocks before the last prompt token's block,
+    ``((P - 1) // block_size) · block_size``."""
+    n = num_prompt_tokens - 1
+    return n - n % block_size if full_blocks_only else n
+
+
+def import_ranges(groups: list[KVCacheGroupSpec], num_prompt_tokens: int, block_size: int,
+                  full_blocks_only: bool = False) -> list[tuple[int, int]]:
     """Per group, the table indices ``[first, end)`` whose K/V a consumer imports for a prompt of
-    ``num_prompt_tokens`` tokens (the first ``num_prompt_tokens - 1`` computed elsewhere; see the
+    ``num_prompt_tokens`` tokens (the first :func:`imported_tokens` computed elsewhere; see the
     module docstring). Raises ``ValueError`` for a prompt of fewer than 2 tokens (nothing to import)."""
     if num_prompt_tokens < 2:
         raise ValueError(f"a prompt of {num_prompt_tokens} token(s) has no KV to import (need >= 2)")
     end = num_table_blocks(num_prompt_tokens, block_size)
-    return [(first_kept_block(g, num_prompt_tokens - 1, block_size), end) for g in groups]
+    computed = imported_tokens(num_prompt_tokens, block_size, full_blocks_only)
+    return [(first_kept_block(g, computed, block_size), end) for g in groups]
 
 
 def pin_blocks(manager: KVCacheManager, request_id: str, pin_id: str) -> bool:
@@ -99,7 +119,8 @@ def allocate_imported(manager: KVCacheManager, request_id: str, num_tokens: int,
                       cache_salt: str | None = None) -> list[list[int]] | None:
     """Start ``request_id``'s tables for ``num_tokens`` tokens whose K/V (the blocks in
     ``ranges``) arrive from another instance: each group's table is ``first`` null blocks, then
-    fresh blocks up to ``ceil(num_tokens / block_size)``. All or nothing across groups.
+    fresh blocks up to ``ceil(num_tokens / block_size)``. All or nothing across groups (and, with
+    int4 residual slots, the request's slots: none free is None, nothing allocated).
 
     ``cache_salt`` sets the request's block-hash extra keys, as a prefix lookup would, so its
     blocks are registered in the prefix cache under the right salt once full.
@@ -118,6 +139,8 @@ def allocate_imported(manager: KVCacheManager, request_id: str, num_tokens: int,
         if stop != end or not 0 <= first < end or (first and spec.sliding_window is None):
             raise ValueError(f"import range [{first}, {stop}) does not fit a {spec.name} table of {end} blocks")
     if sum(stop - first for first, stop in ranges) > manager.num_free_blocks:
+        return None
+    if not manager.take_residual(request_id):
         return None
     pool = manager.block_pool
     tables = [[pool.null_block] * first + pool.get_new_blocks(stop - first) for first, stop in ranges]

@@ -76,3 +76,26 @@ def test_allocate_imported_is_all_or_nothing():
     assert kv.num_used_blocks == 0 and "c" not in kv.req_to_blocks
     with pytest.raises(ValueError):  # a full-attention table cannot start with null blocks
         allocate_imported(kv, "d", 23, [(1, 6), (3, 6)])
+
+
+def test_int4_imports_full_blocks_only_and_takes_a_residual_slot():
+    """int4 (its open-block residual does not travel): the consumer imports the full blocks before
+    the last prompt token's block (P = 23, blocks of 4: tokens 0..19; P = 21: 0..19; P = 4: none)
+    and the sliding ranges start at what a query at the first recomputed token sees ([12, 19]
+    for 20); allocation takes one residual slot per group, all or nothing."""
+    from llmd.daemon.kv.transfer import imported_tokens
+
+    assert [imported_tokens(p, BS, True) for p in (23, 21, 20, 5, 4)] == [20, 20, 16, 4, 0]
+    assert [imported_tokens(p, BS) for p in (23, 21)] == [22, 20]
+    assert import_ranges([FULL, SLIDE], 23, BS, full_blocks_only=True) == [(0, 6), ((20 - 8 + 1) // BS, 6)]
+    kv = KVCacheManager(16, BS, [FULL, SLIDE], num_residual_slots=2)
+    ranges = import_ranges(kv.groups, 23, BS, full_blocks_only=True)
+    assert allocate_imported(kv, "a", 23, ranges) is not None
+    assert len(kv.residual_slots("a")) == 2 and not kv.free_residual_slots
+    used = kv.num_used_blocks
+    assert allocate_imported(kv, "b", 23, ranges) is None  # no residual slot left: nothing taken
+    assert "b" not in kv.req_to_blocks and kv.num_used_blocks == used
+    kv.check_integrity()
+    kv.free("a")
+    kv.check_integrity()
+    assert kv.num_used_blocks == 0 and len(kv.free_residual_slots) == 2

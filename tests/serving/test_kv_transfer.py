@@ -3,9 +3,11 @@ in-process on loopback TCP (``tests/fixtures/kv_pair.py``), each with its own en
 session's already-loaded model.
 
 For SmolLM2 and Gemma 3 (a prompt longer than its 512-token window, so the sliding groups send
-only their window), auto and int8 caches: the consumer's greedy tokens equal a single engine's,
-the consumer computed exactly one prompt token (its ``/v1/stats`` counters) and imported the
-rest, and both pools are back to zero blocks with the KV audit holding. Poisoning the
+only their window), auto, int8 and int4 caches: the consumer's greedy tokens equal a single
+engine's, the consumer computed exactly one prompt token (int4: the last block's tokens, its
+open-block residual does not travel; ``imported_tokens``) (its ``/v1/stats`` counters) and
+imported the rest, and both pools are back to zero blocks (and residual slots) with the KV
+audit holding. Poisoning the
 producer's pinned KV before the pull changes the consumer's reply (so the pulled KV is what
 it decodes from), and the handshake runs exactly as vllm-router sends it, chat and streaming
 included.
@@ -20,6 +22,7 @@ import torch
 from app_harness import sse_events
 from kv_pair import AUTH, audit, decode, kv_pair, prefill
 
+from llmd.daemon.kv.transfer import imported_tokens
 from llmd.daemon.serving.engine_loop import EngineLoop
 
 SMOL_PROMPT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
@@ -32,7 +35,7 @@ def _loops(make, kv_cache_dtype: str):
     return EngineLoop(make(**kw), "m").start(), EngineLoop(make(**kw), "m").start()
 
 
-@pytest.fixture(scope="module", params=["auto", "int8"])
+@pytest.fixture(scope="module", params=["auto", "int8", "int4"])
 def smol_pair(request, make_engine):
     loops = _loops(make_engine, request.param)
     yield loops
@@ -65,6 +68,18 @@ async def _disaggregated(p, c, body: dict, path: str = "/v1/completions") -> tup
     return out, cstats, pstats
 
 
+def _imported(loop, n_prompt: int) -> int:
+    """Prompt tokens the consumer imports: ``P - 1``, int4 only its full blocks'."""
+    eng = loop.engine
+    return imported_tokens(n_prompt, eng.config.block_size, eng.config.kv_cache_dtype == "int4")
+
+
+def _residual_free(*loops) -> None:
+    for lp in loops:
+        kv = lp.engine.kv_manager
+        assert not kv.req_residual and len(kv.free_residual_slots) == kv.num_residual_slots
+
+
 def test_smollm2_consumer_equals_one_engine_and_computes_one_prompt_token(smol_pair):
     body = {"model": "m", "prompt": SMOL_PROMPT, "max_tokens": 12, "temperature": 0, "logprobs": 0,
             "return_tokens_as_token_ids": True}
@@ -74,13 +89,15 @@ def test_smollm2_consumer_equals_one_engine_and_computes_one_prompt_token(smol_p
             ref = await _reference(c, body)
             out, cstats, pstats = await _disaggregated(p, c, body)
             n_prompt = out["usage"]["prompt_tokens"]
+            n_imported = _imported(smol_pair[1], n_prompt)
             assert _tokens(out) == _tokens(ref)
-            assert cstats["computed_prompt_tokens"] == 1
+            assert cstats["computed_prompt_tokens"] == n_prompt - n_imported
             kv = cstats["kv_transfer"]
-            assert kv["imported"] == 1 and kv["imported_tokens"] == n_prompt - 1
+            assert kv["imported"] == 1 and kv["imported_tokens"] == n_imported
             assert kv["recomputed_mismatch"] == kv["recomputed_pull_failed"] == 0
-            assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == n_prompt - 1
+            assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == n_imported
             assert pstats["kv_transfer"]["pulled"] == 1 and pstats["kv_transfer"]["pins_live"] == 0
+            _residual_free(*smol_pair)
 
     asyncio.run(scenario())
 
@@ -106,6 +123,8 @@ def test_poisoned_producer_kv_changes_the_consumer_reply(smol_pair):
 
 def test_handshake_exactly_as_vllm_router_chat_and_stream(smol_pair):
     """Chat, the router's chat extras, a streamed decode leg: the stream's text is the reference."""
+    if smol_pair[0].engine.config.kv_cache_dtype == "int4":
+        pytest.skip("the handshake does not depend on the KV dtype (int4's import: the test above)")
     chat = {"model": "m", "messages": [{"role": "user", "content": "Name three primary colours."}],
             "max_tokens": 10, "temperature": 0, "logprobs": False, "continue_final_message": False,
             "separate_reasoning": True, "stream_reasoning": True, "include_reasoning": True}
@@ -128,7 +147,7 @@ def test_handshake_exactly_as_vllm_router_chat_and_stream(smol_pair):
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "int4"])
 def test_gemma3_sliding_groups_send_only_their_window(make_gemma_engine, gemma3_tokenizer, kv_cache_dtype):
     ids = gemma3_tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 60)[:560]
     body = {"model": "m", "prompt": ids, "max_tokens": 6, "temperature": 0, "logprobs": 0,
@@ -140,12 +159,14 @@ def test_gemma3_sliding_groups_send_only_their_window(make_gemma_engine, gemma3_
             ref = await _reference(c, body)
             out, cstats, pstats = await _disaggregated(p, c, body)
             assert _tokens(out) == _tokens(ref)
-            assert cstats["computed_prompt_tokens"] == 1
+            n_imported = _imported(loops[1], 560)  # 559, int4 544
+            assert cstats["computed_prompt_tokens"] == 560 - n_imported
             eng = loops[0].engine
             full = -(-560 // eng.config.block_size)
-            first = (559 - 512 + 1) // eng.config.block_size  # what a query at 559 still sees, per sliding group
+            first = (n_imported - 512 + 1) // eng.config.block_size  # what the first computed query sees
             n_groups = len(eng.kv_cache_groups)
             assert cstats["kv_transfer"]["imported_blocks"] == full + (n_groups - 1) * (full - first)
+            _residual_free(*loops)
 
     try:
         asyncio.run(scenario())

@@ -149,6 +149,19 @@ def test_kv_of_another_layout_or_prompt_is_never_used(loops, tmp_path_factory):
         int8.stop()
 
 
+def test_fingerprint_names_the_kv_scheme(tmp_path):
+    """The fingerprint carries what the block bytes mean (int4: KIVI, K per channel over blocks
+    of 16), so a consumer of another scheme names it and computes the prefill itself."""
+    from tiny_engine import tiny_engine
+
+    from llmd.daemon.core.kv_transfer import fingerprint_mismatch, kv_fingerprint
+
+    int4 = kv_fingerprint(tiny_engine(tmp_path / "a.gguf", kv_cache_dtype="int4"))
+    auto = kv_fingerprint(tiny_engine(tmp_path / "b.gguf"))
+    assert int4["kv_scheme"] == "int4-kivi16" and auto["kv_scheme"] == "auto"
+    assert "kv_scheme 'int4-kivi16' (producer) vs 'auto' (here)" in fingerprint_mismatch(auto, int4)
+
+
 def test_bad_params_and_roles_are_400s_naming_the_field(loops):
     async def scenario():
         async with kv_pair(*loops) as (p, c):
