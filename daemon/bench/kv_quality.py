@@ -98,6 +98,9 @@ def fake_quant_reference(x: torch.Tensor, fmt: KVCacheFormat, rotation: str = "n
     With a rotation ``H`` the result is ``Q(x H) H`` (``H H = I``): what llmd's rotated scores
     equal in exact arithmetic.
 
+    For int4 (KIVI) this is V's scheme (per token, 16 channels); its K is
+    :func:`kivi_keys_reference`.
+
     Args:
         x: ``[..., head_dim]`` float, quantized over the last dim.
     """
@@ -115,13 +118,84 @@ def fake_quant_reference(x: torch.Tensor, fmt: KVCacheFormat, rotation: str = "n
     return rotate(out, rotation).to(x.dtype)
 
 
+def kivi_keys_reference(key: torch.Tensor, rotation: str = "none", block_size: int = 16,
+                        residual_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4 (KIVI, arXiv:2402.02750) K from the spec, for the HF reference: ``(exact, quantized)``.
+
+    ``exact`` is what a query reads for keys of its own block: ``x H`` rounded once to the 16-bit
+    ``residual_dtype`` (float16: clamped to ±65504 first), times ``H`` back. ``quantized`` is what
+    it reads for keys of earlier blocks: per (head, block of ``block_size`` positions, channel) of
+    those 16-bit values, ``scale = clamp((max - min) / 15, 2^-14, 65504)`` and ``zero = clamp(min,
+    ±65504)`` rounded to float16, codes ``clamp(round((x - zero) / scale), 0, 15)`` (ties to even),
+    value ``code · scale + zero`` taken in float64, times ``H`` back. Positions of a last, partial
+    block keep their exact values there (no query reads them quantized).
+
+    Args:
+        key: ``[B, kv_heads, L, head_dim]`` after RoPE, positions ``0 .. L - 1``.
+    Returns:
+        Two tensors of ``key``'s shape and dtype.
+    """
+    x = rotate(key.float() if key.dtype != torch.float64 else key, rotation)
+    if residual_dtype == torch.float16:
+        x = x.clamp(-65504.0, 65504.0)
+    x16 = x.to(residual_dtype).double()
+    full = x16.shape[2] // block_size * block_size
+    blocks = x16[:, :, :full].unflatten(2, (-1, block_size))  # [B, H, n, block_size, d]
+    lo, hi = blocks.amin(3, keepdim=True), blocks.amax(3, keepdim=True)
+    scale = ((hi - lo) / 15).clamp(2.0**-14, 65504.0).half().double()
+    zero = lo.clamp(-65504.0, 65504.0).half().double()
+    codes = torch.round((blocks - zero) / scale).clamp(0, 15)
+    deq = torch.cat([(codes * scale + zero).flatten(2, 3), x16[:, :, full:]], 2)
+    return rotate(x16, rotation).to(key.dtype), rotate(deq, rotation).to(key.dtype)
+
+
+def kivi_attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, scaling: float, rotation: str = "none",
+                             block_size: int = 16, softcap: float | None = None) -> torch.Tensor:
+    """Attention with llmd's int4 read rule (one forward over positions ``0 .. L - 1``): the
+    query at ``p`` scores keys of its own block ``p // block_size`` with the exact K and keys of
+    earlier blocks with the dequantized K (:func:`kivi_keys_reference`); V is fake-quantized per
+    token (:func:`fake_quant_reference`). Otherwise HF's eager attention: GQA by repeating K/V
+    heads, ``scaling``, Gemma's ``softcap``, the mask (boolean: True attends; float: added;
+    None: causal), softmax in float32 (float64 for a float64 model).
+
+    Args:
+        query: ``[B, heads, L, head_dim]``; key, value: ``[B, kv_heads, L, head_dim]``.
+    Returns:
+        ``[B, L, heads, head_dim]`` (HF's attention-function layout).
+    """
+    fmt = get_format("int4")
+    exact, deq = kivi_keys_reference(key, rotation, block_size,
+                                     getattr(torch, fmt.residual_dtype_name(query.dtype)))
+    rep = query.shape[1] // key.shape[1]
+    exact, deq = exact.repeat_interleave(rep, 1), deq.repeat_interleave(rep, 1)
+    v = fake_quant_reference(value, fmt).repeat_interleave(rep, 1)
+    n = key.shape[2]
+    blk = torch.arange(n, device=query.device) // block_size
+    own = blk[-query.shape[2]:, None] == blk[None, :]  # [L, L]: the key is in the query's block
+    scores = torch.where(own, query @ exact.transpose(2, 3), query @ deq.transpose(2, 3)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is None:
+        attention_mask = torch.ones(query.shape[2], n, dtype=torch.bool, device=query.device).tril(n - query.shape[2])
+    if attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask, float("-inf"))
+    else:
+        scores = scores + attention_mask[..., :n]
+    probs = torch.softmax(scores, -1, dtype=torch.float64 if query.dtype == torch.float64 else torch.float32)
+    return (probs.to(v.dtype) @ v).transpose(1, 2).contiguous()
+
+
 HF_ATTN_NAME = "llmd_fake_quant"
 
 
 @torch.inference_mode()
-def hf_fake_quant(hf_model, ids: list[int], kv_cache_dtype: str, rotation: str = "none") -> tuple[float, torch.Tensor]:
+def hf_fake_quant(hf_model, ids: list[int], kv_cache_dtype: str, rotation: str = "none",
+                  block_size: int = 16) -> tuple[float, torch.Tensor]:
     """Mean NLL and argmax ``[N - 1]`` (as :func:`nll_and_argmax`) from HF transformers with K
-    (after RoPE) and V fake-quantized per (token, KV head) by :func:`fake_quant_reference`.
+    (after RoPE) and V fake-quantized per (token, KV head) by :func:`fake_quant_reference`;
+    int4 (KIVI) with llmd's read rule instead (:func:`kivi_attention_reference`: K per channel
+    over blocks of ``block_size`` positions, each query's own block in 16 bits; V per token).
 
     The fake quantization is a registered attention function that wraps HF's own SDPA
     function (which takes the layer's ``scaling``: Gemma 3's ``query_pre_attn_scalar**-0.5``).
@@ -142,6 +216,10 @@ def hf_fake_quant(hf_model, ids: list[int], kv_cache_dtype: str, rotation: str =
     def fake_quant_attention(module, query, key, value, attention_mask, **kw):
         # key/value: [B, kv_heads, L, head_dim] -> quantized over head_dim per (token, head);
         # kw carries the layer's scaling (and sliding_window, which the mask already encodes)
+        if fmt.k_per_block:
+            scaling = kw.get("scaling") or module.head_dim**-0.5
+            return kivi_attention_reference(query, key, value, attention_mask, scaling, rotation, block_size,
+                                            kw.get("softcap")), None
         key, value = fake_quant_reference(key, fmt, rotation), fake_quant_reference(value, fmt)  # llmd rotates K only
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
 
@@ -156,9 +234,10 @@ def hf_fake_quant(hf_model, ids: list[int], kv_cache_dtype: str, rotation: str =
     return nll_and_argmax(logits, ids)
 
 
-def hf_fake_quant_nll(hf_model, ids: list[int], kv_cache_dtype: str, rotation: str = "none") -> float:
+def hf_fake_quant_nll(hf_model, ids: list[int], kv_cache_dtype: str, rotation: str = "none",
+                      block_size: int = 16) -> float:
     """Mean NLL of :func:`hf_fake_quant` (the independent reference of case Q4)."""
-    return hf_fake_quant(hf_model, ids, kv_cache_dtype, rotation)[0]
+    return hf_fake_quant(hf_model, ids, kv_cache_dtype, rotation, block_size)[0]
 
 
 def hf_reference_table(engine: Engine, ids: list[int], rows: list[QualityRow]) -> list[str]:
@@ -179,7 +258,8 @@ def hf_reference_table(engine: Engine, ids: list[int], rows: list[QualityRow]) -
         base = nll_and_argmax(hf(torch.tensor([ids])).logits[0], ids)[0]
     lines = [f"HF transformers fake-quant reference: NLL {base:.4f} ({engine.config.dtype})"]
     for r in rows[1:]:
-        ref = 100 * (hf_fake_quant_nll(hf, ids, r.kv_cache_dtype, r.kv_rotation) - base) / base
+        ref = 100 * (hf_fake_quant_nll(hf, ids, r.kv_cache_dtype, r.kv_rotation, engine.config.block_size)
+                     - base) / base
         lines.append(f"{r.label:<19} ΔNLL llmd {r.delta_nll_pct:.3f}%  HF fake-quant {ref:.3f}%  "
                      f"|diff| {abs(r.delta_nll_pct - ref):.3f} pp")
     return lines
