@@ -135,7 +135,7 @@ def test_parallel_siblings_shift_their_shared_blocks_by_copy(shift_engine, kv):
 
 
 def test_int4_shift_rotates_the_open_blocks_residual(shift_engine):
-    """int4 (KIVI), 64-token context, keep 10: a shift happens when the newest token (position 63)
+    """int4 (KIVI), 64-token context, keep 10, the cpu fast path: a shift happens when the newest token (position 63)
     would not fit, so the last block moved is open, with 15 tokens (48..62, then 32..46) whose K
     lives in the request's 16-bit residual slot, not in its block. After the step that applies
     the shift, those 15 rows equal the float64 rotation by −Δ of what the slot held, to the
@@ -143,7 +143,7 @@ def test_int4_shift_rotates_the_open_blocks_residual(shift_engine):
     (the rows would still hold the old keys)."""
     from llmd.kernels.kv_shift import rope_shift_tables
 
-    eng = shift_engine(kv_cache_dtype="int4")
+    eng = shift_engine(kv_cache_dtype="int4", attention_backend="cpu")  # the CPU default (the others: torch)
     runner, bs = eng.runner, eng.config.block_size
     snap: dict = {}
     checked, worst = 0, 0.0
