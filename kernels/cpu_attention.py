@@ -300,7 +300,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, 
     kv_heads = cache.data.shape[3]
     group = num_heads // kv_heads
     cdt = compute_dtype_for(query.dtype)
-    plan = get_plan(meta, kv_heads, sliding_window, group, cascade_ok=not cache.fmt.k_per_block)
+    plan = get_plan(meta, kv_heads, sliding_window, group, cascade_ok=meta.cascade_attn and not cache.fmt.k_per_block)
     if plan.decode_only and t <= SMALL_DECODE and cdt == torch.bfloat16:
         cdt = torch.float32  # tiny matmuls: float32's ~15 µs beats bfloat16's ~35 µs per call here
     if cache.fmt.k_per_block:  # int4 (KIVI): kernels/cpu_int4.py

@@ -36,6 +36,8 @@ class AttentionMetadata:
             length from ``seq_lens`` on the device, so no launch argument depends on the step.
         residual_slots: int4 caches: per sequence its residual slot in this group (the exact
             16-bit K of its open block, :mod:`llmd.quant.kv`), -1 for none; None otherwise.
+        cascade_attn: the cpu backend may attend decodes that share leading blocks to them once
+            (:mod:`llmd.kernels.cpu_cascade`); False = ``--disable-cascade-attn``.
     """
 
     slot_mapping: torch.Tensor
@@ -49,6 +51,7 @@ class AttentionMetadata:
     plans: dict = field(default_factory=dict, repr=False, compare=False)
     decode_max_seq_len: int | None = None
     residual_slots: list[int] | None = None
+    cascade_attn: bool = True
 
     @property
     def num_seqs(self) -> int:

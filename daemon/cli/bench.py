@@ -73,7 +73,7 @@ def bench_single(formats, prompt_len, decode, repeats, weight_quant, **engine_kw
 @engine_options
 @one_line_errors
 def bench_kv_quality(chunk, hf_reference, cached_prefix, text_name, jitter_runs, kv_cache_dtype, **engine_kw):
-    """Teacher-forced ΔNLL and top-1 agreement per KV dtype on a fixed text (cases Q1/Q4; ~1,000 tokens, --text long >= 2,000).
+    """Teacher-forced ΔNLL and top-1 agreement per KV dtype on a fixed text (cases Q1/Q4; --text long: >= 2,000 tokens).
 
     Every quantized dtype runs without and with --kv-rotation hadamard unless --kv-rotation is
     given; --kv-cache-dtype other than auto keeps only that dtype's rows (and the auto base)."""
@@ -109,7 +109,8 @@ def bench_kv_quality(chunk, hf_reference, cached_prefix, text_name, jitter_runs,
     if cached_prefix and not engine.config.enable_prefix_caching:
         raise LlmdError("--cached-prefix needs prefix caching (drop --no-prefix-caching)")
     if jitter_runs:
-        from llmd.daemon.bench.kv_quality_runs import format_stats, jitter_runs as run_jittered
+        from llmd.daemon.bench.kv_quality_runs import format_stats
+        from llmd.daemon.bench.kv_quality_runs import jitter_runs as run_jittered
 
         stats = run_jittered(engine.runner.model, engine.tokenizer, ids, jitter_runs, kv_dtypes=kv_dtypes, chunk=chunk,
                              cached_prefix=cached_prefix, kv_scales=kv_scales, rotations=rotations, **kw)
@@ -158,6 +159,23 @@ def bench_prefix(system_tokens, users, turns, max_tokens, **engine_kw):
 
     engine = build_engine(**engine_kw)
     run_prefix_bench(engine, system_tokens, users, turns, max_tokens, echo=click.echo)
+
+@bench.command("cascade")
+@click.option("--system-tokens", default=1000, show_default=True, type=int, help="Shared system prompt (tokens).")
+@click.option("--users", default=32, show_default=True, type=int, help="Chats queued at once.")
+@click.option("--max-tokens", default=32, show_default=True, type=int, help="New tokens per request (greedy).")
+@click.option("--repeats", default=2, show_default=True, type=int, help="Alternating runs per setting; best shown.")
+@engine_options
+@one_line_errors
+def bench_cascade(system_tokens, users, max_tokens, repeats, **engine_kw):
+    """Cascade attention on vs off on the shared-prefix workload shape (same model, one run)."""
+    from llmd.daemon.bench.cascade import run_cascade_bench
+
+    if min(system_tokens, users, max_tokens, repeats) < 1:
+        raise LlmdError("--system-tokens, --users, --max-tokens and --repeats must be >= 1")
+    engine = build_engine(**engine_kw)
+    run_cascade_bench(engine, system_tokens, users, max_tokens, repeats, echo=click.echo)
+
 
 @bench.command("beam")
 @click.option("--prompt-tokens", default=64, show_default=True, type=int, help="Prompt length (a fixed text).")

@@ -92,6 +92,9 @@ def engine_options(fn):
                           "(vLLM's meaning); the KV cache gets what is left."),
         click.option("--enforce-eager", is_flag=True, default=False,
                      help="CUDA: no CUDA graphs for decode steps (vLLM's flag); every step runs eagerly."),
+        click.option("--disable-cascade-attn", is_flag=True, default=False,
+                     help="CPU: decodes sharing a prefix attend to it each on their own, not once per group "
+                          "(vLLM's flag; for comparisons)."),
         click.option("--max-num-seqs", default=None, type=int,
                      help="Sequences running at once at most (default: 256 on CUDA, 64 on CPU)."),
         click.option("--max-num-batched-tokens", default=None, type=int,

@@ -43,6 +43,9 @@ class EngineConfig:
             activation estimate. CUDA only; ignored when ``kv_cache_memory`` is given.
         enforce_eager: no CUDA graphs, every step eager (vLLM's ``--enforce-eager``); graphs are
             captured only on CUDA with the triton backend.
+        disable_cascade_attn: the cpu backend attends each decode to a prefix it shares with
+            others on its own instead of once per group (vLLM's ``--disable-cascade-attn``;
+            :mod:`llmd.kernels.cpu_cascade`).
         max_num_seqs: sequences running at once at most; ``None`` = 256 on CUDA (nano-vllm's
             workload), 64 on CPU (on the 2-core CPU the mixed peer workload ran 1.21x faster than
             at 32, TTFT p50 0.64x, TPOT p50 1.36x).
@@ -100,6 +103,7 @@ class EngineConfig:
     max_num_seqs: int | None = None
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     enforce_eager: bool = False
+    disable_cascade_attn: bool = False
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     kv_cache_dtype: str = "auto"

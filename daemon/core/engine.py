@@ -185,6 +185,7 @@ class Engine:
             max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_model_len=self.max_model_len, cuda_graphs=not self.config.enforce_eager,
             kv_rotation=self.config.kv_rotation, residual_slots=num_residual,
+            cascade_attn=not self.config.disable_cascade_attn,
         )
         self.input_processor = InputProcessor(tokenizer, cfg.vocab_size, self.max_model_len,
                                               self.config.context_overflow, self.config.keep, self.config.block_size)

@@ -74,7 +74,8 @@ class ModelRunner:
                  kv_cache_dtype: str = "auto", kv_scales: tuple[float, float] | None = None,
                  attention_backend: str = "torch", kv_cache_groups: list[KVCacheGroupSpec] | None = None,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 256, max_model_len: int = 2048,
-                 cuda_graphs: bool = False, kv_rotation: str = "none", residual_slots: int = 0):
+                 cuda_graphs: bool = False, kv_rotation: str = "none", residual_slots: int = 0,
+                 cascade_attn: bool = True):
         self.model = model
         self.config: ModelConfig = model.config
         self.block_size = block_size
@@ -92,6 +93,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.inputs = InputBatch(len(self.groups), block_size, self.device, attention_backend, max_num_seqs,
                                  max_num_batched_tokens, -(-max_model_len // block_size))
+        self.inputs.cascade_attn = cascade_attn  # the cpu backend's shared-prefix decodes (kernels/cpu_cascade.py)
         self.num_warmed_up = 0  # Triton variants compiled at start-up (CUDA + triton backend only)
         self.decode_graphs: DecodeGraphs | None = None
         self.measure_device_wait, self.device_wait_s = False, 0.0
