@@ -1,6 +1,7 @@
-"""Context-shift re-rotation (``llmd.kernels.kv_shift.shift_keys``) against RoPE computed at the
-new positions from scratch, for auto / int8 / fp8 caches, with and without the K rotation, on
-SmolLM2's and Gemma 3's head sizes and RoPE bases (Gemma: 10,000 local, 1e6 global)."""
+"""Context-shift re-rotation (``llmd.kernels.kv_shift.shift_keys``, ``shift_residual``) against
+RoPE computed at the new positions from scratch, for auto / int8 / fp8 / int4 (KIVI: blocks
+requantized per channel, the open block's 16-bit residual) caches, with and without the K
+rotation, on SmolLM2's and Gemma 3's head sizes and RoPE bases (Gemma: 10,000 local, 1e6 global)."""
 
 from __future__ import annotations
 
