@@ -121,6 +121,9 @@ def store_kv_launch(key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache,
     if t == 0:
         return None
     fmt, data = cache.fmt, cache.data
+    if fmt.k_per_block:
+        raise ValueError("int4 KV caches store through llmd.kernels.kivi (its K waits for the step's residual "
+                         "slots), not the Triton store_kv kernel")
     check_triton_config(d, h, h, key.dtype, data.shape[2], fmt.name)
     cap = capability_of(key.device) if capability is None else capability
     key, value = key.contiguous(), value.contiguous()

@@ -94,7 +94,8 @@ def check_triton_config(head_dim: int, num_heads: int, num_kv_heads: int, model_
     Raises:
         ValueError: head_dim not a power of two in 16..256, num_heads not a multiple of
             num_kv_heads, a tile size that is not a power of two ≥ 16, an unsupported model dtype,
-            block_size < 1, an unknown KV cache dtype, a packed (int4) KV cache dtype.
+            block_size < 1, an unknown KV cache dtype, int4 with a block size that is not a power
+            of two ≥ 16.
     """
     _check(head_dim, num_heads, num_kv_heads, model_dtype, block_size, kv_cache_dtype, decode_block_n, prefill_block_n)
 
@@ -119,6 +120,6 @@ def _check(head_dim, num_heads, num_kv_heads, model_dtype, block_size, kv_cache_
         raise ValueError(f"--block-size must be >= 1, got {block_size}")
     if kv_cache_dtype not in KV_CACHE_FORMATS:
         raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_FORMATS)}, got {kv_cache_dtype!r}")
-    if KV_CACHE_FORMATS[kv_cache_dtype].packed:
-        raise ValueError(f"the triton attention backend has no {kv_cache_dtype} KV cache kernels yet "
-                         "(use --attention-backend cpu or torch, or --kv-cache-dtype int8)")
+    if KV_CACHE_FORMATS[kv_cache_dtype].k_per_block and (not _pow2(block_size) or block_size < 16):
+        raise ValueError(f"the triton attention backend needs --block-size a power of two >= 16 with "
+                         f"--kv-cache-dtype {kv_cache_dtype} (a key tile is one block), got {block_size}")

@@ -3,7 +3,8 @@
 ``cpu`` runs :mod:`llmd.kernels.cpu_attention` (batched over the step; the CPU default);
 ``torch`` runs :mod:`llmd.kernels.reference` (per sequence: the oracle); ``triton`` runs
 the kernels in ``kv_store.py``, ``decode_attention.py`` (batches of decodes only) and
-``prefill_attention.py`` (any batch with a prefill chunk). The Triton modules are imported on
+``prefill_attention.py`` (any batch with a prefill chunk), and for int4 caches the torch store
+of ``kivi.py`` with the kernels of ``kivi_triton.py``. The Triton modules are imported on
 first use, so ``TRITON_INTERPRET=1`` (the interpreter that runs them on CPU for tests) can be
 set after ``llmd`` is imported.
 
@@ -75,6 +76,10 @@ def _paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache,
         compute = torch.float64 if query.dtype == torch.float64 else torch.float32
         return reference.paged_attention(query, kv_cache, meta, scale, sliding_window, compute, tails)
     cache = PagedKVCache.wrap(kv_cache)
+    if cache.fmt.k_per_block:
+        from llmd.kernels.kivi_triton import paged_attention as kivi_triton_attention
+
+        return kivi_triton_attention(query, cache, meta, scale, sliding_window, tails)
     if max(meta.query_lens_cpu) == 1:
         from llmd.kernels.decode_attention import paged_decode_attention
 

@@ -19,7 +19,12 @@ Covering set (every value of every dimension paired with every value of every ot
 - store_kv: arch × head_dim × model dtype × KV dtype × block size × static/dynamic scales × KV heads;
 - decode (split kernel; splits > 1 also compile the merge kernel with SPLITS_PAD 4/16/64):
   arch × head_dim × model dtype × KV dtype × block size × GQA group × window × splits (1 = direct);
-- prefill: arch × head_dim × model dtype × KV dtype × block size × GQA group × window.
+- prefill: arch × head_dim × model dtype × KV dtype × block size × GQA group × window;
+- decode_int4 / prefill_int4 (the int4 KIVI kernels, ``kivi_decode.py`` / ``kivi_prefill.py``):
+  arch × head_dim × model dtype × block size × GQA group (1, 3, 8) × window (× splits 1 / 16 for
+  decode). Found by it: per-token scale / zero-point tiles, ``tl.interleave`` unpacking and two
+  score tiles per key tile spilled up to 9 KB; the kernels now work on channel halves, one block's
+  scale vectors per tile and one score tile at a time (24 more cases: ~50 s on 2 cores).
 
 ``LLMD_FULL_COMPILE_MATRIX=1`` compiles the full cross products instead (~6,000 variants, hours
 on 2 cores). Compiles run in 2 spawned processes with a fresh ``TRITON_CACHE_DIR``
@@ -58,6 +63,12 @@ DIMS = {
                "group": GROUPS, "window": [None, 512], "splits": [1, 3, 16, 64]},
     "prefill": {"arch": ARCHS, "head_dim": HEAD_DIMS, "dtype": DTYPES, "kv": KV, "block_size": [16, 32],
                 "group": GROUPS, "window": [None, 512]},
+    # int4 (KIVI) has its own kernels (kivi_decode.py, kivi_prefill.py; the merge is the one above);
+    # group 4 pads like 3 (GROUP_PAD 4 in prefill, 16 in decode), so it is left out here
+    "decode_int4": {"arch": ARCHS, "head_dim": HEAD_DIMS, "dtype": DTYPES, "block_size": [16, 32],
+                    "group": [1, 3, 8], "window": [None, 512], "splits": [1, 16]},
+    "prefill_int4": {"arch": ARCHS, "head_dim": HEAD_DIMS, "dtype": DTYPES, "block_size": [16, 32],
+                     "group": [1, 3, 8], "window": [None, 512]},
 }
 FULL = os.environ.get("LLMD_FULL_COMPILE_MATRIX") == "1"
 
@@ -98,16 +109,19 @@ def _launches(kernel: str, case: dict):
 
     dt, hd, bs, arch = getattr(torch, case["dtype"]), case["head_dim"], case["block_size"], case["arch"]
     nkv = case["num_kv_heads"] if kernel == "store_kv" else NUM_KV_HEADS[case["group"]]
-    fmt = get_format(case["kv"])
+    fmt = get_format(case.get("kv", "int4"))
     num_blocks = 4096 // bs + 1
     static = (0.05, 0.1) if case.get("static") and fmt.quantized else None
-    cache = PagedKVCache.allocate((2, num_blocks, bs, nkv, hd), fmt, dt, "cpu", static_scales=static)
+    cache = PagedKVCache.allocate((2, num_blocks, bs, nkv, hd), fmt, dt, "cpu", static_scales=static,
+                                  residual_slots=4)
     if kernel == "store_kv":
         k = torch.zeros(37, nkv, hd, dtype=dt)
         return [store_kv_launch(k, k, cache, torch.arange(37) + bs, capability=arch)]
     nh, batch = nkv * case["group"], 4
     tables = torch.zeros(batch, 2048 // bs, dtype=torch.int32)
     seq_lens = torch.tensor([1000, 7, 300, 2048], dtype=torch.int32)
+    if kernel.endswith("_int4"):
+        return _int4_launches(kernel, case, cache, tables, seq_lens, nh, dt)
     if kernel == "decode":
         q = torch.zeros(batch, nh, hd, dtype=dt)
         return decode_launches(q, cache, tables, seq_lens, 2048, hd**-0.5, case["window"], case["splits"],
@@ -116,6 +130,27 @@ def _launches(kernel: str, case: dict):
     q = torch.zeros(sum(qlens), nh, hd, dtype=dt)
     qsl = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32)
     return [prefill_launch(q, cache, tables, qsl, seq_lens, max(qlens), hd**-0.5, case["window"], capability=arch)[1]]
+
+
+def _int4_launches(kernel: str, case: dict, cache, tables, seq_lens, nh: int, dt: torch.dtype):
+    """The int4 kernel's launch (decode: the split kernel only; its merge is the int8/fp8 one):
+    ``own`` the residual rows (decode) or the step's exact K (prefill), as ``kivi_triton`` passes them."""
+    from llmd.kernels.kivi_decode import kivi_decode_launches
+    from llmd.kernels.kivi_prefill import kivi_prefill_launch
+
+    hd, batch = case["head_dim"], seq_lens.shape[0]
+    own_rows = torch.arange(batch, dtype=torch.int64) * cache.block_size
+    if kernel == "decode_int4":
+        q = torch.zeros(batch, nh, hd, dtype=dt)
+        own = cache.residual.view(-1, *cache.residual.shape[2:])
+        return kivi_decode_launches(q, cache, tables, seq_lens, own, own_rows, 2048, hd**-0.5, case["window"],
+                                    case["splits"])[1][:1]
+    qlens = [100, 7, 1, 300]
+    q = torch.zeros(sum(qlens), nh, hd, dtype=dt)
+    own = torch.zeros(sum(qlens) + 64, cache.data.shape[3], hd, dtype=cache.residual.dtype)
+    qsl = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32)
+    return [kivi_prefill_launch(q, cache, tables, qsl, seq_lens, own, own_rows, max(qlens), hd**-0.5,
+                                case["window"])[1]]
 
 
 def _compile(launch, arch: int) -> dict:
@@ -226,7 +261,6 @@ def test_e4m3_before_sm89_is_bits_in_uint8():
     (dict(prefill_block_n=8), "prefill block_n a power of two >= 16"),
     (dict(model_dtype=torch.float64), "float32/bfloat16/float16 models"),
     (dict(kv_cache_dtype="int2"), "--kv-cache-dtype must be one of"),
-    (dict(kv_cache_dtype="int4"), "no int4 KV cache kernels yet"),
 ])
 def test_config_checks_are_one_clear_line(bad, match):
     from llmd.kernels.launch import check_triton_config
@@ -236,3 +270,15 @@ def test_config_checks_are_one_clear_line(bad, match):
         check_triton_config(**kw)
     assert "\n" not in str(exc.value)
     check_triton_config(64, 9, 3, torch.bfloat16, 16)  # the good one passes
+    check_triton_config(64, 9, 3, torch.bfloat16, 16, "int4")  # int4 has kernels (kivi_decode/prefill.py)
+
+
+def test_int4_is_not_stored_by_the_triton_store_kernel():
+    """int4 K waits for the step's residual slots (kernels/kivi.py): the store kernel refuses it in one line."""
+    from llmd.kernels.kv_store import store_kv_launch
+    from llmd.quant.kv import PagedKVCache, get_format
+
+    cache = PagedKVCache.allocate((2, 3, 16, 1, 64), get_format("int4"), torch.float16, "cpu")
+    k = torch.zeros(2, 1, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="int4 KV caches store through llmd.kernels.kivi"):
+        store_kv_launch(k, k, cache, torch.tensor([16, 17]))
