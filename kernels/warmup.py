@@ -6,7 +6,9 @@ A *variant* is one set of constexprs (plus ``num_warps`` / ``num_stages``): Trit
 binary per variant and device, and per-step integers (token counts, split lengths, strides) are
 not specialized, so this list is complete for a model configuration:
 
-* ``store_kv``: one (head_dim, block size, KV format, static or dynamic scales);
+* ``store_kv``: one (head_dim, block size, KV format, static or dynamic scales); none for int4
+  (stored by torch ops, :mod:`llmd.kernels.kivi`), whose decode and prefill are the KIVI kernels
+  (``kivi_decode.py``, ``kivi_prefill.py``);
 * ``decode``: per attention kind the model has (full, sliding window), the direct kernel (one
   split: short contexts) and, when ``max_model_len`` allows more than one split, the split kernel;
 * ``merge``: the split-KV merge for every ``SPLITS_PAD`` (power of two >= the split count) that
@@ -22,11 +24,14 @@ nothing, and the Triton interpreter (tests only) has no compile step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
 
 from llmd.kernels.decode_attention import decode_launches, num_decode_splits
+from llmd.kernels.kivi_decode import kivi_decode_launches
+from llmd.kernels.kivi_prefill import kivi_prefill_launch
 from llmd.kernels.kv_store import store_kv_launch
 from llmd.kernels.launch import DECODE_BLOCK_N, Launch, capability_of
 from llmd.kernels.prefill_attention import prefill_launch
@@ -41,7 +46,7 @@ class WarmupSpec:
         head_dim, num_heads, num_kv_heads: attention shape.
         dtype: model dtype (float32 / bfloat16 / float16).
         block_size: tokens per KV block.
-        kv_cache_dtype: "auto", "int8", "fp8_e4m3", "fp8_e5m2".
+        kv_cache_dtype: "auto", "int8", "fp8_e4m3", "fp8_e5m2", "int4".
         static_scales: ``--kv-scales`` given (the store kernel's STATIC constexpr).
         windows: the attention kinds present: ``None`` (full) and/or a window in tokens (its
             value is a runtime argument, so one window stands for all).
@@ -76,10 +81,12 @@ def warmup_launches(spec: WarmupSpec, device: str | torch.device,
     bs, nkv, nh, hd, dt = spec.block_size, spec.num_kv_heads, spec.num_heads, spec.head_dim, spec.dtype
     blocks = triton.cdiv(2 * DECODE_BLOCK_N, bs) + 1
     static = (1.0, 1.0) if spec.static_scales and fmt.quantized else None
-    cache = PagedKVCache.allocate((2, blocks, bs, nkv, hd), fmt, dt, dev, static_scales=static)
+    cache = PagedKVCache.allocate((2, blocks, bs, nkv, hd), fmt, dt, dev, static_scales=static, residual_slots=1)
     tables = torch.arange(1, blocks, dtype=torch.int32, device=dev)[None]
     k = torch.zeros(2, nkv, hd, dtype=dt, device=dev)
-    out = [("store_kv", store_kv_launch(k, k, cache, torch.tensor([bs, bs + 1], device=dev), capability=cap))]
+    decode, prefill = _attention_launchers(cache, cap)
+    out = [] if fmt.k_per_block else [
+        ("store_kv", store_kv_launch(k, k, cache, torch.tensor([bs, bs + 1], device=dev), capability=cap))]
     kinds = sorted({w is not None for w in spec.windows})
     for windowed in kinds:
         window, tag = (DECODE_BLOCK_N, "window=on") if windowed else (None, "window=off")
@@ -88,21 +95,46 @@ def warmup_launches(spec: WarmupSpec, device: str | torch.device,
         for splits, mode in modes:
             seq_len = DECODE_BLOCK_N * splits
             lens = torch.tensor([seq_len], dtype=torch.int32, device=dev)
-            _, launches = decode_launches(q, cache, tables, lens, seq_len, hd**-0.5, window, splits, capability=cap)
+            _, launches = decode(q, tables, lens, seq_len, hd**-0.5, window, splits)
             out.append((f"decode {tag} {mode}", launches[0]))
         qs = torch.zeros(3, nh, hd, dtype=dt, device=dev)
-        _, launch = prefill_launch(qs, cache, tables, torch.tensor([0, 3], dtype=torch.int32, device=dev),
-                                   torch.tensor([3], dtype=torch.int32, device=dev), 3, hd**-0.5, window,
-                                   capability=cap)
+        _, launch = prefill(qs, tables, torch.tensor([0, 3], dtype=torch.int32, device=dev),
+                            torch.tensor([3], dtype=torch.int32, device=dev), 3, hd**-0.5, window)
         out.append((f"prefill {tag}", launch))
     q = torch.zeros(1, nh, hd, dtype=dt, device=dev)
     for pad in merge_pads(spec.max_model_len):
         seq_len = DECODE_BLOCK_N * pad
         table = tables[:, :1].expand(1, triton.cdiv(seq_len, bs)).contiguous()
         lens = torch.tensor([1], dtype=torch.int32, device=dev)
-        _, launches = decode_launches(q, cache, table, lens, seq_len, hd**-0.5, None, pad, capability=cap)
+        _, launches = decode(q, table, lens, seq_len, hd**-0.5, None, pad)
         out.append((f"merge splits_pad={pad}", launches[1]))
     return out
+
+
+def _attention_launchers(cache: PagedKVCache, cap: int):
+    """``(decode, prefill)``: the launch builders of ``cache``'s format with the format's own
+    operands bound (int4: the KIVI kernels, own K from the residual: one slot, rows from 0)."""
+    if not cache.fmt.k_per_block:
+        return (functools.partial(_decode, cache=cache, capability=cap),
+                functools.partial(_prefill, cache=cache, capability=cap))
+    own = cache.residual.view(-1, *cache.residual.shape[2:])
+    rows = torch.zeros(1, dtype=torch.int64, device=own.device)
+
+    def decode(q, tables, lens, max_len, scale, window, splits):
+        return kivi_decode_launches(q, cache, tables, lens, own, rows, max_len, scale, window, splits)
+
+    def prefill(q, tables, qsl, lens, max_q, scale, window):
+        return kivi_prefill_launch(q, cache, tables, qsl, lens, own, rows, max_q, scale, window)
+
+    return decode, prefill
+
+
+def _decode(q, tables, lens, max_len, scale, window, splits, cache, capability):
+    return decode_launches(q, cache, tables, lens, max_len, scale, window, splits, capability=capability)
+
+
+def _prefill(q, tables, qsl, lens, max_q, scale, window, cache, capability):
+    return prefill_launch(q, cache, tables, qsl, lens, max_q, scale, window, capability=capability)
 
 
 def run_launches(spec: WarmupSpec, launches: list[tuple[str, Launch]], arch: str) -> int:

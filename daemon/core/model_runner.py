@@ -50,7 +50,8 @@ class ModelRunner:
         max_num_seqs, max_num_batched_tokens, max_model_len: size the persistent input buffers
             (:class:`~llmd.daemon.core.input_batch.InputBatch`; they grow if a step needs more).
         cuda_graphs: capture decode steps as CUDA graphs after the kernel warm-up (CUDA and the
-            triton backend only; elsewhere ignored). ``--enforce-eager`` turns it off.
+            triton backend only; elsewhere ignored). ``--enforce-eager`` turns it off. int4 caches
+            decode eagerly: their K store (:mod:`llmd.kernels.kivi`) plans each step on the host.
         kv_rotation: ``--kv-rotation`` of every layer's cache ("none" / "hadamard";
             :mod:`llmd.quant.rotation`, applied by the attention ops).
         residual_slots: int4: slots of each cache tensor's open-block K residual (the KV
@@ -100,7 +101,7 @@ class ModelRunner:
         self._graph_limits = (max_num_seqs, max_model_len)
         if attention_backend == "triton" and self.device.type == "cuda":
             self.num_warmed_up = self.warm_up_kernels(kv_dtype, kv_cache_dtype, kv_scales is not None, max_model_len)
-            if cuda_graphs:
+            if cuda_graphs and not fmt.k_per_block:  # int4: its store plans each step on the host
                 self.enable_decode_graphs(capture=True)
 
     def enable_decode_graphs(self, capture: bool) -> int:
@@ -109,8 +110,12 @@ class ModelRunner:
         without ``capture``: the padded steps then run eagerly, as tests do on CPU).
 
         Raises:
-            LlmdError: a capture failed (one line with CUDA's error).
+            LlmdError: a capture failed (one line with CUDA's error), or an int4 KV cache (its K
+                store plans each step on the host and its reads need the residual slots).
         """
+        if self.caches[0].fmt.k_per_block:
+            raise LlmdError("decode steps of an int4 KV cache run eagerly (no CUDA graphs): its K store plans "
+                            "each step on the host")
         max_num_seqs, max_model_len = self._graph_limits
         graphs = DecodeGraphs(self.model, self.layer_caches, self.layer_group, len(self.groups), self.block_size,
                               max_num_seqs, max_model_len, self.device, self.attention_backend)

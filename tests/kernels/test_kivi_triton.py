@@ -38,8 +38,8 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("dtype,window,splits,steps", [
-    (torch.float32, None, 1, MIXED), (torch.float16, 24, 3, MIXED), (torch.float32, None, 1, WHOLE),
-    (torch.float16, 40, 1, WHOLE)], ids=["mixed-f32", "mixed-window-splits-f16", "whole-f32", "whole-window-f16"])
+    (torch.float32, None, 1, MIXED), (torch.float16, 24, 3, MIXED), (torch.float32, 40, 1, WHOLE)],
+    ids=["mixed-f32", "mixed-window-splits-f16", "whole-window-f32"])
 def test_triton_int4_matches_oracle_and_cpu_path(dtype, window, splits, steps, monkeypatch):
     """Outputs of every position within TOL of the float64 read-rule oracle and of the cpu fast
     path on the same steps; codes, scales, zero points and residual equal the cpu run's byte for
@@ -56,3 +56,48 @@ def test_triton_int4_matches_oracle_and_cpu_path(dtype, window, splits, steps, m
     assert torch.equal(cache.data, cpu_cache.data) and torch.equal(cache.scales, cpu_cache.scales)
     assert torch.equal(cache.residual, cpu_cache.residual)
 
+
+
+def _tiny_int4_engine(backend: str):
+    """A 2-layer random Qwen3-shaped float32 engine (head_dim 16, GQA 2) with an int4 KV cache."""
+    import dataclasses
+
+    from llmd.daemon.core.config import EngineConfig
+    from llmd.daemon.core.engine import Engine
+    from llmd.models.config import ModelConfig
+    from llmd.models.presets import NumericTokenizer, build_random_model
+
+    cfg = ModelConfig(architecture="qwen3", name="tiny qwen3", num_layers=2, hidden_size=64, intermediate_size=128,
+                      num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=256, rope_theta=1e4, rms_norm_eps=1e-6,
+                      max_position=256, tie_word_embeddings=True)
+    cfg = dataclasses.replace(cfg, sliding_window=(12, None))  # a local layer and a global one
+    model = build_random_model(cfg, torch.float32, "cpu", std=0.2)
+    return Engine(model, NumericTokenizer(cfg), EngineConfig(
+        model="random:tiny", device="cpu", dtype="float32", attention_backend=backend, kv_cache_dtype="int4",
+        kv_cache_memory=2**20, max_num_seqs=4, max_num_batched_tokens=24, prefix_cache_seed=0))
+
+
+def test_engine_int4_triton_backend_matches_torch_backend():
+    """The whole engine with ``--attention-backend triton --kv-cache-dtype int4`` (no longer
+    refused): 3 prompts of 5-36 tokens, chunked prefill (24-token budget) mixed with decodes,
+    5 greedy tokens each: the tokens of the torch backend and logprobs within 1e-3. CUDA graphs
+    are refused for int4 in one line (decode steps run eagerly)."""
+    from llmd.daemon.core.errors import LlmdError
+    from llmd.daemon.core.request import SamplingParams
+
+    prompts = [[(7 * i + j) % 256 for j in range(n)] for i, n in enumerate((5, 23, 36))]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=1)
+    runs = {}
+    for backend in ("torch", "triton"):
+        engine = _tiny_int4_engine(backend)
+        ids = [engine.add_request(p, params) for p in prompts]
+        lps = {i: [] for i in ids}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                lps[o.request_id] += o.logprobs
+        runs[backend] = [lps[i] for i in ids]
+    with pytest.raises(LlmdError, match="int4 KV cache run eagerly"):
+        engine.runner.enable_decode_graphs(capture=False)
+    for t, r in zip(runs["triton"], runs["torch"]):
+        assert [lp.token_id for lp in t] == [lp.token_id for lp in r] and len(t) == 5
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(t, r)) < 1e-3

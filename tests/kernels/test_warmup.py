@@ -43,6 +43,24 @@ def test_variants_of_a_sliding_window_model_on_sm80():
     assert not native["prefill window=on"].kwargs["E4M3_SW"]
 
 
+def test_variants_of_an_int4_model_are_the_kivi_kernels():
+    """int4: no store_kv (torch stores it), decode and prefill are the KIVI kernels with one key
+    tile per 16 keys, the merges the shared merge kernel."""
+    from llmd.kernels.decode_attention import _decode_merge_kernel
+    from llmd.kernels.kivi_decode import _kivi_decode_kernel
+    from llmd.kernels.kivi_prefill import _kivi_prefill_kernel, kivi_prefill_tile
+
+    spec = WarmupSpec(64, 9, 3, torch.bfloat16, 16, "int4", False, (None, 24), 8192)  # SmolLM2-like, Gemma windows
+    got = dict(warmup_launches(spec, "cpu", capability=90))
+    assert "store_kv" not in got and {"decode window=on split", "prefill window=off"} <= set(got)
+    assert all(got[n].kernel is _kivi_decode_kernel for n in got if n.startswith("decode"))
+    assert all(got[n].kernel is _kivi_prefill_kernel for n in got if n.startswith("prefill"))
+    merges = [n for n in got if got[n].kernel is _decode_merge_kernel]
+    assert merges == [f"merge splits_pad={p}" for p in (2, 4, 8, 16, 32)]
+    assert got["prefill window=off"].kwargs["BLOCK_Q"] == kivi_prefill_tile(3, 64, torch.bfloat16)[1]
+    assert got["decode window=on direct"].kwargs["TILE"] == 16 and got["decode window=on direct"].kwargs["USE_WINDOW"]
+
+
 def test_warm_up_is_a_no_op_on_cpu():
     assert warm_up(QWEN3, "cpu") == 0
 
