@@ -137,8 +137,9 @@ def test_config_rotation_defaults_and_refusals(monkeypatch):
     monkeypatch.setitem(os.environ, "TRITON_INTERPRET", "1")
     from llmd.daemon.core.engine import check_triton_backend
 
-    with pytest.raises(LlmdError, match="no int4 KV cache kernels"):
-        check_triton_backend(_cfg(64), torch.bfloat16, 16, "int4")
+    check_triton_backend(_cfg(64), torch.bfloat16, 16, "int4")  # int4 has Triton kernels (kernels/kivi_*.py)
+    with pytest.raises(LlmdError, match="--block-size a power of two >= 16 with --kv-cache-dtype int4"):
+        check_triton_backend(_cfg(64), torch.bfloat16, 8, "int4")
 
 
 def _cfg(head_dim: int):
