@@ -10,8 +10,9 @@
 #   install    pip install --no-deps --no-build-isolation -e .  (skipped if llmd already imports)
 #   check      every kernel compiled for this device vs the float64 reference: store_kv bytes
 #              equal to the torch reference's, decode (direct, split + merge) and prefill within
-#              the per-dtype budget, bf16 / fp16 / fp32 models x auto / int8 / fp8 KV
-#              (python -m llmd.kernels.bench check)
+#              the per-dtype budget, bf16 / fp16 / fp32 models x auto / int8 / fp8 / int4 KV (int4:
+#              the KIVI store's bytes on CUDA equal the CPU's, its decode / prefill kernels vs the
+#              read rule's float64 reference; llmd.kernels.kivi_check) (python -m llmd.kernels.bench check)
 #   e2e        nano-vllm's workload end to end on random:qwen3-0.6b (256 requests, prompt and output
 #              lengths U[100, 1024], ignore_eos, --max-num-seqs 256, CUDA graphs for decode): output
 #              tok/s (target 20,000 on an H200), host ms per decode step (target <= 2), greedy tokens
@@ -19,13 +20,13 @@
 #   pytest     tests/kernels/test_kernels.py and test_decode_graph_splits.py on CUDA (pairwise shapes,
 #              static-scale clamping, the > 2^31-element cache, per-sequence splits and slot -1), if
 #              pytest is installed (--noconftest: no model needed)
-#   engine-qwen3, engine-llama3
+#   engine-qwen3, engine-llama3 (60 s each; llama3 gave 30 s to check's int4 rows)
 #              the whole engine on random-weight presets of real shapes (random:qwen3-0.6b,
 #              random:llama-3-8b; no GGUF needed), triton vs torch attention backends on the same
 #              weights: teacher-forced logits agree within 5 % of max |logit|, and out tok/s of
 #              32 greedy requests (python -m llmd.daemon.bench.backends)
-#   bench      paged decode on the Llama-3-8B attention shape vs pinned SDPA and a d2d copy
-#              (python -m llmd.kernels.bench bench)
+#   bench      paged decode on the Llama-3-8B attention shape vs pinned SDPA and a d2d copy, KV
+#              bf16 / int8 / fp8 / int4 (python -m llmd.kernels.bench bench)
 # Budget: one 15-minute device lease. The limits add up to 680 s (11.3 min, install included), plus at
 # most 5 s of kill grace per step: <= 12 min even if every step hangs (tests/bench/test_gpu_script.py
 # checks the sum).
@@ -58,7 +59,7 @@ if python -c "import llmd.kernels.bench" > /dev/null 2>&1; then
 else
     step install 80 pip install --no-deps --no-build-isolation -e .
 fi
-step check 90 python -m llmd.kernels.bench check
+step check 120 python -m llmd.kernels.bench check
 step e2e 150 python -m llmd.daemon.bench.e2e --model random:qwen3-0.6b --requests 256 --min-len 100 --max-len 1024 \
     --max-num-seqs 256 --max-model-len 4096
 if python -c "import pytest" > /dev/null 2>&1; then
@@ -69,6 +70,6 @@ else
 fi
 step engine-qwen3 60 python -m llmd.daemon.bench.backends --model random:qwen3-0.6b --backends triton,torch
 step bench 90 python -m llmd.kernels.bench bench
-step engine-llama3 90 python -m llmd.daemon.bench.backends --model random:llama-3-8b --backends triton,torch
+step engine-llama3 60 python -m llmd.daemon.bench.backends --model random:llama-3-8b --backends triton,torch
 echo
 cat "$results"

@@ -12,7 +12,8 @@ backend (flash, else efficient, cuDNN, math: the first that runs this shape) and
 
 :func:`run_kernel_check` is the correctness check the GPU script runs first: every kernel on
 CUDA vs the float64 reference over a pairwise covering set (model dtype × KV dtype × head_dim
-× GQA group × block size × window × path), torch + triton only (no pytest, no model files).
+× GQA group × block size × window × path), torch + triton only (no pytest, no model files);
+int4 cases run the KIVI store and kernels (:mod:`llmd.kernels.kivi_check`).
 """
 
 from __future__ import annotations
@@ -32,23 +33,45 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 
 def _paged_cache(fmt_name: str, batch: int, ctx: int, gen: torch.Generator) -> tuple[PagedKVCache, torch.Tensor]:
     """A filled cache (K/V ~ N(0, 1) stored through store_kv) and a random block table ``[batch, ctx/16]``."""
+    from llmd.kernels import kivi
     from llmd.kernels.kv_store import store_kv
 
     nblk = batch * ctx // BLOCK_SIZE
     fmt = get_format(fmt_name)
-    cache = PagedKVCache.allocate((2, nblk + 1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), fmt, torch.bfloat16, "cuda")
+    cache = PagedKVCache.allocate((2, nblk + 1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), fmt, torch.bfloat16, "cuda",
+                                  residual_slots=batch)
     table = (torch.randperm(nblk, generator=gen, device="cuda") + 1).int().view(batch, -1)
     slots = torch.arange(nblk * BLOCK_SIZE, device="cuda") + BLOCK_SIZE
     for s in slots.split(1 << 20):
         kv = torch.randn(s.numel(), NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-        store_kv(kv, kv, cache, s)
+        if fmt.k_per_block:  # int4: V per token, K per full block (every block is full here)
+            kivi.store_values(kv, cache, s)
+            kivi._write_blocks(cache, s[::BLOCK_SIZE] // BLOCK_SIZE, kv.view(-1, BLOCK_SIZE, *kv.shape[1:]))
+        else:
+            store_kv(kv, kv, cache, s)
     return cache, table
 
 
 def kv_bytes(cache: PagedKVCache, tokens: int) -> int:
-    """Bytes a decode reads for ``tokens`` tokens: K and V data plus scales."""
+    """Bytes a decode reads for ``tokens`` tokens: K and V data plus scales (int4: codes, K's
+    per-block scale and zero point, V's per-token group scales; the residual's last block aside)."""
+    if cache.fmt.k_per_block:
+        return int(2 * NUM_KV_HEADS * cache.fmt.head_bytes(HEAD_DIM, "bfloat16", BLOCK_SIZE) * tokens)
     per_token = 2 * NUM_KV_HEADS * (HEAD_DIM * cache.data.element_size() + (4 if cache.scales is not None else 0))
     return per_token * tokens
+
+
+def _decode_fn(q, cache, table, seq_lens, ctx: int, block_n: int):
+    """The timed decode: the int8/fp8/16-bit kernel, or int4's KIVI kernel (own block from the residual)."""
+    from llmd.kernels.decode_attention import paged_decode_attention
+
+    if not cache.fmt.k_per_block:
+        return lambda: paged_decode_attention(q, cache, table, seq_lens, ctx, HEAD_DIM**-0.5, block_n=block_n)
+    from llmd.kernels.kivi_decode import kivi_paged_decode_attention
+
+    own = cache.residual.view(-1, *cache.residual.shape[2:])
+    rows = torch.arange(q.shape[0], dtype=torch.int64, device=q.device) * BLOCK_SIZE
+    return lambda: kivi_paged_decode_attention(q, cache, table, seq_lens, own, rows, ctx, HEAD_DIM**-0.5)
 
 
 def _sdpa(backend, q4: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -73,12 +96,11 @@ def _sdpa_backend(q4: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     raise RuntimeError("no SDPA backend runs this shape")
 
 
-def run_kernel_bench(echo: Callable[[str], None] = print, kv_dtypes=("auto", "int8", "fp8_e4m3", "fp8_e5m2"),
+def run_kernel_bench(echo: Callable[[str], None] = print, kv_dtypes=("auto", "int8", "fp8_e4m3", "fp8_e5m2", "int4"),
                      block_n: int = DECODE_BLOCK_N) -> list[dict]:
     """Time everything above; print one table per shape; return the rows (µs, TB/s)."""
     import triton
 
-    from llmd.kernels.decode_attention import paged_decode_attention
 
     if not torch.cuda.is_available():
         raise RuntimeError("llmd bench kernels needs a CUDA device")
@@ -106,7 +128,7 @@ def run_kernel_bench(echo: Callable[[str], None] = print, kv_dtypes=("auto", "in
         del k, v
         for name in kv_dtypes:
             cache, table = _paged_cache(name, batch, ctx, gen)
-            fn = lambda: paged_decode_attention(q, cache, table, seq_lens, ctx, HEAD_DIM**-0.5, block_n=block_n)  # noqa: E731
+            fn = _decode_fn(q, cache, table, seq_lens, ctx, block_n)
             res.append((f"llmd paged decode {name if name != 'auto' else 'bf16'}", triton.testing.do_bench(fn) * 1e-3,
                         kv_bytes(cache, batch * ctx)))
             del cache, table
@@ -124,7 +146,7 @@ def run_kernel_bench(echo: Callable[[str], None] = print, kv_dtypes=("auto", "in
 
 #: Dimensions of the CUDA correctness check (``run_kernel_check``).
 CHECK_DIMS = {
-    "dtype": ["bfloat16", "float16", "float32"], "kv": ["auto", "int8", "fp8_e4m3", "fp8_e5m2"],
+    "dtype": ["bfloat16", "float16", "float32"], "kv": ["auto", "int8", "fp8_e4m3", "fp8_e5m2", "int4"],
     "head_dim": [64, 128, 256], "group": [1, 3, 4, 8], "block_size": [16, 32], "window": [None, 40],
     "path": ["decode", "split", "prefill"],
 }
@@ -134,12 +156,17 @@ CHECK_BUDGET = {"float32": 1e-4, "float16": 3e-3, "bfloat16": 1.5e-2}
 
 
 def check_cases(rows: int = 36, seed: int = 0) -> list[dict]:
-    """``rows`` random cases of :data:`CHECK_DIMS` in which every value of every dimension appears."""
+    """``rows`` random cases of :data:`CHECK_DIMS` in which every value of every dimension appears,
+    plus one more random case for each (KV dtype, path) pair they miss (each format has its own
+    decode, split and prefill kernels)."""
     rng = random.Random(seed)
     cases = [{k: rng.choice(v) for k, v in CHECK_DIMS.items()} for _ in range(rows)]
     for i, (k, v) in enumerate((k, x) for k, vals in CHECK_DIMS.items() for x in vals):
         if not any(c[k] == v for c in cases):
             cases[i % rows][k] = v
+    for kv, path in itertools.product(CHECK_DIMS["kv"], CHECK_DIMS["path"]):
+        if not any(c["kv"] == kv and c["path"] == path for c in cases):
+            cases.append({k: rng.choice(v) for k, v in CHECK_DIMS.items()} | {"kv": kv, "path": path})
     return cases
 
 
@@ -187,6 +214,10 @@ def _check_case(case: dict, gen: torch.Generator, dev: str = "cuda") -> tuple[fl
     v = torch.randn(len(slot), nkv, hd, generator=gen).to(dt)
     qlens = [q for _, q in ctx_q]
     q = torch.randn(sum(qlens), nkv * case["group"], hd, generator=gen).to(dt)
+    if fmt.k_per_block:
+        from llmd.kernels.kivi_check import check_int4_case
+
+        return check_int4_case(case, ctx_q, tables, slots, num_blocks, k, v, q, dev)
     shape = (2, num_blocks, bs, nkv, hd)
     cache, ref_cache = PagedKVCache.allocate(shape, fmt, dt, dev), PagedKVCache.allocate(shape, fmt, dt, "cpu")
     store_kv(k.to(dev), v.to(dev), cache, slot.to(dev))
@@ -218,7 +249,8 @@ def run_kernel_check(echo: Callable[[str], None] = print, rows: int = 36, dev: s
         raise RuntimeError("the kernel check needs a CUDA device")
     gen = torch.Generator().manual_seed(0)
     failures = 0
-    for case in check_cases(rows):
+    cases = check_cases(rows)
+    for case in cases:
         try:
             err, exact = _check_case(case, gen, dev)
             budget = CHECK_BUDGET[case["dtype"]]
@@ -229,7 +261,7 @@ def run_kernel_check(echo: Callable[[str], None] = print, rows: int = 36, dev: s
             ok, line = False, f"{type(e).__name__}: {last[0][:300]}"
         failures += not ok
         echo(f"{'ok  ' if ok else 'FAIL'} {case}  {line}")
-    echo(f"kernel check: {rows - failures}/{rows} cases ok")
+    echo(f"kernel check: {len(cases) - failures}/{len(cases)} cases ok")
     return failures
 
 

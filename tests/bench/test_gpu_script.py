@@ -1,5 +1,6 @@
 """``benchmarks/gpu_kernels.sh`` cannot rot on a machine without a GPU: its bash parses, every
 ``python -m`` step names a module that exists, its time limits fit one 15-minute device lease,
+its kernel check and bench cover every KV format,
 and its end-to-end entry point (``llmd.daemon.bench.e2e``) runs on a 2-layer random Qwen3-0.6B
 with a handful of requests."""
 
@@ -29,6 +30,20 @@ def test_script_parses_and_fits_the_lease():
     e2e = next(cmd for n, _, cmd in steps if n == "e2e")
     assert "--model random:qwen3-0.6b --requests 256 --min-len 100 --max-len 1024" in e2e
     assert "--max-num-seqs 256" in text
+
+
+def test_check_and_bench_cover_every_kv_format():
+    """The script's check has a decode, split and prefill row for every KV dtype (int4 included:
+    its own kernels), and its bench times every format."""
+    import inspect
+
+    from llmd.kernels.bench import CHECK_DIMS, check_cases, run_kernel_bench
+    from llmd.quant.kv_format import KV_CACHE_FORMATS
+
+    assert set(CHECK_DIMS["kv"]) == set(KV_CACHE_FORMATS)
+    rows = {(c["kv"], c["path"]) for c in check_cases()}
+    assert rows == {(kv, p) for kv in CHECK_DIMS["kv"] for p in CHECK_DIMS["path"]}
+    assert set(inspect.signature(run_kernel_bench).parameters["kv_dtypes"].default) == set(KV_CACHE_FORMATS)
 
 
 def test_e2e_entry_runs_tiny_and_checks_its_target(capsys):

@@ -101,3 +101,18 @@ def test_engine_int4_triton_backend_matches_torch_backend():
     for t, r in zip(runs["triton"], runs["torch"]):
         assert [lp.token_id for lp in t] == [lp.token_id for lp in r] and len(t) == 5
         assert max(abs(a.logprob - b.logprob) for a, b in zip(t, r)) < 1e-3
+
+
+def test_gpu_check_int4_cases_under_the_interpreter():
+    """The GPU script's int4 check cases (``python -m llmd.kernels.bench check``,
+    kernels/kivi_check.py) run here on two of its rows: a split decode (float16) and a prefill
+    (float32), within the check's budget, stored bytes equal to the CPU store's."""
+    from llmd.kernels.bench import CHECK_BUDGET, _check_case, check_cases
+
+    cases = [c for c in check_cases() if c["kv"] == "int4" and c["dtype"] != "bfloat16" and c["head_dim"] < 256
+             and c["path"] != "decode"]  # the direct decode runs in the tests above
+    assert {c["path"] for c in cases} == {"split", "prefill"}
+    g = torch.Generator().manual_seed(0)
+    for case in cases:
+        err, exact = _check_case(case, g, "cpu")
+        assert exact and err <= CHECK_BUDGET[case["dtype"]], (case, err, exact)
