@@ -9,7 +9,8 @@ int4 packs (``_weight_int4pack_mm_for_cpu``, group 32: ``--weight-quant gguf``) 
 (``_weight_int8pack_mm``: CPU ``--weight-quant int8``); bitsandbytes NF4 and FP4 in its CPU layout
 (``--weight-quant nf4 / fp4`` on an AVX512-BF16 CPU), NF4 in its plain layout (the CPU fallback:
 dequantize + ``F.linear``), and LLM.int8() (``Linear8bitLt``'s path: CUDA ``--weight-quant int8``,
-here on the CPU). Each round times every format once (best of 3 passes over the layers),
+here on the CPU). Each round times every format once (best of 5 passes over the layers; the head
+10 calls a timing, so a scheduler time slice cannot swamp a sub-millisecond call),
 rounds alternate the formats' order, and the table prints each format's median ms and its ratio
 to dense. Run it on a quiet machine; it takes about a minute.
 """
@@ -72,14 +73,15 @@ def build(weights: list[torch.Tensor]) -> dict[str, list]:
     return {name: [(w.shape[1], make(w)) for w in weights] for name, make in makers.items()}
 
 
-def time_pass(layers: list, xs: dict[int, torch.Tensor]) -> float:
-    """Best of 3 passes over ``layers`` (ms per pass)."""
+def time_pass(layers: list, xs: dict[int, torch.Tensor], repeat: int = 1, best_of: int = 5) -> float:
+    """Best of ``best_of`` timings of ``repeat`` passes over ``layers`` (ms per pass)."""
     best = float("inf")
-    for _ in range(3):
+    for _ in range(best_of):
         t0 = time.perf_counter()
-        for k, layer in layers:
-            layer(xs[k])
-        best = min(best, time.perf_counter() - t0)
+        for _ in range(repeat):
+            for k, layer in layers:
+                layer(xs[k])
+        best = min(best, (time.perf_counter() - t0) / repeat)
     return best * 1e3
 
 
@@ -94,10 +96,10 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     layer_w = [torch.randn(n, k, generator=g) * 0.02 for _ in range(30) for n, k in layer_shapes]  # 30 distinct layers
     head_w = [torch.randn(*head_shape, generator=g) * 0.02]
-    suites = {"30 layers' linears": build(layer_w), "lm_head": build(head_w)}
+    suites = {"30 layers' linears": (build(layer_w), 1), "lm_head": (build(head_w), 10)}  # the head: 10 calls a timing
     print(f"torch {torch.__version__}, {args.threads} threads, bfloat16 activations; median of {args.rounds} rounds")
     for m in [int(b) for b in args.batches.split(",")]:
-        for title, formats in suites.items():
+        for title, (formats, repeat) in suites.items():
             xs = {k: torch.randn(m, k, generator=g).bfloat16() for k in {w.shape[1] for w in layer_w + head_w}}
             names = list(formats)
             for name in names:  # warm-up (the 4-bit state, oneDNN primitives)
@@ -106,7 +108,7 @@ def main() -> None:
             with torch.inference_mode():
                 for r in range(args.rounds):
                     for name in names if r % 2 == 0 else names[::-1]:
-                        times[name].append(time_pass(formats[name], xs))
+                        times[name].append(time_pass(formats[name], xs, repeat))
             base = statistics.median(times[names[0]])
             print(f"\n{title}, M = {m}:\n{'format':<24}{'ms':>9}{'x dense':>9}")
             for name in names:
