@@ -116,9 +116,10 @@ def test_parallel_siblings_shift_their_shared_blocks_by_copy(shift_engine, kv):
     re-rotating it, so every sibling equals the same seed run alone (sibling 0 of a lone request
     draws as sibling 0 of the group), and no block leaks. int4: each shift also moves an open
     block of 15 tokens, whose K each sibling holds in its own residual slot (copied at the fork),
-    and every slot is free at the end."""
+    and every slot is free at the end (48 tokens, two shifts each, to keep it cheap)."""
+    new = 80 if kv == "auto" else 48
     eng = shift_engine(kv_cache_dtype=kv)
-    sp = SamplingParams(max_tokens=80, temperature=0.8, seed=7, ignore_eos=True)
+    sp = SamplingParams(max_tokens=new, temperature=0.8, seed=7, ignore_eos=True)
     ids = eng.add_parallel_request(PROMPT, sp, ["p0", "p1", "p2"])
     toks = {i: [] for i in ids}
     while eng.has_unfinished_requests():
@@ -127,10 +128,10 @@ def test_parallel_siblings_shift_their_shared_blocks_by_copy(shift_engine, kv):
         eng.kv_manager.check_integrity()
     assert eng.kv_manager.num_free_blocks == eng.kv_manager.num_usable_blocks
     _assert_residual_free(eng)
-    assert eng.scheduler.num_context_shifts >= 3
+    assert eng.scheduler.num_context_shifts >= 6  # each sibling shifts at least twice
     alone = _run(shift_engine(kv_cache_dtype=kv),
-                 {"s": (PROMPT, SamplingParams(max_tokens=80, temperature=0.8, seed=7, ignore_eos=True))})["s"]
-    assert toks["p0"] == alone["tokens"] and all(len(t) == 80 for t in toks.values())
+                 {"s": (PROMPT, SamplingParams(max_tokens=new, temperature=0.8, seed=7, ignore_eos=True))})["s"]
+    assert toks["p0"] == alone["tokens"] and all(len(t) == new for t in toks.values())
     assert len({tuple(t) for t in toks.values()}) == 3
 
 
