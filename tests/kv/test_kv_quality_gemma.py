@@ -38,12 +38,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # first tests here ma
 # rotated the same way): ΔNLL 0.213 %, top-1 97.06 % on this text (without: 1.175 % / 94.74 %).
 # The rotation spreads K's outlier channels, so int8 meets Gemma's top-1 bound (96.5 %, case Q1)
 # and misses its ΔNLL budget (0.2 %) by 0.013 pp, inside one realization's noise (±0.18 pp).
+# On the >= 2,000-token text over 4 jittered realizations (`llmd bench kv-quality --model
+# gemma3-270m --dtype float32 --attention-backend torch --threads 1 --kv-cache-dtype int8 --text
+# long --jitter-runs 4`) int8 + hadamard is 0.078 ± 0.024 % (max 0.099 %), top-1 97.40 ± 0.05 %:
+# the budget is met in expectation; this single short-text realization stays a strict xfail.
 # fp8 keeps the rotation off by default: with it, e4m3 2.444 % / 91.90 % and e5m2 13.508 % /
 # 83.91 % (worse: a float format's relative precision does not gain from a flatter vector).
 TOP1_MIN_GEMMA = {**TOP1_MIN, "int8": 0.965}
 TOP1_MISS = ("fp8 rounding on Gemma 3 (per-(token, head) amax over 256 dims, K amax/rms 6-11): top-1 "
              "e4m3 93.48 %, e5m2 88.75 % (HF fake-quant: 94.11, 88.43 %)")
-DNLL_MISS = ("K rounding on Gemma 3: ΔNLL int8 + hadamard 0.213 % vs 0.2 %, e5m2 4.856 % vs 3 % (e4m3 0.659 % passes "
+DNLL_MISS = ("K rounding on Gemma 3: ΔNLL int8 + hadamard 0.213 % vs 0.2 % on this text (0.078 ± 0.024 % on "
+             "the long one over 4 jittered runs), e5m2 4.856 % vs 3 % (e4m3 0.659 % passes "
              "its 0.75 %) (HF fake-quant without rotation: 1.194, 1.324, 4.311 %)")
 
 
