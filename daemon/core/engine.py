@@ -152,8 +152,9 @@ class Engine:
         if memory is None:
             if self.config.device.startswith("cuda"):  # --gpu-memory-utilization of the device's total
                 free, total = torch.cuda.mem_get_info(torch.device(self.config.device))
+                graphs = not self.config.enforce_eager and not fmt.k_per_block  # int4 decodes run eager
                 act = activation_bytes(cfg, self.config.max_num_batched_tokens, self.config.max_num_seqs,
-                                       kv_dtype.itemsize, not self.config.enforce_eager)
+                                       kv_dtype.itemsize, graphs)
                 memory = cuda_kv_cache_bytes(self.config.gpu_memory_utilization, total, free, act)
             else:
                 memory = DEFAULT_KV_CACHE_MEMORY_CPU
