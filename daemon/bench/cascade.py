@@ -20,8 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from llmd.daemon.bench.prefix import QUESTIONS, system_prompt_ids
-from llmd.daemon.core.request import SamplingParams
+from llmd.daemon.bench.prefix import QUESTIONS, serve, system_prompt_ids
 
 
 @dataclass
@@ -43,24 +42,14 @@ class CascadeRun:
 
 
 def serve_once(engine, prompts: list[list[int]], max_tokens: int) -> CascadeRun:
-    """Queue ``prompts`` at once on a cold prefix cache and run them to completion."""
+    """Queue ``prompts`` at once on a cold prefix cache and run them to completion
+    (:func:`llmd.daemon.bench.prefix.serve`)."""
     engine.reset_prefix_cache()
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    rids = [engine.add_request(p, dataclasses.replace(sp)) for p in prompts]
-    outs: dict[str, list[int]] = {r: [] for r in rids}
-    steps = []
+    steps: list[float] = []
     t0 = time.perf_counter()
-    while engine.has_unfinished_requests():
-        t = time.perf_counter()
-        step_out = engine.step()
-        dt = time.perf_counter() - t
-        sched = engine.last_scheduler_output.scheduled
-        if sched and not any(s.is_prefill for s in sched):
-            steps.append(dt)
-        for o in step_out:
-            outs[o.request_id] += o.new_token_ids
+    _, outs, _ = serve(engine, prompts, max_tokens, decode_steps=steps)
     wall = time.perf_counter() - t0
-    return CascadeRun(wall, sum(len(v) for v in outs.values()), steps, [outs[r] for r in rids])
+    return CascadeRun(wall, sum(len(o) for o in outs), steps, outs)
 
 
 def run_cascade_bench(engine, system_tokens: int = 1000, users: int = 32, max_tokens: int = 32, repeats: int = 2,

@@ -56,8 +56,11 @@ def system_prompt_ids(tokenizer, num_tokens: int) -> list[int]:
     return ids[:num_tokens]
 
 
-def _serve(engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[float], list[list[int]], int]:
-    """Queue ``prompts`` together and run to completion: (TTFTs in s, outputs, prefill tokens)."""
+def serve(engine, prompts: list[list[int]], max_tokens: int,
+          decode_steps: list[float] | None = None) -> tuple[list[float], list[list[int]], int]:
+    """Queue ``prompts`` together and run to completion, greedy, EOS ignored: (TTFTs in s,
+    outputs, prefill tokens). ``decode_steps``: if given, the seconds of every step that ran
+    decodes only are appended to it."""
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
     rids = [engine.add_request(p, dataclasses.replace(sp)) for p in prompts]
@@ -65,9 +68,14 @@ def _serve(engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[floa
     outs: dict[str, list[int]] = {r: [] for r in rids}
     prefill = 0
     while engine.has_unfinished_requests():
+        t_step = time.perf_counter()
         step_out = engine.step()
-        prefill += sum(s.num_new_tokens for s in engine.last_scheduler_output.scheduled if s.is_prefill)
         now = time.perf_counter()
+        sched = engine.last_scheduler_output.scheduled
+        step_prefill = sum(s.num_new_tokens for s in sched if s.is_prefill)
+        prefill += step_prefill
+        if decode_steps is not None and sched and not step_prefill:
+            decode_steps.append(now - t_step)
         for o in step_out:
             outs[o.request_id] += o.new_token_ids
             first.setdefault(o.request_id, now - t0)
@@ -82,7 +90,7 @@ def run_sequential(engine, system: list[int], users: int, turns: int, max_tokens
         history = list(system)
         for t in range(turns):
             q = tok.encode(f"\nUser: {QUESTIONS[(u * turns + t) % len(QUESTIONS)]}\nAssistant:")
-            [ttft], [answer], p = _serve(engine, [history + q], max_tokens)
+            [ttft], [answer], p = serve(engine, [history + q], max_tokens)
             ttfts.append(ttft)
             prefill += p
             history += q + answer
@@ -93,7 +101,7 @@ def run_concurrent(engine, system: list[int], users: int, max_tokens: int) -> Sc
     """``users`` questions after the same system prompt, queued at once."""
     tok = engine.tokenizer
     prompts = [system + tok.encode(f"\nUser: {QUESTIONS[i % len(QUESTIONS)]}\nAssistant:") for i in range(users)]
-    ttfts, _, prefill = _serve(engine, prompts, max_tokens)
+    ttfts, _, prefill = serve(engine, prompts, max_tokens)
     return ScenarioResult(ttfts, prefill)
 
 
@@ -110,7 +118,7 @@ def run_prefix_bench(engine, system_tokens: int = 1000, users: int = 4, turns: i
         False: Engine(engine.runner.model, engine.tokenizer, dataclasses.replace(cfg, enable_prefix_caching=False)),
     }
     system = system_prompt_ids(engine.tokenizer, system_tokens)
-    _serve(engines[False], [system[:64]], 2)  # warm-up outside the timed runs
+    serve(engines[False], [system[:64]], 2)  # warm-up outside the timed runs
     results: dict[str, dict[bool, ScenarioResult]] = {"sequential": {}, "concurrent": {}}
     for on, eng in engines.items():
         results["sequential"][on] = run_sequential(eng, system, users, turns, max_tokens)
