@@ -14,7 +14,9 @@ looped per sequence:
   for a batched matmul, in one contiguous copy (no ``repeat_interleave``, no permute copies).
   int8/fp8 caches gather codes (1 byte each) and their float32 scales ``[B * kv_heads, L]`` with
   the same indices; ``code × scale`` is applied as scores × k_scale and probabilities × v_scale
-  (the Triton kernels' order), so no pass over dequantized K/V is needed. int4 caches (KIVI K
+  (the Triton kernels' order), so no pass over dequantized K/V is needed. Grouped scales
+  (``--kv-scale-group-size``: one per 32 or 64 channels) cannot fold into a score, so those
+  gathers dequantize their codes in place (``code × scale`` in the compute dtype). int4 caches (KIVI K
   per block and channel, a 16-bit residual for the open block) take the branch in
   :mod:`llmd.kernels.cpu_int4` with the same plans.
 * **Decodes batched together** (in up to 4 length buckets, so short contexts are not padded to
@@ -224,7 +226,9 @@ def _gather_kv(plan: StepPlan, role: str, cache: PagedKVCache, rows: torch.Tenso
         ``(k, v, k_scales, v_scales)``: K and V ``[N * kv_heads, length, head_dim]`` in ``dtype``
         (int8/fp8 codes converted exactly: every code is representable in bfloat16 and
         float32), and for int8/fp8 their scales ``[N * kv_heads, 1, length]`` float32 (float64
-        for float64 compute), else None. The caller multiplies scores by ``k_scales`` and
+        for float64 compute), else None. With grouped scales (``--kv-scale-group-size``) the
+        gathered codes are dequantized in place instead (``code × scale`` in ``dtype``, a
+        ``[rows, G]`` scale gather) and both scales are None. The caller multiplies scores by ``k_scales`` and
         probabilities by ``v_scales``: ``q·(code × s) = (q·code) × s``, the dequantization
         folded into ``[N, group, L]``-sized products instead of a pass over K and V.
     """
@@ -240,6 +244,12 @@ def _gather_kv(plan: StepPlan, role: str, cache: PagedKVCache, rows: torch.Tenso
             raw = conv.copy_(raw)
         kv.append(raw.view(shape))
     if not cache.fmt.quantized:
+        return kv[0], kv[1], None, None
+    if cache.fmt.group_size:  # --kv-scale-group-size: code × its group's scale, in the gather's buffer
+        groups = cache.scales.shape[-1]
+        for i in (0, 1):
+            s = cache.scales[i].view(-1, groups).index_select(0, rows).to(dtype)  # [rows, G]
+            kv[i].view(-1, groups, head_dim // groups).mul_(s[:, :, None])
         return kv[0], kv[1], None, None
     sdt = torch.float64 if dtype == torch.float64 else torch.float32
     ks, vs = (cache.scales[i].view(-1).index_select(0, rows).view(-1, 1, length).to(sdt) for i in (0, 1))

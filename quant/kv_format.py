@@ -11,7 +11,7 @@ dtype name (``torch.empty(0, dtype=d).element_size()``; checked against torch in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -42,7 +42,8 @@ class KVCacheFormat:
         qmax: largest magnitude of a code (127, 448, 57344, 7); 0 for ``auto``.
         mantissa_bits, min_exponent: fp8 grid (3, -6 for e4m3fn; 2, -14 for e5m2); 0 for int8.
         bits: bits per code (8, or 4 for two codes per byte).
-        group_size: channels per scale (0 = one scale per (token, KV head)).
+        group_size: channels per scale (0 = one scale per (token, KV head)); int4's V uses 16,
+            and ``--kv-scale-group-size`` sets it for an 8-bit format (:meth:`with_scale_groups`).
         scale_dtype_name: the stored scales' torch dtype name (``"float32"``; ``"float16"`` for
             int4, whose scales are rounded to float16 *before* quantizing, so the codes are those
             of the stored scale).
@@ -140,14 +141,35 @@ class KVCacheFormat:
 
     @property
     def scheme(self) -> str:
-        """What the block bytes mean, for the prefix cache's extra keys (``int4-kivi`` for int4)."""
-        return f"{self.name}-kivi{self.group_size}" if self.k_per_block else self.name
+        """What the block bytes mean, for the prefix cache's extra keys: the name, ``int4-kivi16``
+        for int4, ``int8-g32`` for an 8-bit format with grouped scales."""
+        if self.k_per_block:
+            return f"{self.name}-kivi{self.group_size}"
+        return f"{self.name}-g{self.group_size}" if self.group_size else self.name
+
+    def with_scale_groups(self, group_size: int) -> "KVCacheFormat":
+        """This 8-bit format with one scale per ``group_size`` consecutive channels of a (token,
+        KV head) instead of one per (token, KV head) (``--kv-scale-group-size``; 0 = this format).
+
+        Raises:
+            ValueError (one line): a format without per-token scales to group (``auto``, int4,
+            whose V groups are fixed at 16), or a group size that is not a power of two >= 8.
+        """
+        if not group_size:
+            return self
+        if not self.quantized or self.packed:
+            raise ValueError(f"--kv-scale-group-size needs an 8-bit --kv-cache-dtype (int8, fp8_e4m3, fp8_e5m2), "
+                             f"got {self.name}")
+        if group_size < 8 or group_size & (group_size - 1):
+            raise ValueError(f"--kv-scale-group-size must be 0 or a power of two >= 8, got {group_size}")
+        return replace(self, group_size=group_size)
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raise ValueError (one line) if ``head_dim`` cannot be stored in this format."""
         if self.group_size and head_dim % self.group_size:
-            raise ValueError(f"--kv-cache-dtype {self.name} needs head_dim a multiple of {self.group_size}, "
-                             f"got {head_dim}")
+            what = (f"--kv-cache-dtype {self.name}" if self.packed
+                    else f"--kv-scale-group-size {self.group_size}")
+            raise ValueError(f"{what} needs head_dim a multiple of {self.group_size}, got {head_dim}")
 
 
 KV_CACHE_FORMATS: dict[str, KVCacheFormat] = {
@@ -159,9 +181,14 @@ KV_CACHE_FORMATS: dict[str, KVCacheFormat] = {
 }
 
 
-def get_format(name: str) -> KVCacheFormat:
-    """Format by ``--kv-cache-dtype`` name. Raises ValueError listing the choices."""
+def get_format(name: "str | KVCacheFormat", scale_group_size: int = 0) -> KVCacheFormat:
+    """Format by ``--kv-cache-dtype`` name (a :class:`KVCacheFormat` is returned as it is), with
+    ``scale_group_size`` channels per scale (:meth:`KVCacheFormat.with_scale_groups`; 0 = the
+    format's own). Raises ValueError listing the choices, or naming a bad group size."""
+    if isinstance(name, KVCacheFormat):
+        return name.with_scale_groups(scale_group_size)
     try:
-        return KV_CACHE_FORMATS[name]
+        fmt = KV_CACHE_FORMATS[name]
     except KeyError:
         raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_FORMATS)}, got {name!r}") from None
+    return fmt.with_scale_groups(scale_group_size)

@@ -52,11 +52,13 @@ class QualityRow:
     top1: float
     argmax: torch.Tensor = field(repr=False, default=None)
     kv_rotation: str = "none"
+    kv_scale_group_size: int = 0
 
     @property
     def label(self) -> str:
-        """``int8`` or ``int8+hadamard``."""
-        return self.kv_cache_dtype + ("" if self.kv_rotation == "none" else f"+{self.kv_rotation}")
+        """``int8``, ``int8+hadamard``, ``int8/g32`` (grouped scales) or ``int8/g32+hadamard``."""
+        group = f"/g{self.kv_scale_group_size}" if self.kv_scale_group_size else ""
+        return self.kv_cache_dtype + group + ("" if self.kv_rotation == "none" else f"+{self.kv_rotation}")
 
 
 def nll_and_argmax(logits: torch.Tensor, ids: list[int]) -> tuple[float, torch.Tensor]:
@@ -71,23 +73,29 @@ def quality_row(model, tokenizer, ids: list[int], kv_cache_dtype: str, base: Qua
     """Teacher-forced quality of one KV dtype on a loaded model, relative to ``base`` (the
     ``auto`` row; None = this run is the base). ``cached_prefix``: tokens served from the
     prefix cache (:meth:`Engine.teacher_forced_logits`). ``engine_kw``: EngineConfig fields (device,
-    dtype, attention_backend, kv_cache_memory, kv_rotation (None = the dtype's default), ...)."""
+    dtype, attention_backend, kv_cache_memory, kv_rotation (None = the dtype's default),
+    kv_scale_group_size, ...)."""
     engine = Engine(model, tokenizer, EngineConfig(kv_cache_dtype=kv_cache_dtype, **engine_kw))
     nll, top = nll_and_argmax(engine.teacher_forced_logits(ids, chunk, cached_prefix), ids)
     base_nll, base_top = (nll, top) if base is None else (base.nll, base.argmax)
     return QualityRow(kv_cache_dtype, engine.bytes_per_token, nll, 100 * (nll - base_nll) / base_nll,
-                      (top == base_top).float().mean().item(), top, engine.config.kv_rotation)
+                      (top == base_top).float().mean().item(), top, engine.config.kv_rotation,
+                      engine.config.kv_scale_group_size)
 
 
 def kv_quality(model, tokenizer, ids: list[int], kv_dtypes=BENCH_KV_DTYPES, chunk: int = 64, cached_prefix: int = 0,
-               kv_scales: tuple[float, float] | None = None, rotations=ROTATIONS, **engine_kw) -> list[QualityRow]:
+               kv_scales: tuple[float, float] | None = None, rotations=ROTATIONS, scale_groups=(0,),
+               **engine_kw) -> list[QualityRow]:
     """:func:`quality_row` for ``auto`` and then each other dtype in ``kv_dtypes`` under each of
-    ``rotations`` (``--kv-rotation`` values; ``(None,)`` = each dtype's default); ``kv_scales``
-    (static per-tensor k, v scales) apply to the quantized dtypes, None = dynamic scales."""
+    ``scale_groups`` (``--kv-scale-group-size`` values, 8-bit dtypes only: int4 runs once, with
+    its own groups) and each of ``rotations`` (``--kv-rotation`` values; ``(None,)`` = each
+    dtype's default); ``kv_scales`` (static per-tensor k, v scales) apply to the quantized dtypes,
+    None = dynamic scales."""
     base = quality_row(model, tokenizer, ids, "auto", None, chunk, cached_prefix, **engine_kw)
     return [base] + [quality_row(model, tokenizer, ids, n, base, chunk, cached_prefix, kv_scales=kv_scales,
-                                 kv_rotation=r, **engine_kw)
-                     for n in kv_dtypes if n != "auto" for r in rotations]
+                                 kv_rotation=r, kv_scale_group_size=g, **engine_kw)
+                     for n in kv_dtypes if n != "auto" for g in (scale_groups if n != "int4" else (0,))
+                     for r in rotations]
 
 
 def fake_quant_reference(x: torch.Tensor, fmt: KVCacheFormat, rotation: str = "none") -> torch.Tensor:
@@ -193,9 +201,10 @@ HF_ATTN_NAME = "llmd_fake_quant"
 
 @torch.inference_mode()
 def hf_fake_quant(hf_model, ids: list[int], kv_cache_dtype: str, rotation: str = "none",
-                  block_size: int = 16) -> tuple[float, torch.Tensor]:
+                  block_size: int = 16, scale_group_size: int = 0) -> tuple[float, torch.Tensor]:
     """Mean NLL and argmax ``[N - 1]`` (as :func:`nll_and_argmax`) from HF transformers with K
-    (after RoPE) and V fake-quantized per (token, KV head) by :func:`fake_quant_reference`;
+    (after RoPE) and V fake-quantized per (token, KV head) by :func:`fake_quant_reference`
+    (per ``scale_group_size`` channels with ``--kv-scale-group-size``);
     int4 (KIVI) with llmd's read rule instead (:func:`kivi_attention_reference`: K per channel
     over blocks of ``block_size`` positions, each query's own block in 16 bits; V per token).
 
@@ -213,7 +222,7 @@ def hf_fake_quant(hf_model, ids: list[int], kv_cache_dtype: str, rotation: str =
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    fmt = get_format(kv_cache_dtype)
+    fmt = get_format(kv_cache_dtype, scale_group_size)
 
     def fake_quant_attention(module, query, key, value, attention_mask, **kw):
         # key/value: [B, kv_heads, L, head_dim] -> quantized over head_dim per (token, head);
@@ -237,9 +246,9 @@ def hf_fake_quant(hf_model, ids: list[int], kv_cache_dtype: str, rotation: str =
 
 
 def hf_fake_quant_nll(hf_model, ids: list[int], kv_cache_dtype: str, rotation: str = "none",
-                      block_size: int = 16) -> float:
+                      block_size: int = 16, scale_group_size: int = 0) -> float:
     """Mean NLL of :func:`hf_fake_quant` (the independent reference of case Q4)."""
-    return hf_fake_quant(hf_model, ids, kv_cache_dtype, rotation, block_size)[0]
+    return hf_fake_quant(hf_model, ids, kv_cache_dtype, rotation, block_size, scale_group_size)[0]
 
 
 def hf_reference_table(engine: Engine, ids: list[int], rows: list[QualityRow]) -> list[str]:
@@ -260,8 +269,8 @@ def hf_reference_table(engine: Engine, ids: list[int], rows: list[QualityRow]) -
         base = nll_and_argmax(hf(torch.tensor([ids])).logits[0], ids)[0]
     lines = [f"HF transformers fake-quant reference: NLL {base:.4f} ({engine.config.dtype})"]
     for r in rows[1:]:
-        ref = 100 * (hf_fake_quant_nll(hf, ids, r.kv_cache_dtype, r.kv_rotation, engine.config.block_size)
-                     - base) / base
+        ref = 100 * (hf_fake_quant_nll(hf, ids, r.kv_cache_dtype, r.kv_rotation, engine.config.block_size,
+                                       r.kv_scale_group_size) - base) / base
         lines.append(f"{r.label:<19} ΔNLL llmd {r.delta_nll_pct:.3f}%  HF fake-quant {ref:.3f}%  "
                      f"|diff| {abs(r.delta_nll_pct - ref):.3f} pp")
     return lines

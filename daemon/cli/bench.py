@@ -70,9 +70,13 @@ def bench_single(formats, prompt_len, decode, repeats, weight_quant, **engine_kw
 @click.option("--jitter-runs", default=0, show_default=True, type=int,
               help="Report ΔNLL/top-1 as mean ± sd over N runs, each with the float32 embedding table "
                    "jittered by a relative 1e-6 (needs --dtype float32); 0 = one plain run.")
+@click.option("--scale-groups", default=None,
+              help="Comma list of --kv-scale-group-size values for the 8-bit rows, e.g. 0,32 "
+                   "(default: --kv-scale-group-size).")
 @engine_options
 @one_line_errors
-def bench_kv_quality(chunk, hf_reference, cached_prefix, text_name, jitter_runs, kv_cache_dtype, **engine_kw):
+def bench_kv_quality(chunk, hf_reference, cached_prefix, text_name, jitter_runs, scale_groups, kv_cache_dtype,
+                     **engine_kw):
     """Teacher-forced ΔNLL and top-1 agreement per KV dtype on a fixed text (cases Q1/Q4; --text long: >= 2,000 tokens).
 
     Every quantized dtype runs without and with --kv-rotation hadamard unless --kv-rotation is
@@ -90,13 +94,19 @@ def bench_kv_quality(chunk, hf_reference, cached_prefix, text_name, jitter_runs,
     kv_scales = engine_kw.pop("kv_scales", None)  # for the quantized rows (the first engine is auto)
     rotation = engine_kw.pop("kv_rotation", None)
     rotations = ROTATIONS if rotation is None else (rotation,)
+    group = engine_kw.pop("kv_scale_group_size", 0)  # for the 8-bit rows (the first engine is auto)
+    try:
+        groups = tuple(int(g) for g in scale_groups.split(",")) if scale_groups else (group,)
+    except ValueError:
+        raise LlmdError(f"--scale-groups must be a comma list of integers, got {scale_groups!r}") from None
     kv_dtypes = BENCH_KV_DTYPES if kv_cache_dtype == "auto" else ("auto", kv_cache_dtype)
     if kv_scales is not None:  # static scales exist for the 8-bit formats only
         kv_dtypes = tuple(n for n in kv_dtypes if n != "int4")
-    if kv_scales is not None:  # fail before the weights load
-        from llmd.daemon.core.config import EngineConfig
+    from llmd.daemon.core.config import EngineConfig
 
-        EngineConfig(device=engine_kw.get("device") or "cpu", kv_cache_dtype="int8", kv_scales=kv_scales).resolve()
+    for g in groups:  # static scales and scale groups fail before the weights load
+        EngineConfig(device=engine_kw.get("device") or "cpu", kv_cache_dtype="int8", kv_scale_group_size=g,
+                     kv_scales=kv_scales, attention_backend=engine_kw.get("attention_backend")).resolve()
     if cached_prefix < 0:
         raise LlmdError(f"--cached-prefix must be >= 0 tokens, got {cached_prefix}")
     engine = build_engine(**engine_kw)
@@ -113,11 +123,12 @@ def bench_kv_quality(chunk, hf_reference, cached_prefix, text_name, jitter_runs,
         from llmd.daemon.bench.kv_quality_runs import jitter_runs as run_jittered
 
         stats = run_jittered(engine.runner.model, engine.tokenizer, ids, jitter_runs, kv_dtypes=kv_dtypes, chunk=chunk,
-                             cached_prefix=cached_prefix, kv_scales=kv_scales, rotations=rotations, **kw)
+                             cached_prefix=cached_prefix, kv_scales=kv_scales, rotations=rotations,
+                             scale_groups=groups, **kw)
         table = format_stats(stats)
     else:
         rows = kv_quality(engine.runner.model, engine.tokenizer, ids, kv_dtypes, chunk, cached_prefix, kv_scales,
-                          rotations, **kw)
+                          rotations, groups, **kw)
         table = format_table(rows)
     bs = engine.config.block_size
     served = f", first {cached_prefix // bs * bs} from the prefix cache" if cached_prefix else ""

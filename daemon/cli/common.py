@@ -109,6 +109,9 @@ def engine_options(fn):
         click.option("--kv-rotation", type=click.Choice(["none", "hadamard"]), default=None,
                      help="Rotate K (after RoPE) per head by a Walsh-Hadamard matrix before quantizing "
                           "(the query is rotated to match; default: hadamard for int8)."),
+        click.option("--kv-scale-group-size", default=0, show_default=True, type=int,
+                     help="int8/fp8: one dynamic scale per this many channels of a (token, KV head) instead of "
+                          "one per (token, KV head); 32 or 64 (cpu/torch backends)."),
         click.option("--kv-scales", default=None, callback=parse_kv_scales_option,
                      help="Static per-tensor KV scales k,v (vLLM convention: stored = x / scale); default: dynamic."),
         click.option("--attention-backend", type=click.Choice(["cpu", "torch", "triton"]), default=None,

@@ -8,6 +8,7 @@ import torch
 
 from llmd.daemon.core.errors import LlmdError
 from llmd.daemon.core.option_values import parse_bytes, parse_kv_scales  # noqa: F401 (re-exported)
+from llmd.quant.kv_format import KVCacheFormat, get_format
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 DTYPE_CHOICES = ("auto", *DTYPES)
@@ -57,6 +58,10 @@ class EngineConfig:
             by a normalized Walsh-Hadamard matrix, the query too); ``None`` = :data:`DEFAULT_KV_ROTATION`
             of the KV dtype (hadamard for int8, none otherwise).
         kv_scales: static (k_scale, v_scale) per-tensor KV scales; ``None`` = dynamic scales.
+        kv_scale_group_size: int8/fp8 only: one dynamic scale per this many consecutive channels
+            of a (token, KV head) instead of one per (token, KV head) (0, the default; 32 or 64
+            are the measured options, README "Quantized KV cache"); the cpu and torch backends
+            read them (the Triton kernels read one scale per (token, KV head) and refuse it).
         attention_backend: "cpu" (the fast batched CPU path) / "torch" (``kernels/reference.py``,
             the pure-torch oracle) / "triton"; ``None`` = triton on CUDA, cpu on CPU (torch with
             ``dtype="float64"``). Triton on CPU needs ``TRITON_INTERPRET=1`` (the interpreter,
@@ -109,6 +114,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     kv_scales: tuple[float, float] | None = None
     kv_rotation: str | None = None
+    kv_scale_group_size: int = 0
     attention_backend: str | None = None
     disable_hybrid_kv_cache_manager: bool = False
     enable_prefix_caching: bool = True
@@ -231,6 +237,22 @@ class EngineConfig:
                             f"got {self.attention_backend!r}")
         if self.attention_backend == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise LlmdError("--attention-backend triton on CPU needs TRITON_INTERPRET=1 (the Triton interpreter, slow)")
+        self.kv_scale_group_size = int(self.kv_scale_group_size or 0)
+        if self.kv_scale_group_size:
+            try:
+                get_format(self.kv_cache_dtype, self.kv_scale_group_size)
+            except ValueError as e:
+                raise LlmdError(str(e)) from None
+            if self.kv_scales is not None:
+                raise LlmdError("--kv-scale-group-size needs dynamic scales: --kv-scales sets one per-tensor scale")
+            if self.attention_backend == "triton":
+                raise LlmdError("--kv-scale-group-size needs --attention-backend cpu or torch: the Triton kernels read "
+                                "one scale per (token, KV head)")
+
+    @property
+    def kv_format(self) -> "KVCacheFormat":
+        """The resolved ``--kv-cache-dtype`` with ``--kv-scale-group-size`` (:mod:`llmd.quant.kv_format`)."""
+        return get_format(self.kv_cache_dtype, self.kv_scale_group_size)
 
     @property
     def keep_dense(self) -> bool:

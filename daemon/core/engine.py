@@ -65,7 +65,7 @@ from llmd.daemon.kv import KVCacheManager, make_kv_cache_groups
 from llmd.kernels.launch import check_triton_config
 from llmd.models.config import ModelConfig
 from llmd.models.tokenizer import Tokenizer
-from llmd.quant.kv import get_format
+from llmd.quant.kv import KVCacheFormat, get_format
 from llmd.quant.rotation import check_rotation
 
 log = logging.getLogger("llmd.engine")
@@ -98,9 +98,10 @@ def check_triton_backend(cfg: ModelConfig, model_dtype: torch.dtype, block_size:
     except ValueError as e:
         raise LlmdError(str(e)) from None
 
-def check_kv_layout(cfg: ModelConfig, kv_cache_dtype: str, kv_rotation: str) -> None:
-    """Refuse a head_dim the KV format's scale groups or the rotation cannot take (int4: a
-    multiple of 16; hadamard: a power of two), with one line. Raises LlmdError."""
+def check_kv_layout(cfg: ModelConfig, kv_cache_dtype: "str | KVCacheFormat", kv_rotation: str) -> None:
+    """Refuse a head_dim the KV format's scale groups or the rotation cannot take (int4 and
+    ``--kv-scale-group-size``: a multiple of the group; hadamard: a power of two), with one line.
+    Raises LlmdError."""
     try:
         get_format(kv_cache_dtype).check_head_dim(cfg.head_dim)
         check_rotation(kv_rotation, cfg.head_dim)
@@ -140,14 +141,13 @@ class Engine:
         cfg = self.model_config
         if self.config.attention_backend == "triton":
             check_triton_backend(cfg, kv_dtype, self.config.block_size, self.config.kv_cache_dtype)
-        check_kv_layout(cfg, self.config.kv_cache_dtype, self.config.kv_rotation)
+        fmt = self.config.kv_format
+        check_kv_layout(cfg, fmt, self.config.kv_rotation)
         self.max_model_len = min(config.max_model_len or cfg.max_position, cfg.max_position)
-        self.bytes_per_token = kv_cache_bytes_per_token(cfg, self.config.kv_cache_dtype, kv_dtype)
-        fmt = get_format(self.config.kv_cache_dtype)
+        self.bytes_per_token = kv_cache_bytes_per_token(cfg, fmt, kv_dtype)
         self.kv_cache_groups = make_kv_cache_groups(cfg.layer_windows,
                                                     hybrid=not self.config.disable_hybrid_kv_cache_manager)
-        self.block_bytes = kv_cache_block_bytes(cfg, self.kv_cache_groups, config.block_size,
-                                                self.config.kv_cache_dtype, kv_dtype)
+        self.block_bytes = kv_cache_block_bytes(cfg, self.kv_cache_groups, config.block_size, fmt, kv_dtype)
         memory = config.kv_cache_memory
         if memory is None:
             if self.config.device.startswith("cuda"):  # --gpu-memory-utilization of the device's total
@@ -182,7 +182,7 @@ class Engine:
                                    scheduling_policy=self.config.scheduling_policy)
         self.runner = ModelRunner(
             model, self.num_blocks, config.block_size, kv_dtype, self.config.device,
-            self.config.kv_cache_dtype, self.config.kv_scales, self.config.attention_backend, self.kv_cache_groups,
+            fmt, self.config.kv_scales, self.config.attention_backend, self.kv_cache_groups,
             max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_model_len=self.max_model_len, cuda_graphs=not self.config.enforce_eager,
             kv_rotation=self.config.kv_rotation, residual_slots=num_residual,
@@ -275,7 +275,7 @@ class Engine:
         c = self.config
         if c.kv_cache_dtype == "auto":
             return c.dtype
-        fmt = get_format(c.kv_cache_dtype)
+        fmt = c.kv_format
         scales = (f"static scales k={c.kv_scales[0]:g}, v={c.kv_scales[1]:g}" if c.kv_scales
                   else f"dynamic {str(fmt.scale_dtype).removeprefix('torch.')} scales")
         if fmt.k_per_block:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from llmd.daemon.kv.groups import KVCacheGroupSpec, make_kv_cache_groups
 from llmd.models.config import ModelConfig
-from llmd.quant.kv_format import get_format
+from llmd.quant.kv_format import KVCacheFormat, get_format
 
 if TYPE_CHECKING:
     import torch
@@ -61,8 +61,10 @@ def kv_bytes_per_token(cfg: ModelConfig, element_bytes: int, scale_bytes: int = 
     return 2 * layers * cfg.num_kv_heads * (cfg.head_dim * element_bytes + scale_bytes)
 
 
-def kv_cache_bytes_per_token(cfg: ModelConfig, kv_cache_dtype: str, model_dtype: "torch.dtype | str") -> int:
-    """Bytes per token of all layers in the cache ``--kv-cache-dtype`` allocates (scales included);
+def kv_cache_bytes_per_token(cfg: ModelConfig, kv_cache_dtype: "str | KVCacheFormat",
+                             model_dtype: "torch.dtype | str") -> int:
+    """Bytes per token of all layers in the cache ``--kv-cache-dtype`` allocates (scales included;
+    a :class:`KVCacheFormat` for grouped scales);
     ``model_dtype``: a torch dtype or its name."""
     head = get_format(kv_cache_dtype).head_bytes(cfg.head_dim, model_dtype)
     return round(2 * cfg.num_layers * cfg.num_kv_heads * head)
@@ -75,7 +77,7 @@ def kv_block_bytes(cfg: ModelConfig, groups: list[KVCacheGroupSpec], block_size:
     return block_size * kv_bytes_per_token(cfg, element_bytes, scale_bytes, group_size)
 
 
-def kv_cache_block_bytes(cfg: ModelConfig, groups: list[KVCacheGroupSpec], block_size: int, kv_cache_dtype: str,
+def kv_cache_block_bytes(cfg: ModelConfig, groups: list[KVCacheGroupSpec], block_size: int, kv_cache_dtype: "str | KVCacheFormat",
                          model_dtype: "torch.dtype | str") -> int:
     """Bytes of one block of the cache ``--kv-cache-dtype`` allocates (scales included)."""
     group_size = max(len(g.layer_ids) for g in groups)

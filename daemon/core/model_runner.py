@@ -43,7 +43,8 @@ class ModelRunner:
         block_size: tokens per block.
         kv_dtype: the model dtype (the cache dtype for ``kv_cache_dtype="auto"``).
         device: where tensors live.
-        kv_cache_dtype: "auto", "int8", "fp8_e4m3", "fp8_e5m2" or "int4".
+        kv_cache_dtype: "auto", "int8", "fp8_e4m3", "fp8_e5m2" or "int4", or a
+            :class:`~llmd.quant.kv_format.KVCacheFormat` (e.g. with grouped scales).
         kv_scales: static (k_scale, v_scale) per-tensor scales, or None for dynamic scales.
         attention_backend: "cpu", "torch" or "triton" (set on every step's AttentionMetadata).
         kv_cache_groups: the KV cache groups (default: every layer in one full-attention group).
@@ -100,7 +101,7 @@ class ModelRunner:
         self.measure_device_wait, self.device_wait_s = False, 0.0
         self._graph_limits = (max_num_seqs, max_model_len)
         if attention_backend == "triton" and self.device.type == "cuda":
-            self.num_warmed_up = self.warm_up_kernels(kv_dtype, kv_cache_dtype, kv_scales is not None, max_model_len)
+            self.num_warmed_up = self.warm_up_kernels(kv_dtype, fmt.name, kv_scales is not None, max_model_len)
             if cuda_graphs and not fmt.k_per_block:  # int4: its store plans each step on the host
                 self.enable_decode_graphs(capture=True)
 

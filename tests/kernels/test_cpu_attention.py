@@ -57,7 +57,8 @@ def make_step(case: dict, seed: int):
     ctx_q = ctx_and_queries(case["kind"], g)
     seq_lens = [c + q for c, q in ctx_q]
     tables, seq_slots, num_blocks = random_paged_layout(seq_lens, bs, g)
-    cache = PagedKVCache.allocate((2, num_blocks, bs, nkv, hd), get_format(case["fmt"]), case["dtype"], "cpu")
+    fmt = get_format(case["fmt"], case.get("scale_group", 0))
+    cache = PagedKVCache.allocate((2, num_blocks, bs, nkv, hd), fmt, case["dtype"], "cpu")
     new_slots = []
     for (c, _), s, slots in zip(ctx_q, seq_lens, seq_slots):
         k, v = torch.randn(s, nkv, hd, generator=g) * 2, torch.randn(s, nkv, hd, generator=g)
@@ -140,3 +141,19 @@ def test_length_buckets_split_only_where_it_pays():
     assert cpu_attention.length_buckets(spans) == [(0, 8), (8, 18)]  # the 18th cannot start a bucket of 8
     assert cpu_attention.length_buckets(list(range(1000, 0, -10)), max_buckets=3)[-1][1] == 100
     assert cpu_attention.length_buckets([]) == [(0, 0)] and cpu_attention.length_buckets([5]) == [(0, 1)]
+
+
+@pytest.mark.parametrize("kind,fmt,group_size,dtype", [
+    ("mixed", "int8", 32, torch.float32), ("spread-mixed", "int8", 64, torch.bfloat16),
+    ("decode", "fp8_e4m3", 32, torch.bfloat16), ("mixed", "fp8_e5m2", 64, torch.float32)])
+def test_grouped_scales_match_reference(kind, fmt, group_size, dtype):
+    """--kv-scale-group-size: the gathers dequantize codes × their group's scale (no per-key
+    folding); same bounds as above, over buckets, prefill chunks, and head_dim 128 (4 or 2 groups)."""
+    case = {"kind": kind, "group": 4, "block_size": 16, "head_dim": 128, "fmt": fmt, "window": None, "dtype": dtype,
+            "scale_group": group_size}
+    meta, query, cache = make_step(case, seed=11)
+    assert cache.scales.shape[-1] == 128 // group_size
+    q = query.to(dtype)
+    out = ops.paged_attention(q, cache, meta, 128**-0.5)
+    ref = reference.paged_attention(q.double(), cache, meta, 128**-0.5, compute_dtype=torch.float64)
+    assert out.dtype == dtype and torch.isfinite(out).all() and rel(out, ref) <= TOL[dtype]

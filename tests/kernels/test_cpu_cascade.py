@@ -44,7 +44,8 @@ def shared_prefix_step(block_size: int, group: int, fmt: str, dtype, seed: int, 
     tables = torch.zeros(len(seqs), width, dtype=torch.int32)
     for i, (t, _, _) in enumerate(seqs):
         tables[i, : len(t)] = perm[torch.tensor(t)].int()
-    cache = PagedKVCache.allocate((2, num_blocks, bs, nkv, hd), get_format(fmt), dtype, "cpu")
+    name, _, group_size = fmt.partition("/g")  # "int8/g32": --kv-scale-group-size 32
+    cache = PagedKVCache.allocate((2, num_blocks, bs, nkv, hd), get_format(name, int(group_size or 0)), dtype, "cpu")
     written, new_slots = set(), []
     for i, (t, length, q) in enumerate(seqs):
         pos = torch.arange(length)
@@ -67,6 +68,7 @@ def shared_prefix_step(block_size: int, group: int, fmt: str, dtype, seed: int, 
     (16, 3, "auto", torch.float32, True), (16, 1, "int8", torch.float32, False),
     (32, 4, "fp8_e4m3", torch.float32, True), (16, 3, "auto", torch.bfloat16, False),
     (32, 3, "int8", torch.bfloat16, True), (16, 8, "fp8_e5m2", torch.float32, True),
+    (16, 4, "int8/g32", torch.float32, True),
 ])
 def test_cascade_matches_float64_reference(block_size, group, fmt, dtype, prefill):
     meta, query, cache = shared_prefix_step(block_size, group, fmt, dtype, block_size * 10 + group, prefill)

@@ -27,8 +27,9 @@ def _rope64(k: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
 def _fill(fmt: str, rotation: str, head_dim: int, k: torch.Tensor, pos: torch.Tensor, theta: float,
           blocks: list[int]) -> PagedKVCache:
     """A cache holding RoPE(k, pos) (float32 angles, as the model computes them) in ``blocks``."""
-    cache = PagedKVCache.allocate((2, 8, BS, HEADS, head_dim), get_format(fmt), torch.float32, "cpu",
-                                  rotation=rotation)
+    name, _, group_size = fmt.partition("/g")  # "int8/g32": --kv-scale-group-size 32
+    cache = PagedKVCache.allocate((2, 8, BS, HEADS, head_dim), get_format(name, int(group_size or 0)), torch.float32,
+                                  "cpu", rotation=rotation)
     roped = apply_rope(k, rope_tables(pos, head_dim, theta, torch.float32))
     slots = torch.tensor([blocks[i // BS] * BS + i % BS for i in range(len(pos))])
     store_kv(roped, torch.randn_like(k), cache, slots)
@@ -48,7 +49,7 @@ def _stored(cache: PagedKVCache, blocks: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("head_dim,theta", [(64, 100_000.0), (256, 10_000.0), (256, 1_000_000.0)])
 @pytest.mark.parametrize("fmt,rotation", [("auto", "none"), ("int8", "none"), ("int8", "hadamard"),
-                                          ("fp8_e4m3", "none"), ("fp8_e4m3", "hadamard")])
+                                          ("fp8_e4m3", "none"), ("fp8_e4m3", "hadamard"), ("int8/g32", "hadamard")])
 def test_shifted_keys_equal_rope_at_the_new_positions(head_dim, theta, fmt, rotation):
     """Keys cached at positions 48.. (3 blocks), shifted by Δ = 32 in place and into fresh
     blocks, equal RoPE(k, p − Δ) from scratch: for the float32 cache to 1e-5 of the keys'
@@ -73,7 +74,7 @@ def test_shifted_keys_equal_rope_at_the_new_positions(head_dim, theta, fmt, rota
         assert (got - _rope64(k, pos - delta, theta)).abs().max().item() < 1e-5 * k.abs().max().item()
     else:
         exact = rotate(_rope64(rotate(first, rotation), torch.full((n,), -delta), theta), rotation)
-        qfmt = get_format(fmt)
+        qfmt = get_format(fmt.partition("/g")[0])  # grouped scales: a group's step <= the vector's
         step = exact.abs().amax(-1, keepdim=True) / (qfmt.qmax if not qfmt.is_fp8 else 8)  # e4m3: <= amax / 8
         assert ((got - exact).abs() <= 0.5 * step * 1.001 + 1e-5).all()
         want = _rope64(k, pos - delta, theta)
