@@ -87,15 +87,15 @@ def kv_quality(model, tokenizer, ids: list[int], kv_dtypes=BENCH_KV_DTYPES, chun
                kv_scales: tuple[float, float] | None = None, rotations=ROTATIONS, scale_groups=(0,),
                **engine_kw) -> list[QualityRow]:
     """:func:`quality_row` for ``auto`` and then each other dtype in ``kv_dtypes`` under each of
-    ``scale_groups`` (``--kv-scale-group-size`` values, 8-bit dtypes only: int4 runs once, with
-    its own groups) and each of ``rotations`` (``--kv-rotation`` values; ``(None,)`` = each
+    ``scale_groups`` (``--kv-scale-group-size`` values, 8-bit dtypes only: int4, whose groups are
+    its own, runs once when 0 is among them) and each of ``rotations`` (``--kv-rotation`` values; ``(None,)`` = each
     dtype's default); ``kv_scales`` (static per-tensor k, v scales) apply to the quantized dtypes,
     None = dynamic scales."""
     base = quality_row(model, tokenizer, ids, "auto", None, chunk, cached_prefix, **engine_kw)
     return [base] + [quality_row(model, tokenizer, ids, n, base, chunk, cached_prefix, kv_scales=kv_scales,
                                  kv_rotation=r, kv_scale_group_size=g, **engine_kw)
                      for n in kv_dtypes if n != "auto" for g in (scale_groups if n != "int4" else (0,))
-                     for r in rotations]
+                     if g in scale_groups for r in rotations]
 
 
 def fake_quant_reference(x: torch.Tensor, fmt: KVCacheFormat, rotation: str = "none") -> torch.Tensor:
@@ -271,15 +271,15 @@ def hf_reference_table(engine: Engine, ids: list[int], rows: list[QualityRow]) -
     for r in rows[1:]:
         ref = 100 * (hf_fake_quant_nll(hf, ids, r.kv_cache_dtype, r.kv_rotation, engine.config.block_size,
                                        r.kv_scale_group_size) - base) / base
-        lines.append(f"{r.label:<19} ΔNLL llmd {r.delta_nll_pct:.3f}%  HF fake-quant {ref:.3f}%  "
+        lines.append(f"{r.label:<23} ΔNLL llmd {r.delta_nll_pct:.3f}%  HF fake-quant {ref:.3f}%  "
                      f"|diff| {abs(r.delta_nll_pct - ref):.3f} pp")
     return lines
 
 
 def format_table(rows: list[QualityRow]) -> list[str]:
     """Lines of the ``llmd bench kv-quality`` table."""
-    lines = [f"{'kv dtype':<19}{'B/token':>9}{'mean NLL':>10}{'ΔNLL':>9}{'top-1 agree':>13}"]
+    lines = [f"{'kv dtype':<23}{'B/token':>9}{'mean NLL':>10}{'ΔNLL':>9}{'top-1 agree':>13}"]
     for r in rows:
-        lines.append(f"{r.label:<19}{r.bytes_per_token:>9,}{r.nll:>10.4f}{r.delta_nll_pct:>8.3f}%"
+        lines.append(f"{r.label:<23}{r.bytes_per_token:>9,}{r.nll:>10.4f}{r.delta_nll_pct:>8.3f}%"
                      f"{100 * r.top1:>12.2f}%")
     return lines

@@ -84,10 +84,10 @@ def jitter_runs(model, tokenizer, ids: list[int], runs: int, rel: float = JITTER
 def format_stats(stats: list[RowStats]) -> list[str]:
     """Lines of the jittered table: mean ± spread and [min, max] of ΔNLL, mean ± spread of top-1."""
     n = len(stats[0].delta_nll_pct)
-    lines = [f"{'kv dtype':<19}{'B/token':>9}{f'ΔNLL % (mean ± sd, {n} runs)':>30}{'[min, max]':>20}"
+    lines = [f"{'kv dtype':<23}{'B/token':>9}{f'ΔNLL % (mean ± sd, {n} runs)':>30}{'[min, max]':>20}"
              f"{'top-1 %':>18}"]
     for s in stats:
         d, t = s.delta_nll_pct, s.top1_pct
-        lines.append(f"{s.label:<19}{s.bytes_per_token:>9,}{statistics.fmean(d):>22.3f} ± {s.spread(d):.3f}"
+        lines.append(f"{s.label:<23}{s.bytes_per_token:>9,}{statistics.fmean(d):>22.3f} ± {s.spread(d):.3f}"
                      f"{f'[{min(d):.3f}, {max(d):.3f}]':>20}{statistics.fmean(t):>11.2f} ± {s.spread(t):.2f}")
     return lines

@@ -62,6 +62,21 @@ def test_runs_give_per_run_figures_and_spread(tiny):
         jitter_runs(tiny.runner.model, tiny.tokenizer, ids, 0, **kw)
 
 
+def test_scale_groups_choose_the_rows(tiny):
+    """``--scale-groups``: each 8-bit dtype once per group size (labels ``int8/g8``); int4, whose
+    groups are its own, only when 0 is listed; bytes per token count each group's scale."""
+    from llmd.daemon.bench.kv_quality import kv_quality
+
+    ids = tiny.input_processor.tokenize(QUALITY_TEXT[:120])
+    kw = dict(device="cpu", dtype="float32", kv_cache_memory=4 * 2**20, attention_backend="torch", threads=1,
+              chunk=32, rotations=("none",))
+    rows = kv_quality(tiny.runner.model, tiny.tokenizer, ids, ("auto", "int8", "int4"), scale_groups=(8,), **kw)
+    assert [r.label for r in rows] == ["auto", "int8/g8"]
+    assert rows[1].bytes_per_token == 2 * 2 * 2 * (16 + 2 * 4)  # 2 layers, 2 KV heads, head_dim 16, 2 scales
+    both = kv_quality(tiny.runner.model, tiny.tokenizer, ids, ("auto", "int8", "int4"), scale_groups=(0, 8), **kw)
+    assert [r.label for r in both] == ["auto", "int8", "int8/g8", "int4"]
+
+
 def test_long_text_is_the_short_one_plus_original_prose():
     assert LONG_QUALITY_TEXT.startswith(QUALITY_TEXT) and LONG_QUALITY_TEXT.endswith(EXTRA_TEXT)
     assert len(LONG_QUALITY_TEXT.split()) > 1.9 * len(QUALITY_TEXT.split())  # ≥ 2,000 tokens on both models

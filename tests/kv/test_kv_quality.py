@@ -202,3 +202,13 @@ def test_q1_free_running_no_degeneration(make_engine, free_running_auto, name):
         assert len(quant) <= 2 * len(base)
     # per run (all 10 prompts): single prompts may loop differently after a near-tie flip
     assert sum(map(repeated_8grams, runs)) <= sum(map(repeated_8grams, free_running_auto)), name
+
+
+def test_q1_q4_bounds_with_32_channel_scales(quality, smollm2, smollm2_tokenizer):
+    """Cases Q1/Q4 for ``--kv-scale-group-size 32`` (int8 with the default hadamard rotation, the
+    shipped grouped option) on SmolLM2: int8's bounds hold (README "Quantized KV cache")."""
+    ids, get = quality
+    row = quality_row(smollm2[0], smollm2_tokenizer, ids, "int8", get("auto"), attention_backend=QUALITY_BACKEND,
+                      kv_scale_group_size=32, **engine_kw())
+    assert row.label == "int8/g32+hadamard" and row.bytes_per_token == 12_960
+    assert abs(row.delta_nll_pct) <= DNLL_MAX_PCT["int8"] and row.top1 >= TOP1_MIN["int8"], row

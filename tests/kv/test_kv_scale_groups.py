@@ -103,3 +103,4 @@ def test_cli_refusals_are_one_line_before_any_weights_load():
         assert result.exit_code == 1, result.output
         last = result.output.strip().splitlines()[-1]
         assert last.startswith("llmd: error: ") and text in last and "Traceback" not in result.output
+
