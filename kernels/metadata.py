@@ -38,6 +38,10 @@ class AttentionMetadata:
             16-bit K of its open block, :mod:`llmd.quant.kv`), -1 for none; None otherwise.
         cascade_attn: the cpu backend may attend decodes that share leading blocks to them once
             (:mod:`llmd.kernels.cpu_cascade`); False = ``--disable-cascade-attn``.
+        slots_padded: whether ``slot_mapping`` may hold padding slots (-1, skipped by ``store_kv``):
+            False when the builder knows every slot is real (the runner's steps), True when it pads
+            (CUDA-graph buckets), None when unknown (``store_kv`` then checks, one host sync per
+            layer). Computed once per step, so 30 layers do not each test ``slot_mapping >= 0``.
     """
 
     slot_mapping: torch.Tensor
@@ -52,6 +56,7 @@ class AttentionMetadata:
     decode_max_seq_len: int | None = None
     residual_slots: list[int] | None = None
     cascade_attn: bool = True
+    slots_padded: bool | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -30,11 +30,13 @@ BACKENDS = ("cpu", "torch", "triton")
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache,
-             slot_mapping: torch.Tensor, backend: str = "torch") -> None:
+             slot_mapping: torch.Tensor, backend: str = "torch", padded: bool | None = None) -> None:
     """Write ``key``/``value`` ``[T, num_kv_heads, head_dim]`` at ``slot_mapping`` ``[T]`` int64,
     quantizing on write for int8/fp8/int4 caches (K rotated first for a ``--kv-rotation`` cache).
     int4 (:mod:`llmd.kernels.kivi`): V is stored here; K, in 16 bits, waits in the cache's
-    ``new_keys`` for :func:`paged_attention`, which has the step's block tables and residual slots."""
+    ``new_keys`` for :func:`paged_attention`, which has the step's block tables and residual slots.
+    ``padded``: :attr:`AttentionMetadata.slots_padded` (False skips the torch path's per-call
+    check for -1 slots; None checks)."""
     key = rotate(key, _rotation(kv_cache))
     if isinstance(kv_cache, PagedKVCache) and kv_cache.fmt.k_per_block:
         kivi.store_values(value, kv_cache, slot_mapping)
@@ -45,7 +47,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor | Pa
 
         triton_store_kv(key, value, PagedKVCache.wrap(kv_cache), slot_mapping)
     else:
-        reference.store_kv(key, value, kv_cache, slot_mapping)
+        reference.store_kv(key, value, kv_cache, slot_mapping, padded)
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, meta: AttentionMetadata,

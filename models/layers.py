@@ -207,6 +207,6 @@ class PagedAttention(nn.Module):
             qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
         qk = apply_rope(qk, rope)
         q, k = qk[:, :h], qk[:, h:]
-        kernels.store_kv(k, v, kv_cache, meta.slot_mapping, meta.attn_backend)
+        kernels.store_kv(k, v, kv_cache, meta.slot_mapping, meta.attn_backend, meta.slots_padded)
         out = kernels.paged_attention(q, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(t, h * d))

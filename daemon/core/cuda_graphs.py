@@ -137,7 +137,7 @@ class StaticDecodeInputs:
             slot_mapping=self.slots[g][:bucket], block_tables=self.tables[g][:bucket],
             query_start_loc=self.query_start_loc[: bucket + 1], seq_lens=self.seq_lens[:bucket],
             query_lens_cpu=[1] * bucket, seq_lens_cpu=seq_lens_cpu, block_size=self.block_size,
-            attn_backend=self.attention_backend, decode_max_seq_len=self.decode_max_seq_len,
+            attn_backend=self.attention_backend, decode_max_seq_len=self.decode_max_seq_len, slots_padded=True,
         ) for g in range(len(self.slots))]
         return self.ids[:bucket], self.positions[:bucket], metas
 

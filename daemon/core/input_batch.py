@@ -143,7 +143,7 @@ class InputBatch:
             metas.append(AttentionMetadata(
                 slot_mapping=self._out(slots), block_tables=self._out(bt), query_start_loc=qsl_t, seq_lens=sl_t,
                 query_lens_cpu=qlens, seq_lens_cpu=seq_lens, block_size=bs, attn_backend=self.attention_backend,
-                residual_slots=_residual_slots(sched, g), cascade_attn=self.cascade_attn,
+                residual_slots=_residual_slots(sched, g), cascade_attn=self.cascade_attn, slots_padded=False,
             ))
         return StepInputs(self._out(ids), self._out(pos), metas, logits_indices)
 
@@ -163,7 +163,7 @@ class InputBatch:
             metas.append(AttentionMetadata(
                 slot_mapping=self._out(slots), block_tables=self._out(bt), query_start_loc=qsl_t, seq_lens=sl_t,
                 query_lens_cpu=qlens, seq_lens_cpu=seq_lens, block_size=bs, attn_backend=self.attention_backend,
-                residual_slots=_residual_slots([s], g), cascade_attn=self.cascade_attn,
+                residual_slots=_residual_slots([s], g), cascade_attn=self.cascade_attn, slots_padded=False,
             ))
         return StepInputs(self._out(ids), self._out(pos), metas, logits_indices)
 

@@ -78,6 +78,7 @@ def check_equal(step, ref, num_groups):
         assert m.query_start_loc.dtype == torch.int32 and torch.equal(m.query_start_loc, qsl)
         assert m.seq_lens.dtype == torch.int32 and torch.equal(m.seq_lens, sl)
         assert m.query_lens_cpu == qlens and m.seq_lens_cpu == seq_lens
+        assert m.slots_padded is False and bool((m.slot_mapping >= 0).all())  # store_kv skips its check
         assert type(m.query_lens_cpu) is list and type(m.seq_lens_cpu) is list
 
 
