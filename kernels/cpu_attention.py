@@ -34,6 +34,8 @@ Compute dtype: float32 for float32 (and float16) models, float64 for float64 mod
 for bfloat16 models (oneDNN's AVX512-BF16 matmuls; scores are upcast to float32 for the softmax,
 probabilities cast back to bfloat16 for ``probs @ V``, as HF transformers' eager attention does),
 except decode-only steps of at most ``SMALL_DECODE`` sequences, which compute in float32.
+A step of exactly one decode over an unquantized cache (batch-1 chat) takes
+:mod:`llmd.kernels.cpu_decode_one` instead (a by-block gather, no mask; same numerics).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmd.kernels import cpu_cascade
+from llmd.kernels import cpu_cascade, cpu_decode_one
 from llmd.kernels.metadata import AttentionMetadata
 from llmd.quant.kv import SCALE_FLOOR, PagedKVCache
 
@@ -310,6 +312,9 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, 
     kv_heads = cache.data.shape[3]
     group = num_heads // kv_heads
     cdt = compute_dtype_for(query.dtype)
+    if cpu_decode_one.applies(meta, cache.fmt.quantized):  # one decode (batch-1): by-block gather, no mask
+        return cpu_decode_one.paged_attention(query, cache.data, meta, scale, sliding_window,
+                                              torch.float32 if cdt == torch.bfloat16 else cdt)
     plan = get_plan(meta, kv_heads, sliding_window, group, cascade_ok=meta.cascade_attn and not cache.fmt.k_per_block)
     if plan.decode_only and t <= SMALL_DECODE and cdt == torch.bfloat16:
         cdt = torch.float32  # tiny matmuls: float32's ~15 µs beats bfloat16's ~35 µs per call here
