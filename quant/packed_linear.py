@@ -58,14 +58,19 @@ class PackedLinear(nn.Module):
         self.sizes = sizes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
-        if self.dense is not None and x2.shape[0] > self.small_batch:
-            y = F.linear(x2, self.dense)
+        # Tensors straight from the module's dicts: nn.Module.__getattr__ costs ~1.4 µs per
+        # parameter or buffer here, and a batch-1 step makes 121 of these calls (3 lookups each);
+        # 2-D inputs (every call from the models) skip the reshape and view.
+        flat = x.dim() == 2
+        x2 = x if flat else x.reshape(-1, self.in_features)
+        dense = self._parameters.get("dense")
+        if dense is not None and x2.shape[0] > self.small_batch:
+            y = F.linear(x2, dense)
         elif self.kind == "int4":
-            y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, 32, self.scales)
+            y = torch._weight_int4pack_mm_for_cpu(x2, self._buffers["packed"], 32, self._buffers["scales"])
         else:
-            y = torch._weight_int8pack_mm(x2, self.packed, self.scales)
-        return y.view(*x.shape[:-1], self.out_features)
+            y = torch._weight_int8pack_mm(x2, self._buffers["packed"], self._buffers["scales"])
+        return y if flat else y.view(*x.shape[:-1], self.out_features)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``y [..., sum(sizes)]`` → one view per part (fused projections only)."""
