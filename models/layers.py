@@ -8,7 +8,10 @@ rotate-half. :class:`GemmaRMSNorm` follows ``modeling_gemma3.py`` (weight applie
 CPU fast path (issue 13): few, large ops per layer. Q/K/V are one matmul and gate/up another
 (:class:`MergedLinear`, vLLM's ``QKVParallelLinear`` / ``MergedColumnParallelLinear``); the RoPE
 tables are built once per step and RoPE base by the decoder (:func:`rope_tables`) and Q and K
-are rotated together in four ops; the norms are ``torch.nn.functional.rms_norm``.
+are rotated together in four ops; the norms are ``torch.nn.functional.rms_norm``. The
+forwards read their submodules and parameters from the module's own dicts (``self._modules`` /
+``self._parameters``): ``nn.Module.__getattr__`` costs ~1.4 µs per lookup on the 2-core CPU, ~15
+lookups per layer, 30 layers per batch-1 decode step (measured: README "Speed").
 """
 
 from __future__ import annotations
@@ -50,11 +53,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self._parameters["weight"]
         if x.dtype == torch.float32:
-            return F.rms_norm(x, self.shape, self.weight, self.eps)
+            return F.rms_norm(x, self.shape, w, self.eps)
         if x.dtype == torch.float64:
-            return self.weight * F.rms_norm(x.float(), self.shape, eps=self.eps).to(x.dtype)
-        return self.weight * F.rms_norm(x, self.shape, eps=self.eps)
+            return w * F.rms_norm(x.float(), self.shape, eps=self.eps).to(x.dtype)
+        return w * F.rms_norm(x, self.shape, eps=self.eps)
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -69,9 +73,10 @@ class GemmaRMSNorm(RMSNorm):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self._parameters["weight"]
         if x.dtype == torch.float64:
-            return F.rms_norm(x.float(), self.shape, self.weight.float(), self.eps).to(x.dtype)
-        return F.rms_norm(x, self.shape, self.weight, self.eps)
+            return F.rms_norm(x.float(), self.shape, w.float(), self.eps).to(x.dtype)
+        return F.rms_norm(x, self.shape, w, self.eps)
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> RopeTables:
@@ -151,8 +156,10 @@ class GatedMLP(nn.Module):
             raise ValueError(f"unknown MLP activation {activation!r}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(self.act(gate) * up)
+        m = self._modules
+        gate_up = m["gate_up_proj"]
+        gate, up = gate_up.split(gate_up(x))
+        return m["down_proj"](self.act(gate) * up)
 
 
 class PagedAttention(nn.Module):
@@ -201,7 +208,8 @@ class PagedAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: RopeTables, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qk, v = self.qkv_proj(x).split([(h + kvh) * d, kvh * d], dim=-1)
+        m = self._modules
+        qk, v = m["qkv_proj"](x).split([(h + kvh) * d, kvh * d], dim=-1)
         qk, v = qk.view(t, h + kvh, d), v.view(t, kvh, d)
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
@@ -209,4 +217,4 @@ class PagedAttention(nn.Module):
         q, k = qk[:, :h], qk[:, h:]
         kernels.store_kv(k, v, kv_cache, meta.slot_mapping, meta.attn_backend, meta.slots_padded)
         out = kernels.paged_attention(q, kv_cache, meta, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(t, h * d))
+        return m["o_proj"](out.reshape(t, h * d))

@@ -46,8 +46,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, "silu")
 
     def forward(self, x, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        m = self._modules  # not nn.Module.__getattr__ (models/layers.py: ~1.4 µs per lookup)
+        x = x + m["self_attn"](m["input_layernorm"](x), rope, kv_cache, meta)
+        return x + m["mlp"](m["post_attention_layernorm"](x))
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
