@@ -91,8 +91,9 @@ class StepPlan:
             each: ``members`` ``[n]`` int64 positions in ``decode_idx`` (None for a single bucket
             of all decodes in order), ``gather`` with ``Q = 1`` padded to the bucket's longest.
         prefills: ``(token_start, query_len, gather)`` per prefill chunk, ``gather`` with ``N = 1``.
-        cascades: decodes sharing leading blocks (:mod:`llmd.kernels.cpu_cascade`): their buckets
-            start after the shared prefix, which each group attends to once.
+        cascades: decodes and prefill chunks sharing leading blocks (:mod:`llmd.kernels.cpu_cascade`):
+            their buckets and chunk gathers start after the shared prefix, which each group attends
+            to once; ``cascade_starts`` the first token index of each prefill chunk in one.
         workspace: output buffers of the gathers, matmuls and softmax, keyed by (role, shape,
             dtype), reused by every layer of the group in this step. Fresh multi-MB tensors per
             layer cost more in first-touch page faults than the gathers themselves (measured
@@ -104,6 +105,7 @@ class StepPlan:
     prefills: list[tuple[int, int, _Gather]]
     decode_only: bool = False
     cascades: list = field(default_factory=list)
+    cascade_starts: set = field(default_factory=set)
     workspace: dict = field(default_factory=dict, repr=False)
 
     def buffer(self, role: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -130,8 +132,8 @@ def _key_rows(block_tables: torch.Tensor, first_pos: torch.Tensor, length: int, 
 def build_plan(meta: AttentionMetadata, kv_heads: int, sliding_window: int | None, group: int = 1,
                cascade_ok: bool = True) -> StepPlan:
     """The step's :class:`StepPlan` (index math on the host, vector ops only per group of
-    sequences; one Python iteration per prefill chunk). ``cascade_ok``: look for decodes sharing
-    a prefix (not for int4 caches, whose branch has no cascade)."""
+    sequences; one Python iteration per prefill chunk). ``cascade_ok``: look for sequences
+    (decodes and prefill chunks) sharing a prefix (not for int4 caches, whose branch has no cascade)."""
     qlens = torch.tensor(meta.query_lens_cpu, dtype=torch.int64)
     seq_lens = torch.tensor(meta.seq_lens_cpu, dtype=torch.int64)
     starts = torch.cumsum(qlens, 0) - qlens
@@ -139,14 +141,17 @@ def build_plan(meta: AttentionMetadata, kv_heads: int, sliding_window: int | Non
     bs = meta.block_size
     is_dec = qlens == 1
     decode_idx, decodes, cascades = None, [], []
+    skip = torch.zeros_like(qlens)  # keys a sequence's own gather skips: its cascade's shared prefix
+    if sliding_window is None and cascade_ok and len(qlens) >= cpu_cascade.CASCADE_MIN_SEQS:
+        # the shared prefix must end at or before each member's first query (all of it visible)
+        cascades = cpu_cascade.find_cascades(tables, seq_lens - qlens + 1, bs, kv_heads, _key_rows)
+        for c in cascades:
+            skip[c.members] = c.prefix_len
+            c.tokens = cpu_cascade.query_tokens(starts[c.members], qlens[c.members])
     if bool(is_dec.any()):
         sel = torch.nonzero(is_dec).flatten()
         lens = seq_lens[sel]
-        first = torch.zeros_like(lens) if sliding_window is None else torch.clamp(lens - sliding_window, min=0)
-        if sliding_window is None and cascade_ok and len(sel) >= cpu_cascade.CASCADE_MIN_SEQS:
-            cascades = cpu_cascade.find_cascades(tables[sel], lens, bs, kv_heads, _key_rows)
-            for c in cascades:
-                first[c.members] = c.prefix_len
+        first = skip[sel] if sliding_window is None else torch.clamp(lens - sliding_window, min=0)
         span = lens - first
         decode_idx = starts[sel]
         order = torch.argsort(span, descending=True, stable=True)
@@ -159,10 +164,12 @@ def build_plan(meta: AttentionMetadata, kv_heads: int, sliding_window: int | Non
                                                                   float("-inf"))
             g = _Gather(_key_rows(tables[sel[b]], first[b], length, bs, kv_heads), bias, group, kv_heads)
             decodes.append((b if len(buckets) > 1 else None, g))
-    prefills = []
+    prefills, cascade_starts = [], set()
     for b in torch.nonzero(~is_dec).flatten().tolist():
         q_len, seq_len = meta.query_lens_cpu[b], meta.seq_lens_cpu[b]
-        first = 0 if sliding_window is None else max(0, seq_len - q_len - sliding_window + 1)
+        first = int(skip[b]) if sliding_window is None else max(0, seq_len - q_len - sliding_window + 1)
+        if skip[b]:
+            cascade_starts.add(int(starts[b]))
         kpos = torch.arange(first, seq_len)[None, :]
         qpos = torch.arange(seq_len - q_len, seq_len)[:, None]
         visible = kpos <= qpos
@@ -171,7 +178,8 @@ def build_plan(meta: AttentionMetadata, kv_heads: int, sliding_window: int | Non
         bias = torch.zeros(q_len, seq_len - first).masked_fill_(~visible, float("-inf"))[None, None]
         rows = _key_rows(tables[b : b + 1], torch.tensor([first]), seq_len - first, bs, kv_heads)
         prefills.append((int(starts[b]), q_len, _Gather(rows, bias, group, kv_heads)))
-    return StepPlan(decode_idx, decodes, prefills, decode_only=not prefills, cascades=cascades)
+    return StepPlan(decode_idx, decodes, prefills, decode_only=not prefills, cascades=cascades,
+                    cascade_starts=cascade_starts)
 
 
 # Decode length buckets (length_buckets): a new bucket below 0.7 x its first span, >= 8 sequences each, 4 at most
@@ -330,9 +338,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, 
         return o.view(t, num_heads, head_dim).to(query.dtype)
     out = torch.empty(t, num_heads, head_dim, dtype=cdt)
     lse = None
-    if plan.cascades:  # per decode, the log-sum-exp of its own keys after the shared prefix
-        lse = torch.empty(plan.decode_idx.shape[0], num_heads,
-                          dtype=torch.float64 if cdt == torch.float64 else torch.float32)
+    if plan.cascades:  # per query token in a cascade, the log-sum-exp of its own keys after the shared prefix
+        lse = torch.empty(t, num_heads, dtype=torch.float64 if cdt == torch.float64 else torch.float32)
     for i, (members, g) in enumerate(plan.decodes):
         idx = plan.decode_idx if members is None else plan.decode_idx[members]
         nd = idx.shape[0]
@@ -344,14 +351,18 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, 
         o = _attend(plan, f"d{i}", qd, k, v, g, scale, ks, vs, with_lse=lse is not None)
         if lse is not None:
             o, part = o
-            lse[slice(None) if members is None else members] = part.view(nd, num_heads)
+            lse[idx] = part.view(nd, num_heads)
         out.index_copy_(0, idx, o.view(nd, num_heads, head_dim))
-    if lse is not None:
-        cpu_cascade.merge_prefixes(plan, q, cache, out, lse, scale, _gather_kv)
     for start, q_len, g in plan.prefills:
         k, v, ks, vs = _gather_kv(plan, "p", cache, g.rows, g.bias.shape[-1], cdt)
         qp = q[start : start + q_len].reshape(q_len, kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        o = _attend(plan, "p", qp.reshape(kv_heads, group * q_len, head_dim), k, v, g, scale, ks, vs)
+        o = _attend(plan, "p", qp.reshape(kv_heads, group * q_len, head_dim), k, v, g, scale, ks, vs,
+                    with_lse=start in plan.cascade_starts)
+        if start in plan.cascade_starts:
+            o, part = o
+            lse[start : start + q_len] = part.view(kv_heads, group, q_len).permute(2, 0, 1).reshape(q_len, num_heads)
         out[start : start + q_len] = o.view(kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(
             q_len, num_heads, head_dim)
+    if lse is not None:
+        cpu_cascade.merge_prefixes(plan, q, cache, out, lse, scale, _gather_kv)
     return out.to(query.dtype)

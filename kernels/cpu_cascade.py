@@ -1,13 +1,15 @@
-"""Cascade attention for decodes that share a prefix (the CPU fast path; vLLM's "cascade
+"""Cascade attention for sequences that share a prefix (the CPU fast path; vLLM's "cascade
 attention", FlashInfer's cascade / Hydragen, arXiv:2402.05099).
 
-Decodes whose block tables start with the same physical blocks (a prefix-cache hit on a common
+Sequences whose block tables start with the same physical blocks (a prefix-cache hit on a common
 system prompt, the siblings of ``n > 1``, beams) read the same keys for those positions. The
 plain batched path gathers and multiplies them once *per sequence*; here each group of such
-decodes attends to the shared prefix **once** — every member's queries stacked into one matrix
-per KV head, ``[kv_heads, members · group, head_dim] @ [kv_heads, head_dim, P]`` — and to the
-rest of its own context in the usual length buckets (which then start at ``P``). The two partial
-results merge exactly through their log-sum-exps:
+sequences — decodes and prefill chunks alike, as long as the shared prefix ends at or before the
+member's first query, so every query sees all of it — attends to the shared prefix **once**: every
+member's query tokens stacked into one matrix per KV head, ``[kv_heads, tokens · group, head_dim]
+@ [kv_heads, head_dim, P]``; each member attends to the rest of its own context as usual (decode
+length buckets and prefill chunk gathers then start at ``P``). The two partial results merge
+exactly through their log-sum-exps:
 
 ``lse = logaddexp(lse_p, lse_s)``, ``out = o_p · exp(lse_p - lse) + o_s · exp(lse_s - lse)``,
 
@@ -16,8 +18,13 @@ one softmax over all keys; in floating point only the reduction order differs (s
 logits can move in the last bits with which other requests share its prefix in a step, the same
 class of batch dependence as the length buckets' padding; README, "Batch invariance").
 
-Only for groups without a sliding window (a window would cut into the prefix) and caches whose
-reads fold into the per-key products (auto, int8, fp8; int4 takes its own branch).
+Prefill chunks joining a cascade matter most for many chats arriving at once on one cached system
+prompt: each chunk is a few dozen tokens over a ~1,000-token prefix, which the plain path would
+gather and multiply once per chunk.
+
+Only for groups without a sliding window (a window would cut into the prefix) and caches read
+through :func:`llmd.kernels.cpu_attention._gather_kv` (auto, int8, fp8, grouped scales; int4
+takes its own branch).
 """
 
 from __future__ import annotations
@@ -35,30 +42,41 @@ class Cascade:
     """Decodes sharing their first ``prefix_len`` keys (whole blocks).
 
     Attributes:
-        members: ``[n]`` int64 positions among the step's decodes (the order of
-            ``StepPlan.decode_idx``).
-        prefix_len: shared tokens ``P`` (a multiple of the block size, below every member's length).
+        members: ``[n]`` int64 positions among the step's sequences (decodes and prefill chunks).
+        prefix_len: shared tokens ``P`` (a multiple of the block size, at most every member's first
+            query position).
         rows: ``[kv_heads * P]`` int64 gather rows of the prefix (ordered KV head, position).
+        tokens: ``[sum of the members' query lengths]`` int64 flat indices of their query tokens
+            (set by the plan: :func:`query_tokens`).
     """
 
     members: torch.Tensor
     prefix_len: int
     rows: torch.Tensor
+    tokens: torch.Tensor | None = None
+
+
+def query_tokens(starts: torch.Tensor, qlens: torch.Tensor) -> torch.Tensor:
+    """Flat token indices ``[sum(qlens)]`` int64 of the query ranges ``[starts[i], starts[i] + qlens[i])``."""
+    offsets = torch.cumsum(qlens, 0) - qlens
+    return torch.repeat_interleave(starts - offsets, qlens) + torch.arange(int(qlens.sum()))
 
 
 def find_cascades(tables: torch.Tensor, lens: torch.Tensor, block_size: int, kv_heads: int,
                   key_rows) -> list[Cascade]:
-    """Groups of decodes whose tables start with the same blocks.
+    """Groups of sequences whose tables start with the same blocks.
 
     Args:
-        tables: ``[Nd, max_blocks]`` int32 block tables of the step's decodes (host).
-        lens: ``[Nd]`` int64 their sequence lengths (keys, the new token included).
+        tables: ``[N, max_blocks]`` int32 block tables of the step's sequences (host).
+        lens: ``[N]`` int64 each one's first query position + 1 (a decode's sequence length,
+            its new key included; a prefill chunk's cached context + 1).
         key_rows: :func:`llmd.kernels.cpu_attention._key_rows` (passed in: this module sits below it).
     Returns:
-        One :class:`Cascade` per first block shared by at least :data:`CASCADE_MIN_SEQS` decodes
-        whose common leading blocks (full in every member, the member's own last key after them)
-        number at least :data:`CASCADE_MIN_BLOCKS`. Block 0 (the null block) never counts.
-        Decodes without a partner cost one ``unique`` and nothing else.
+        One :class:`Cascade` per first block shared by at least :data:`CASCADE_MIN_SEQS` sequences
+        whose common leading blocks (full in every member, ending at or before its first query)
+        number at least :data:`CASCADE_MIN_BLOCKS` (a sequence whose first query comes earlier is
+        left out rather than shortening the others' prefix). Block 0 (the null block) never counts.
+        Sequences without a partner cost one ``unique`` and nothing else.
     """
     first = tables[:, 0].long()
     ids, counts = torch.unique(first, return_counts=True)
@@ -66,7 +84,11 @@ def find_cascades(tables: torch.Tensor, lens: torch.Tensor, block_size: int, kv_
     for bid in ids[counts >= CASCADE_MIN_SEQS].tolist():
         if bid == 0:
             continue
-        members = torch.nonzero(first == bid).flatten()
+        # a member whose own first query comes within CASCADE_MIN_BLOCKS blocks (a chat's first
+        # chunk, or a short sibling) attends on its own instead of capping everyone's prefix
+        members = torch.nonzero((first == bid) & ((lens - 1) // block_size >= CASCADE_MIN_BLOCKS)).flatten()
+        if len(members) < CASCADE_MIN_SEQS:
+            continue
         sub = tables[members]
         lcp = int((sub == sub[:1]).all(0).long().cumprod(0).sum())
         shared = min(lcp, int(((lens[members] - 1) // block_size).min()))
@@ -85,9 +107,9 @@ def merge_prefixes(plan, q: torch.Tensor, cache, out: torch.Tensor, lse: torch.T
         plan: the step's ``StepPlan`` (``cascades``, ``decode_idx``, ``buffer``).
         q: ``[T, num_heads, head_dim]`` queries in the compute dtype.
         cache: the layer's :class:`~llmd.quant.kv.PagedKVCache`.
-        out: ``[T, num_heads, head_dim]`` compute dtype; the decode rows hold each member's
+        out: ``[T, num_heads, head_dim]`` compute dtype; the members' token rows hold each one's
             attention over its own keys after the prefix (normalised), replaced by the merge.
-        lse: ``[Nd, num_heads]`` float32/float64 log-sum-exp of those suffix scores.
+        lse: ``[T, num_heads]`` float32/float64 log-sum-exp of those suffix scores (members' rows).
         gather_kv: :func:`llmd.kernels.cpu_attention._gather_kv`.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -95,7 +117,7 @@ def merge_prefixes(plan, q: torch.Tensor, cache, out: torch.Tensor, lse: torch.T
     group = num_heads // kv_heads
     sdt = lse.dtype
     for j, c in enumerate(plan.cascades):
-        idx = plan.decode_idx[c.members]
+        idx = c.tokens
         n = idx.shape[0]
         qc = q.index_select(0, idx).view(n, kv_heads, group, head_dim).transpose(0, 1).reshape(
             kv_heads, n * group, head_dim)
@@ -110,7 +132,7 @@ def merge_prefixes(plan, q: torch.Tensor, cache, out: torch.Tensor, lse: torch.T
         o_p = torch.bmm(probs.to(v.dtype), v).to(sdt)  # [kv_heads, n * group, head_dim]
         o_p = o_p.view(kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, num_heads, head_dim)
         lse_p = lse_p.view(kv_heads, n, group).transpose(0, 1).reshape(n, num_heads)
-        lse_s = lse[c.members]
+        lse_s = lse[idx]
         total = torch.logaddexp(lse_p, lse_s)
         merged = (o_p * torch.exp(lse_p - total)[..., None]
                   + out.index_select(0, idx).to(sdt) * torch.exp(lse_s - total)[..., None])

@@ -1,5 +1,5 @@
-"""Cascade attention in the CPU fast path (``kernels/cpu_cascade.py``): decodes that share
-leading blocks attend to them once; results equal the float64 reference."""
+"""Cascade attention in the CPU fast path (``kernels/cpu_cascade.py``): decodes and prefill chunks
+that share leading blocks attend to them once; results equal the float64 reference."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # those of test_cpu_attention
 
 def shared_prefix_step(block_size: int, group: int, fmt: str, dtype, seed: int, prefill: bool = True):
     """Two families of decodes sharing 5 and 7 leading blocks (plus unshared tails of varied
-    lengths), two loners, and (optionally) a prefill chunk that shares the first family's blocks.
+    lengths), two loners, and (optionally) a prefill chunk whose context is the first family's
+    5 blocks (so it joins that cascade).
 
     Returns ``(meta, query [T, heads, 64] float32, cache)``."""
     g = torch.Generator().manual_seed(seed)
@@ -35,7 +36,7 @@ def shared_prefix_step(block_size: int, group: int, fmt: str, dtype, seed: int, 
         n = -(-length // bs)
         seqs.append((list(range(next_block, next_block + n)), length, 1))
         next_block += n
-    if prefill:  # a prefill chunk over the first family's prefix: never part of a cascade
+    if prefill:  # a prefill chunk over the first family's prefix: a member of its cascade
         seqs.append((seqs[0][0][:5] + [next_block], 5 * bs + 7, 7))
         next_block += 1
     num_blocks = next_block + 2
@@ -76,7 +77,8 @@ def test_cascade_matches_float64_reference(block_size, group, fmt, dtype, prefil
     out = ops.paged_attention(q, cache, meta, 0.125, None)
     plan = cpu_attention.get_plan(meta, 2, None, group)
     assert sorted(c.prefix_len // block_size for c in plan.cascades) == [5, 7]  # both families found, loners not
-    assert sorted(len(c.members) for c in plan.cascades) == [3, 4]
+    assert sorted(len(c.members) for c in plan.cascades) == ([3, 5] if prefill else [3, 4])
+    assert plan.cascade_starts == ({int(meta.query_start_loc[-2])} if prefill else set())
     ref = reference.paged_attention(q.double(), cache, meta, 0.125, None, compute_dtype=torch.float64)
     err = ((out.double() - ref).norm() / ref.norm()).item()
     assert torch.isfinite(out).all() and err <= TOL[dtype]
@@ -109,6 +111,9 @@ def test_find_cascades_rules():
     (c,) = cpu_cascade.find_cascades(tables[:2], torch.tensor([100, 65]), 16, 2, rows)
     assert c.prefix_len == 4 * 16
     assert cpu_cascade.find_cascades(tables[:2], torch.tensor([100, 60]), 16, 2, rows) == []  # 3 blocks < min
+    # a member whose first query comes before 4 blocks is left out, not a cap on the others
+    (c,) = cpu_cascade.find_cascades(tables[:3], torch.tensor([100, 100, 40]), 16, 2, rows)
+    assert c.members.tolist() == [0, 1] and c.prefix_len == 5 * 16
     assert cpu_cascade.find_cascades(tables[[0, 5]], lens[[0, 5]], 16, 2, rows) == []  # different first blocks
 
 
@@ -117,3 +122,50 @@ def test_sliding_window_and_int4_plans_have_no_cascade():
     ops.paged_attention(query, cache, meta, 0.125, 40)
     assert not cpu_attention.get_plan(meta, 2, 40, 3).cascades
     assert not cpu_attention.build_plan(meta, 2, None, 3, cascade_ok=False).cascades
+
+
+@pytest.mark.parametrize("dtype,fmt", [(torch.float32, "auto"), (torch.bfloat16, "int8"), (torch.float32, "fp8_e4m3")])
+def test_prefill_chunks_on_one_cached_prompt_attend_to_it_once(dtype, fmt):
+    """Many chats arriving on one cached system prompt (the shared-prefix workload): each
+    chunk's context is the prompt's 8 full blocks (or those plus a few tokens of its own block),
+    its queries a short question; with decodes of earlier chats of the same prompt and one chat
+    computing the prompt itself (context 0: left out). All but that one form a cascade; the
+    outputs equal the float64 reference."""
+    g = torch.Generator().manual_seed(13)
+    bs, nkv, hd, group, shared = 16, 2, 64, 3, 8
+    seqs = []  # (own blocks after the prefix, context, query_len)
+    for ctx_extra, q in ((0, 11), (5, 17), (0, 3), (9, 30)):  # prefill chunks
+        seqs.append((shared * bs + ctx_extra, q))
+    for tail in (1, 20, 37):  # decodes
+        seqs.append((shared * bs + tail - 1, 1))
+    next_block = 1 + shared
+    tables, new_slots, lens = [], [], []
+    cache = PagedKVCache.allocate((2, 64, bs, nkv, hd), get_format(fmt), dtype, "cpu")
+    k, v = torch.randn(shared * bs, nkv, hd, generator=g) * 2, torch.randn(shared * bs, nkv, hd, generator=g)
+    reference.store_kv(k, v, cache, torch.arange(bs, (1 + shared) * bs))  # the prompt: blocks 1..8
+    for ctx, q in seqs + [(0, 40)]:  # the last: a chat computing the prompt itself, own blocks only
+        n = -(-(ctx + q) // bs)
+        own = list(range(next_block, next_block + n - (shared if ctx else 0)))
+        next_block += len(own)
+        table = (list(range(1, 1 + shared)) if ctx else []) + own
+        pos = torch.arange(shared * bs if ctx else 0, ctx + q)
+        slots = torch.tensor(table)[pos // bs] * bs + pos % bs
+        reference.store_kv(torch.randn(len(pos), nkv, hd, generator=g), torch.randn(len(pos), nkv, hd, generator=g),
+                           cache, slots)
+        tables.append(table)
+        new_slots.append(slots[len(pos) - q:])
+        lens.append(ctx + q)
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    qlens = [q for _, q in seqs] + [40]
+    qsl = torch.tensor([0] + list(itertools.accumulate(qlens)), dtype=torch.int32)
+    meta = AttentionMetadata(torch.cat(new_slots), bt, qsl, torch.tensor(lens, dtype=torch.int32), qlens, lens, bs,
+                             "cpu")
+    query = torch.randn(sum(qlens), nkv * group, hd, generator=g).to(dtype)
+    out = ops.paged_attention(query, cache, meta, 0.125, None)
+    (c,) = cpu_attention.get_plan(meta, nkv, None, group).cascades
+    assert c.members.tolist() == list(range(7)) and c.prefix_len == shared * bs
+    assert c.tokens.tolist() == list(range(sum(qlens) - 40))
+    ref = reference.paged_attention(query.double(), cache, meta, 0.125, None, compute_dtype=torch.float64)
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert torch.isfinite(out).all() and err <= TOL[dtype]
