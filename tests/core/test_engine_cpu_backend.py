@@ -72,8 +72,8 @@ def test_fast_backend_int8_matches_reference(make_engine, rotation, tol):
 def test_cascade_attention_keeps_reference_tokens(make_engine, monkeypatch):
     """Four chats on one 100-token system prompt (prefix-cache hits, so their tables share its
     blocks; a 64-token budget admits them one after another, so later ones hit the cache): the fast
-    backend's decodes attend to the shared blocks once (cascade attention, kernels/cpu_cascade.py)
-    and still give the reference backend's greedy tokens."""
+    backend's decodes and the later chats' prefill chunks attend to the shared blocks once (cascade
+    attention, kernels/cpu_cascade.py) and still give the reference backend's greedy tokens."""
     from llmd.kernels import cpu_cascade
 
     found = []
@@ -87,3 +87,4 @@ def test_cascade_attention_keeps_reference_tokens(make_engine, monkeypatch):
         results[backend] = run(engine, prompts)
     assert results["cpu"][0] == results["torch"][0]
     assert any(len(c.members) >= 2 and c.prefix_len >= 64 for step in found for c in step)
+    assert any(c.tokens.numel() > len(c.members) for step in found for c in step)  # a prefill chunk joined one
