@@ -93,7 +93,8 @@ class StepPlan:
         prefills: ``(token_start, query_len, gather)`` per prefill chunk, ``gather`` with ``N = 1``.
         cascades: decodes and prefill chunks sharing leading blocks (:mod:`llmd.kernels.cpu_cascade`):
             their buckets and chunk gathers start after the shared prefix, which each group attends
-            to once; ``cascade_starts`` the first token index of each prefill chunk in one.
+            to once; ``chunk_tails`` the prefill chunks among them, their own keys in one
+            batched gather (:func:`_chunk_tails`), else None (they are then not in ``prefills``).
         workspace: output buffers of the gathers, matmuls and softmax, keyed by (role, shape,
             dtype), reused by every layer of the group in this step. Fresh multi-MB tensors per
             layer cost more in first-touch page faults than the gathers themselves (measured
@@ -105,7 +106,7 @@ class StepPlan:
     prefills: list[tuple[int, int, _Gather]]
     decode_only: bool = False
     cascades: list = field(default_factory=list)
-    cascade_starts: set = field(default_factory=set)
+    chunk_tails: tuple | None = None
     workspace: dict = field(default_factory=dict, repr=False)
 
     def buffer(self, role: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -164,12 +165,14 @@ def build_plan(meta: AttentionMetadata, kv_heads: int, sliding_window: int | Non
                                                                   float("-inf"))
             g = _Gather(_key_rows(tables[sel[b]], first[b], length, bs, kv_heads), bias, group, kv_heads)
             decodes.append((b if len(buckets) > 1 else None, g))
-    prefills, cascade_starts = [], set()
-    for b in torch.nonzero(~is_dec).flatten().tolist():
+    prefills = []
+    chunks = torch.nonzero(~is_dec).flatten()
+    members = chunks[skip[chunks] > 0]  # prefill chunks in a cascade: their tails batched together
+    chunk_tails = _chunk_tails(members, starts, qlens, seq_lens, skip, tables, bs, kv_heads, group) \
+        if len(members) else None
+    for b in chunks[skip[chunks] == 0].tolist():
         q_len, seq_len = meta.query_lens_cpu[b], meta.seq_lens_cpu[b]
-        first = int(skip[b]) if sliding_window is None else max(0, seq_len - q_len - sliding_window + 1)
-        if skip[b]:
-            cascade_starts.add(int(starts[b]))
+        first = 0 if sliding_window is None else max(0, seq_len - q_len - sliding_window + 1)
         kpos = torch.arange(first, seq_len)[None, :]
         qpos = torch.arange(seq_len - q_len, seq_len)[:, None]
         visible = kpos <= qpos
@@ -178,8 +181,30 @@ def build_plan(meta: AttentionMetadata, kv_heads: int, sliding_window: int | Non
         bias = torch.zeros(q_len, seq_len - first).masked_fill_(~visible, float("-inf"))[None, None]
         rows = _key_rows(tables[b : b + 1], torch.tensor([first]), seq_len - first, bs, kv_heads)
         prefills.append((int(starts[b]), q_len, _Gather(rows, bias, group, kv_heads)))
-    return StepPlan(decode_idx, decodes, prefills, decode_only=not prefills, cascades=cascades,
-                    cascade_starts=cascade_starts)
+    return StepPlan(decode_idx, decodes, prefills, decode_only=not prefills and chunk_tails is None,
+                    cascades=cascades, chunk_tails=chunk_tails)
+
+
+def _chunk_tails(members: torch.Tensor, starts: torch.Tensor, qlens: torch.Tensor, seq_lens: torch.Tensor,
+                 skip: torch.Tensor, tables: torch.Tensor, bs: int, kv_heads: int, group: int):
+    """One batched gather for the prefill chunks of cascades: each member's keys after its shared
+    prefix, ``[skip, seq_len)``, padded to the longest such tail ``Lt``, and its queries padded to
+    the longest chunk ``Qm`` (a padded row repeats the chunk's last query; its output is dropped).
+
+    Returns:
+        ``(tokens [N, Qm] int64 flat query indices, valid [N, Qm] bool, gather)`` with the gather's
+        bias ``[N, 1, Qm, Lt]``: key ``l`` visible to query row ``i`` iff its position is at most
+        the query's (causal; the prefix before ``skip`` is the cascade's, all visible).
+    """
+    ql, first = qlens[members], skip[members]
+    ctx = seq_lens[members] - ql
+    qm, lt = int(ql.max()), int((seq_lens[members] - first).max())
+    qi = torch.minimum(torch.arange(qm)[None, :], ql[:, None] - 1)  # [N, Qm]
+    kpos = first[:, None, None] + torch.arange(lt)[None, None, :]
+    visible = kpos <= (ctx[:, None] + qi)[:, :, None]  # [N, Qm, Lt]; also keeps keys below seq_len
+    bias = torch.zeros(len(members), 1, qm, lt).masked_fill_(~visible[:, None], float("-inf"))
+    rows = _key_rows(tables[members], first, lt, bs, kv_heads)
+    return starts[members][:, None] + qi, torch.arange(qm)[None, :] < ql[:, None], _Gather(rows, bias, group, kv_heads)
 
 
 # Decode length buckets (length_buckets): a new bucket below 0.7 x its first span, >= 8 sequences each, 4 at most
@@ -267,18 +292,22 @@ def _gather_kv(plan: StepPlan, role: str, cache: PagedKVCache, rows: torch.Tenso
     return kv[0], kv[1], ks.clamp_min_(SCALE_FLOOR), vs
 
 
-def _attend(plan: StepPlan, role: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: _Gather,
+def _attend(plan: StepPlan, role: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: _Gather | None,
             scale: float, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None, with_lse: bool = False):
     """``softmax(scale · q (k·ks)^T + bias) (v·vs)`` per (sequence, KV head).
 
     The scale and the mask ride in one ``baddbmm``; ``× ks`` after it leaves the mask as it is
     (0 · s = 0, -inf · s = -inf for s > 0; gathered K scales are clamped to ``SCALE_FLOOR`` so
     masked, never-written slots cannot give -inf · 0). The softmax upcasts bfloat16 scores to float32.
+    The log-sum-exp, when asked for, comes from the softmax itself: ``lse = max(s) - log(max(p))``
+    (the largest probability is ``exp(max(s) - lse)``), two small reductions instead of a second
+    pass of exponentials over the scores.
 
     Args:
         q: ``[N * kv_heads, group * Q, head_dim]`` unscaled queries, compute dtype.
         k, v: ``[N * kv_heads, L, head_dim]`` compute dtype (codes for int8/fp8).
-        g: the gather (its mask, laid out like the scores).
+        g: the gather (its mask, laid out like the scores), or None when every query sees every
+            key (a cascade's shared prefix).
         k_scales, v_scales: ``[N * kv_heads, 1, L]`` float32/float64 or None.
         with_lse: also return the scores' log-sum-exp (for :mod:`llmd.kernels.cpu_cascade`).
     Returns:
@@ -287,12 +316,16 @@ def _attend(plan: StepPlan, role: str, q: torch.Tensor, k: torch.Tensor, v: torc
     """
     rows, gq, length = q.shape[0], q.shape[1], k.shape[1]
     sdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    scores = torch.baddbmm(g.scores_bias(q.dtype), q, k.transpose(1, 2), alpha=scale,
-                           out=plan.buffer(role + "s", (rows, gq, length), q.dtype))
+    scores = plan.buffer(role + "s", (rows, gq, length), q.dtype)
+    if g is None:  # beta = 0: the buffer's old contents are ignored (no NaN carried over)
+        scores.baddbmm_(q, k.transpose(1, 2), beta=0.0, alpha=scale)
+    else:
+        torch.baddbmm(g.scores_bias(q.dtype), q, k.transpose(1, 2), alpha=scale, out=scores)
     if k_scales is not None:
         scores.mul_(k_scales)
-    lse = torch.logsumexp(scores.to(sdt), -1) if with_lse else None
+    top = scores.amax(-1) if with_lse else None
     probs = torch.softmax(scores, dim=-1, dtype=sdt, out=plan.buffer(role + "p", (rows, gq, length), sdt))
+    lse = top.to(sdt) - torch.log(probs.amax(-1)) if with_lse else None
     if v_scales is not None:
         probs.mul_(v_scales)
     if probs.dtype != v.dtype:
@@ -353,16 +386,23 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, 
             o, part = o
             lse[idx] = part.view(nd, num_heads)
         out.index_copy_(0, idx, o.view(nd, num_heads, head_dim))
+    if plan.chunk_tails is not None:  # cascades' prefill chunks, over their own keys after the prefix
+        tok, valid, g = plan.chunk_tails
+        n, qm = tok.shape
+        k, v, ks, vs = _gather_kv(plan, "t", cache, g.rows, g.bias.shape[-1], cdt)
+        qt = q.index_select(0, tok.view(-1)).view(n, qm, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+        o, part = _attend(plan, "t", qt.reshape(n * kv_heads, group * qm, head_dim), k, v, g, scale, ks, vs,
+                          with_lse=True)
+        idx = tok[valid]
+        out.index_copy_(0, idx, o.view(n, kv_heads, group, qm, head_dim).permute(0, 3, 1, 2, 4)[valid].reshape(
+            -1, num_heads, head_dim))
+        lse[idx] = part.view(n, kv_heads, group, qm).permute(0, 3, 1, 2)[valid].reshape(-1, num_heads)
     for start, q_len, g in plan.prefills:
         k, v, ks, vs = _gather_kv(plan, "p", cache, g.rows, g.bias.shape[-1], cdt)
         qp = q[start : start + q_len].reshape(q_len, kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        o = _attend(plan, "p", qp.reshape(kv_heads, group * q_len, head_dim), k, v, g, scale, ks, vs,
-                    with_lse=start in plan.cascade_starts)
-        if start in plan.cascade_starts:
-            o, part = o
-            lse[start : start + q_len] = part.view(kv_heads, group, q_len).permute(2, 0, 1).reshape(q_len, num_heads)
+        o = _attend(plan, "p", qp.reshape(kv_heads, group * q_len, head_dim), k, v, g, scale, ks, vs)
         out[start : start + q_len] = o.view(kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(
             q_len, num_heads, head_dim)
     if lse is not None:
-        cpu_cascade.merge_prefixes(plan, q, cache, out, lse, scale, _gather_kv)
+        cpu_cascade.merge_prefixes(plan, q, cache, out, lse, scale, _gather_kv, _attend)
     return out.to(query.dtype)

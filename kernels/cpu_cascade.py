@@ -100,17 +100,19 @@ def find_cascades(tables: torch.Tensor, lens: torch.Tensor, block_size: int, kv_
 
 
 def merge_prefixes(plan, q: torch.Tensor, cache, out: torch.Tensor, lse: torch.Tensor, scale: float,
-                   gather_kv) -> None:
+                   gather_kv, attend) -> None:
     """Attend each cascade's members to their shared prefix and merge into ``out`` in place.
 
     Args:
-        plan: the step's ``StepPlan`` (``cascades``, ``decode_idx``, ``buffer``).
+        plan: the step's ``StepPlan`` (``cascades``, ``buffer``).
         q: ``[T, num_heads, head_dim]`` queries in the compute dtype.
         cache: the layer's :class:`~llmd.quant.kv.PagedKVCache`.
         out: ``[T, num_heads, head_dim]`` compute dtype; the members' token rows hold each one's
             attention over its own keys after the prefix (normalised), replaced by the merge.
         lse: ``[T, num_heads]`` float32/float64 log-sum-exp of those suffix scores (members' rows).
-        gather_kv: :func:`llmd.kernels.cpu_attention._gather_kv`.
+        gather_kv, attend: :func:`llmd.kernels.cpu_attention._gather_kv` and ``_attend`` (passed
+            in: this module sits below that one), so the prefix is read and scored exactly as any
+            other keys (one fused softmax; the log-sum-exp from it).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = cache.data.shape[3]
@@ -122,15 +124,8 @@ def merge_prefixes(plan, q: torch.Tensor, cache, out: torch.Tensor, lse: torch.T
         qc = q.index_select(0, idx).view(n, kv_heads, group, head_dim).transpose(0, 1).reshape(
             kv_heads, n * group, head_dim)
         k, v, ks, vs = gather_kv(plan, f"c{j}", cache, c.rows, c.prefix_len, q.dtype)
-        scores = torch.bmm(qc, k.transpose(1, 2)).to(sdt).mul_(scale)  # [kv_heads, n * group, P]
-        if ks is not None:
-            scores.mul_(ks)
-        lse_p = torch.logsumexp(scores, -1)  # [kv_heads, n * group]
-        probs = torch.exp(scores.sub_(lse_p[..., None]))
-        if vs is not None:
-            probs.mul_(vs)
-        o_p = torch.bmm(probs.to(v.dtype), v).to(sdt)  # [kv_heads, n * group, head_dim]
-        o_p = o_p.view(kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, num_heads, head_dim)
+        o_p, lse_p = attend(plan, f"c{j}", qc, k, v, None, scale, ks, vs, with_lse=True)
+        o_p = o_p.to(sdt).view(kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, num_heads, head_dim)
         lse_p = lse_p.view(kv_heads, n, group).transpose(0, 1).reshape(n, num_heads)
         lse_s = lse[idx]
         total = torch.logaddexp(lse_p, lse_s)
