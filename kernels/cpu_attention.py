@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmd.kernels import cpu_cascade, cpu_decode_one
-from llmd.kernels.metadata import AttentionMetadata
+from llmd.kernels.metadata import AttentionMetadata, workspace_buffer
 from llmd.quant.kv import SCALE_FLOOR, PagedKVCache
 
 
@@ -111,11 +111,7 @@ class StepPlan:
 
     def buffer(self, role: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor of ``shape``/``dtype`` for ``role``, the same one every layer."""
-        key = (role, shape, dtype)
-        buf = self.workspace.get(key)
-        if buf is None:
-            buf = self.workspace[key] = torch.empty(shape, dtype=dtype)
-        return buf
+        return workspace_buffer(self.workspace, role, shape, dtype)
 
 
 def _key_rows(block_tables: torch.Tensor, first_pos: torch.Tensor, length: int, block_size: int,

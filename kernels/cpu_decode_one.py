@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmd.kernels.metadata import AttentionMetadata
+from llmd.kernels.metadata import AttentionMetadata, workspace_buffer
 
 
 @dataclass
@@ -42,11 +42,8 @@ class OneDecodePlan:
     workspace: dict = field(default_factory=dict, repr=False)
 
     def buffer(self, role: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        key = (role, shape, dtype)
-        buf = self.workspace.get(key)
-        if buf is None:
-            buf = self.workspace[key] = torch.empty(shape, dtype=dtype)
-        return buf
+        """An uninitialised tensor of ``shape``/``dtype`` for ``role``, the same one every layer."""
+        return workspace_buffer(self.workspace, role, shape, dtype)
 
 
 def get_plan(meta: AttentionMetadata, sliding_window: int | None) -> OneDecodePlan:

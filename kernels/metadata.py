@@ -65,3 +65,13 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
+
+
+def workspace_buffer(workspace: dict, role: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor of ``shape``/``dtype`` for ``role`` kept in ``workspace`` (a step
+    plan's dict), so every layer of a KV cache group reuses the same buffer within the step."""
+    key = (role, shape, dtype)
+    buf = workspace.get(key)
+    if buf is None:
+        buf = workspace[key] = torch.empty(shape, dtype=dtype)
+    return buf

@@ -77,8 +77,8 @@ def kv_block_bytes(cfg: ModelConfig, groups: list[KVCacheGroupSpec], block_size:
     return block_size * kv_bytes_per_token(cfg, element_bytes, scale_bytes, group_size)
 
 
-def kv_cache_block_bytes(cfg: ModelConfig, groups: list[KVCacheGroupSpec], block_size: int, kv_cache_dtype: "str | KVCacheFormat",
-                         model_dtype: "torch.dtype | str") -> int:
+def kv_cache_block_bytes(cfg: ModelConfig, groups: list[KVCacheGroupSpec], block_size: int,
+                         kv_cache_dtype: "str | KVCacheFormat", model_dtype: "torch.dtype | str") -> int:
     """Bytes of one block of the cache ``--kv-cache-dtype`` allocates (scales included)."""
     group_size = max(len(g.layer_ids) for g in groups)
     head = get_format(kv_cache_dtype).block_head_bytes(cfg.head_dim, model_dtype, block_size)
