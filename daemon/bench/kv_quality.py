@@ -94,8 +94,15 @@ def kv_quality(model, tokenizer, ids: list[int], kv_dtypes=BENCH_KV_DTYPES, chun
     base = quality_row(model, tokenizer, ids, "auto", None, chunk, cached_prefix, **engine_kw)
     return [base] + [quality_row(model, tokenizer, ids, n, base, chunk, cached_prefix, kv_scales=kv_scales,
                                  kv_rotation=r, kv_scale_group_size=g, **engine_kw)
-                     for n in kv_dtypes if n != "auto" for g in (scale_groups if n != "int4" else (0,))
-                     if g in scale_groups for r in rotations]
+                     for n in kv_dtypes if n != "auto" for g in _row_groups(n, scale_groups) for r in rotations]
+
+
+def _row_groups(kv_cache_dtype: str, scale_groups) -> tuple[int, ...]:
+    """The ``--kv-scale-group-size`` values a dtype's rows run with: all of ``scale_groups`` for
+    the 8-bit formats; int4 (its groups are its own) once, as 0, when 0 is among them."""
+    if kv_cache_dtype != "int4":
+        return tuple(scale_groups)
+    return (0,) if 0 in scale_groups else ()
 
 
 def fake_quant_reference(x: torch.Tensor, fmt: KVCacheFormat, rotation: str = "none") -> torch.Tensor:
