@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmd.kernels import cpu_cascade, cpu_decode_one
+from llmd.kernels import cpu_cascade, cpu_decode_one, cpu_native
 from llmd.kernels.metadata import AttentionMetadata, workspace_buffer
 from llmd.quant.kv import SCALE_FLOOR, PagedKVCache
 
@@ -95,6 +95,8 @@ class StepPlan:
             their buckets and chunk gathers start after the shared prefix, which each group attends
             to once; ``chunk_tails`` the prefill chunks among them, their own keys in one
             batched gather (:func:`_chunk_tails`), else None (they are then not in ``prefills``).
+        native: the decodes for the C kernel (:mod:`llmd.kernels.cpu_native`), which then serves
+            them all (``decodes`` is empty), or None.
         workspace: output buffers of the gathers, matmuls and softmax, keyed by (role, shape,
             dtype), reused by every layer of the group in this step. Fresh multi-MB tensors per
             layer cost more in first-touch page faults than the gathers themselves (measured
@@ -107,6 +109,7 @@ class StepPlan:
     decode_only: bool = False
     cascades: list = field(default_factory=list)
     chunk_tails: tuple | None = None
+    native: cpu_native.Decodes | None = None
     workspace: dict = field(default_factory=dict, repr=False)
 
     def buffer(self, role: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -127,17 +130,18 @@ def _key_rows(block_tables: torch.Tensor, first_pos: torch.Tensor, length: int, 
 
 
 def build_plan(meta: AttentionMetadata, kv_heads: int, sliding_window: int | None, group: int = 1,
-               cascade_ok: bool = True) -> StepPlan:
+               cascade_ok: bool = True, native: bool = False) -> StepPlan:
     """The step's :class:`StepPlan` (index math on the host, vector ops only per group of
     sequences; one Python iteration per prefill chunk). ``cascade_ok``: look for sequences
-    (decodes and prefill chunks) sharing a prefix (not for int4 caches, whose branch has no cascade)."""
+    (decodes and prefill chunks) sharing a prefix (not for int4 caches, whose branch has no cascade).
+    ``native``: the decodes go to the C kernel (no buckets, no gathers, no masks)."""
     qlens = torch.tensor(meta.query_lens_cpu, dtype=torch.int64)
     seq_lens = torch.tensor(meta.seq_lens_cpu, dtype=torch.int64)
     starts = torch.cumsum(qlens, 0) - qlens
     tables = meta.block_tables.cpu()
     bs = meta.block_size
     is_dec = qlens == 1
-    decode_idx, decodes, cascades = None, [], []
+    decode_idx, decodes, cascades, native_decodes = None, [], [], None
     skip = torch.zeros_like(qlens)  # keys a sequence's own gather skips: its cascade's shared prefix
     if sliding_window is None and cascade_ok and len(qlens) >= cpu_cascade.CASCADE_MIN_SEQS:
         # the shared prefix must end at or before each member's first query (all of it visible)
@@ -151,6 +155,9 @@ def build_plan(meta: AttentionMetadata, kv_heads: int, sliding_window: int | Non
         first = skip[sel] if sliding_window is None else torch.clamp(lens - sliding_window, min=0)
         span = lens - first
         decode_idx = starts[sel]
+    if decode_idx is not None and native:
+        native_decodes = cpu_native.Decodes(decode_idx, sel, first, lens, tables.contiguous())
+    elif decode_idx is not None:
         order = torch.argsort(span, descending=True, stable=True)
         buckets = length_buckets(span[order].tolist())
         for lo, hi in buckets:
@@ -178,7 +185,7 @@ def build_plan(meta: AttentionMetadata, kv_heads: int, sliding_window: int | Non
         rows = _key_rows(tables[b : b + 1], torch.tensor([first]), seq_len - first, bs, kv_heads)
         prefills.append((int(starts[b]), q_len, _Gather(rows, bias, group, kv_heads)))
     return StepPlan(decode_idx, decodes, prefills, decode_only=not prefills and chunk_tails is None,
-                    cascades=cascades, chunk_tails=chunk_tails)
+                    cascades=cascades, chunk_tails=chunk_tails, native=native_decodes)
 
 
 def _chunk_tails(members: torch.Tensor, starts: torch.Tensor, qlens: torch.Tensor, seq_lens: torch.Tensor,
@@ -228,12 +235,12 @@ def length_buckets(spans: list[int], ratio: float = BUCKET_RATIO, min_size: int 
 
 
 def get_plan(meta: AttentionMetadata, kv_heads: int, sliding_window: int | None, group: int = 1,
-             cascade_ok: bool = True) -> StepPlan:
+             cascade_ok: bool = True, native: bool = False) -> StepPlan:
     """The plan cached on ``meta`` (built by the group's first layer, reused by the others)."""
-    key = ("cpu", kv_heads, sliding_window, group, cascade_ok)
+    key = ("cpu", kv_heads, sliding_window, group, cascade_ok, native)
     plan = meta.plans.get(key)
     if plan is None:
-        plan = meta.plans[key] = build_plan(meta, kv_heads, sliding_window, group, cascade_ok)
+        plan = meta.plans[key] = build_plan(meta, kv_heads, sliding_window, group, cascade_ok, native)
     return plan
 
 
@@ -349,10 +356,16 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, 
     kv_heads = cache.data.shape[3]
     group = num_heads // kv_heads
     cdt = compute_dtype_for(query.dtype)
-    if cpu_decode_one.applies(meta, cache.fmt.quantized):  # one decode (batch-1): by-block gather, no mask
+    native = meta.native_kernels and cpu_native.supports(cache, cdt, group)
+    if not native and cpu_decode_one.applies(meta, cache.fmt.quantized):  # one decode: by-block gather, no mask
         return cpu_decode_one.paged_attention(query, cache.data, meta, scale, sliding_window,
                                               torch.float32 if cdt == torch.bfloat16 else cdt)
-    plan = get_plan(meta, kv_heads, sliding_window, group, cascade_ok=meta.cascade_attn and not cache.fmt.k_per_block)
+    plan = get_plan(meta, kv_heads, sliding_window, group, cascade_ok=meta.cascade_attn and not cache.fmt.k_per_block,
+                    native=native)
+    if plan.native is not None and plan.decode_only and not plan.cascades:  # decodes only: one C call per layer
+        out = torch.empty(t, num_heads, head_dim, dtype=cdt)
+        cpu_native.decode(query.to(cdt), cache, plan.native, scale, out)
+        return out.to(query.dtype)
     if plan.decode_only and t <= SMALL_DECODE and cdt == torch.bfloat16:
         cdt = torch.float32  # tiny matmuls: float32's ~15 µs beats bfloat16's ~35 µs per call here
     if cache.fmt.k_per_block:  # int4 (KIVI): kernels/cpu_int4.py
@@ -369,6 +382,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, 
     lse = None
     if plan.cascades:  # per query token in a cascade, the log-sum-exp of its own keys after the shared prefix
         lse = torch.empty(t, num_heads, dtype=torch.float64 if cdt == torch.float64 else torch.float32)
+    if plan.native is not None:
+        cpu_native.decode(q, cache, plan.native, scale, out, lse)
     for i, (members, g) in enumerate(plan.decodes):
         idx = plan.decode_idx if members is None else plan.decode_idx[members]
         nd = idx.shape[0]

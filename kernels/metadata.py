@@ -42,6 +42,8 @@ class AttentionMetadata:
             False when the builder knows every slot is real (the runner's steps), True when it pads
             (CUDA-graph buckets), None when unknown (``store_kv`` then checks, one host sync per
             layer). Computed once per step, so 30 layers do not each test ``slot_mapping >= 0``.
+        native_kernels: the cpu backend may run its decodes in the C kernel
+            (:mod:`llmd.kernels.cpu_native`) when it is available; False = the torch path only.
     """
 
     slot_mapping: torch.Tensor
@@ -57,6 +59,7 @@ class AttentionMetadata:
     residual_slots: list[int] | None = None
     cascade_attn: bool = True
     slots_padded: bool | None = None
+    native_kernels: bool = True
 
     @property
     def num_seqs(self) -> int:

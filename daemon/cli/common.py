@@ -95,6 +95,9 @@ def engine_options(fn):
         click.option("--disable-cascade-attn", is_flag=True, default=False,
                      help="CPU: decodes sharing a prefix attend to it each on their own, not once per group "
                           "(vLLM's flag; for comparisons)."),
+        click.option("--disable-native-kernels", is_flag=True, default=False,
+                     help="CPU: decodes attend through torch ops instead of llmd's C kernel (built with the "
+                          "system C compiler on first use); for comparisons."),
         click.option("--max-num-seqs", default=None, type=int,
                      help="Sequences running at once at most (default: 256 on CUDA, 64 on CPU)."),
         click.option("--max-num-batched-tokens", default=None, type=int,

@@ -47,6 +47,9 @@ class EngineConfig:
         disable_cascade_attn: the cpu backend attends each decode to a prefix it shares with
             others on its own instead of once per group (vLLM's ``--disable-cascade-attn``;
             :mod:`llmd.kernels.cpu_cascade`).
+        disable_native_kernels: the cpu backend runs its decodes in torch ops instead of its C
+            kernel (:mod:`llmd.kernels.cpu_native`, built with the system C compiler on first
+            use); for comparisons, or where no compiler may run.
         max_num_seqs: sequences running at once at most; ``None`` = 256 on CUDA (nano-vllm's
             workload), 64 on CPU (on the 2-core CPU the mixed peer workload ran 1.21x faster than
             at 32, TTFT p50 0.64x, TPOT p50 1.36x).
@@ -109,6 +112,7 @@ class EngineConfig:
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     enforce_eager: bool = False
     disable_cascade_attn: bool = False
+    disable_native_kernels: bool = False
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     kv_cache_dtype: str = "auto"

@@ -187,6 +187,7 @@ class Engine:
             max_model_len=self.max_model_len, cuda_graphs=not self.config.enforce_eager,
             kv_rotation=self.config.kv_rotation, residual_slots=num_residual,
             cascade_attn=not self.config.disable_cascade_attn,
+            native_kernels=not self.config.disable_native_kernels,
         )
         self.input_processor = InputProcessor(tokenizer, cfg.vocab_size, self.max_model_len,
                                               self.config.context_overflow, self.config.keep, self.config.block_size)

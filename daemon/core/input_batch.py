@@ -63,10 +63,12 @@ class InputBatch:
         attention_backend: set on every :class:`AttentionMetadata`.
         max_num_seqs, max_num_batched_tokens, max_blocks_per_seq: initial buffer sizes.
 
-    ``cascade_attn`` (attribute, default True) is set on every metadata too (``--disable-cascade-attn``).
+    ``cascade_attn`` and ``native_kernels`` (attributes, default True) are set on every metadata too
+    (``--disable-cascade-attn``, ``--disable-native-kernels``).
     """
 
     cascade_attn = True
+    native_kernels = True
 
     def __init__(self, num_groups: int, block_size: int, device: torch.device, attention_backend: str,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 256, max_blocks_per_seq: int = 64):
@@ -143,7 +145,8 @@ class InputBatch:
             metas.append(AttentionMetadata(
                 slot_mapping=self._out(slots), block_tables=self._out(bt), query_start_loc=qsl_t, seq_lens=sl_t,
                 query_lens_cpu=qlens, seq_lens_cpu=seq_lens, block_size=bs, attn_backend=self.attention_backend,
-                residual_slots=_residual_slots(sched, g), cascade_attn=self.cascade_attn, slots_padded=False,
+                residual_slots=_residual_slots(sched, g), cascade_attn=self.cascade_attn,
+                native_kernels=self.native_kernels, slots_padded=False,
             ))
         return StepInputs(self._out(ids), self._out(pos), metas, logits_indices)
 
@@ -163,7 +166,8 @@ class InputBatch:
             metas.append(AttentionMetadata(
                 slot_mapping=self._out(slots), block_tables=self._out(bt), query_start_loc=qsl_t, seq_lens=sl_t,
                 query_lens_cpu=qlens, seq_lens_cpu=seq_lens, block_size=bs, attn_backend=self.attention_backend,
-                residual_slots=_residual_slots([s], g), cascade_attn=self.cascade_attn, slots_padded=False,
+                residual_slots=_residual_slots([s], g), cascade_attn=self.cascade_attn,
+                native_kernels=self.native_kernels, slots_padded=False,
             ))
         return StepInputs(self._out(ids), self._out(pos), metas, logits_indices)
 

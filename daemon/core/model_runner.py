@@ -77,7 +77,7 @@ class ModelRunner:
                  attention_backend: str = "torch", kv_cache_groups: list[KVCacheGroupSpec] | None = None,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 256, max_model_len: int = 2048,
                  cuda_graphs: bool = False, kv_rotation: str = "none", residual_slots: int = 0,
-                 cascade_attn: bool = True):
+                 cascade_attn: bool = True, native_kernels: bool = True):
         self.model = model
         self.config: ModelConfig = model.config
         self.block_size = block_size
@@ -96,6 +96,7 @@ class ModelRunner:
         self.inputs = InputBatch(len(self.groups), block_size, self.device, attention_backend, max_num_seqs,
                                  max_num_batched_tokens, -(-max_model_len // block_size))
         self.inputs.cascade_attn = cascade_attn  # the cpu backend's shared-prefix decodes (kernels/cpu_cascade.py)
+        self.inputs.native_kernels = native_kernels  # the cpu backend's C decode kernel (kernels/cpu_native.py)
         self.num_warmed_up = 0  # Triton variants compiled at start-up (CUDA + triton backend only)
         self.decode_graphs: DecodeGraphs | None = None
         self.measure_device_wait, self.device_wait_s = False, 0.0

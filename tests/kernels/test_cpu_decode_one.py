@@ -33,7 +33,8 @@ def one_decode(ctx: int, group: int, dtype: torch.dtype, seed: int = 0, bs: int 
     k = torch.randn(ctx, kv_heads, head_dim, generator=g, dtype=torch.float64) * 2
     reference.store_kv(k, torch.randn(ctx, kv_heads, head_dim, generator=g, dtype=torch.float64), cache, slots)
     meta = AttentionMetadata(slots[-1:], tables, torch.tensor([0, 1], dtype=torch.int32),
-                             torch.tensor([ctx], dtype=torch.int32), [1], [ctx], bs, "cpu", slots_padded=False)
+                             torch.tensor([ctx], dtype=torch.int32), [1], [ctx], bs, "cpu", slots_padded=False,
+                             native_kernels=False)  # the torch paths (the C kernel: test_cpu_native.py)
     query = torch.randn(1, kv_heads * group, head_dim, generator=g, dtype=torch.float64).to(dtype)
     return meta, query, cache
 
@@ -51,7 +52,7 @@ def test_one_decode_equals_the_general_path_and_the_reference(ctx, group, window
     monkeypatch.setattr(cpu_decode_one, "applies", lambda *a: False)  # the batched path on the same step
     general = cpu_attention.paged_attention(query, cache, AttentionMetadata(**{
         f: getattr(meta, f) for f in ("slot_mapping", "block_tables", "query_start_loc", "seq_lens", "query_lens_cpu",
-                                      "seq_lens_cpu", "block_size", "attn_backend")}), 0.125, window)
+                                      "seq_lens_cpu", "block_size", "attn_backend", "native_kernels")}), 0.125, window)
     assert rel(out, general) <= 1e-6
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     ref = reference.paged_attention(query.double(), cache, meta, 0.125, window, torch.float64)

@@ -1,0 +1,119 @@
+"""The cpu backend's decode attention in C: every decode of a step in one call per layer, reading
+the paged K/V in place (``kernels/native/paged_decode.c``, built by :mod:`llmd.kernels.native.build`).
+
+Why: the torch path (:mod:`llmd.kernels.cpu_attention`) gathers each decode's K/V into a
+workspace (a copy of everything it reads), converts it, and runs thin batched matmuls
+(``group × L`` per KV head) far from the CPU's peak; at batch 32 × 512 keys that was 5.8× the
+KV-read floor. This kernel reads each key once from the cache, scores the KV head's query group
+against it and folds it into an online softmax, all in float32 registers and one OpenMP team
+(torch's). Same attention: ``softmax(scale · q Kᵀ) V`` per (sequence, query head) over keys
+``[first, seq_len)``; int8/fp8 keys as ``code × scale`` per (token, KV head).
+
+Numerics: float32 throughout (a bfloat16 model's bfloat16 queries and K/V are widened exactly;
+scores, softmax and the ``probs · V`` sum stay float32 and only the output is rounded to
+bfloat16), keys in position order per sequence, so a sequence's output is independent of the
+batch it runs in (case S4 holds exactly on this path). Tested against the float64 reference in
+``tests/kernels/test_cpu_native.py``.
+
+Not served here (the torch path runs instead): float64 models (the oracle's own dtype), grouped
+scales (``--kv-scale-group-size``), int4 caches, block sizes over 32, head_dim over 256 or not a
+multiple of 16, more than 16 query heads per KV head, or when the kernel is unavailable (:func:`available`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmd.kernels.native import build
+from llmd.quant.kv import PagedKVCache
+
+_KV_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_BYTE_DTYPES = (torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2)
+_Q_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_luts: dict[torch.dtype, torch.Tensor] = {}
+MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 32  # paged_decode.c's fixed tile sizes
+
+
+def available() -> bool:
+    """The kernel built and loaded on this machine (see :mod:`llmd.kernels.native.build`)."""
+    return build.load() is not None
+
+
+def supports(cache: PagedKVCache, cdt: torch.dtype, group: int) -> bool:
+    """This kernel can serve the decodes of a step over ``cache`` in compute dtype ``cdt``."""
+    data = cache.data
+    return (cdt in _Q_CODES and not cache.fmt.group_size and not cache.fmt.k_per_block
+            and (data.dtype in _KV_CODES or data.dtype in _BYTE_DTYPES) and data.is_contiguous()
+            and data.shape[2] <= MAX_BLOCK and data.shape[4] <= MAX_HEAD_DIM and data.shape[4] % 16 == 0
+            and group <= MAX_GROUP
+            and available())
+
+
+def _lut(dtype: torch.dtype) -> torch.Tensor:
+    """``[256]`` float32: the value of each 1-byte code of ``dtype`` (int8 two's complement, fp8 bits)."""
+    t = _luts.get(dtype)
+    if t is None:
+        t = _luts[dtype] = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).to(torch.float32)
+    return t
+
+
+@dataclass
+class Decodes:
+    """A step's decodes for the kernel (built once per step per KV cache group).
+
+    Attributes:
+        tokens: ``[Bd]`` int64 flat query-token index of each decode.
+        table_rows: ``[Bd]`` int64 row of ``block_tables`` holding each decode's blocks.
+        first, seq_lens: ``[Bd]`` int64, the keys attended are positions ``[first, seq_len)``
+            (``first`` > 0 under a sliding window or after a cascade's shared prefix).
+        block_tables: ``[B, max_blocks]`` int32, contiguous.
+    """
+
+    tokens: torch.Tensor
+    table_rows: torch.Tensor
+    first: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+
+
+def decode(query: torch.Tensor, cache: PagedKVCache, d: Decodes, scale: float, out: torch.Tensor,
+           lse: torch.Tensor | None = None) -> None:
+    """Write the decodes' attention outputs into ``out`` (rows ``d.tokens``; other rows untouched).
+
+    Args:
+        query: ``[T, num_heads, head_dim]`` float32 or bfloat16, heads and channels contiguous
+            (a row stride of its own, e.g. a slice of a fused QKV projection, is fine).
+        cache: the layer's cache (:func:`supports` holds), the step's own K/V already stored.
+        d: the step's :class:`Decodes`; ``scale``: softmax scale.
+        out: ``[T, num_heads, head_dim]`` float32 or bfloat16, contiguous.
+        lse: None, or ``[T, num_heads]`` float32 contiguous: each decode row's log-sum-exp of its
+            scaled scores (natural log), for :mod:`llmd.kernels.cpu_cascade`'s merge.
+    Raises:
+        ValueError: a layout the kernel cannot read (the caller checks :func:`supports` first).
+    """
+    t, num_heads, head_dim = query.shape
+    data = cache.data
+    _, num_blocks, block_size, kv_heads, _ = data.shape
+    if query.stride(2) != 1 or query.stride(1) != head_dim or not out.is_contiguous() or out.shape != query.shape:
+        raise ValueError("cpu_native.decode: query heads/channels and out must be contiguous, out shaped like query")
+    if lse is not None and (lse.dtype != torch.float32 or not lse.is_contiguous()):
+        raise ValueError("cpu_native.decode: lse must be contiguous float32 [T, num_heads]")
+    byte = data.dtype in _BYTE_DTYPES
+    lut = _lut(data.dtype) if byte else None
+    scales = cache.scales if cache.fmt.quantized else None
+    if scales is not None and not scales.is_contiguous():
+        raise ValueError("cpu_native.decode: the cache's scales must be contiguous")
+    lib = build.load()
+    rc = lib.llmd_paged_decode(
+        query.data_ptr(), _Q_CODES[query.dtype], query.stride(0),
+        data.data_ptr(), (3 if data.dtype == torch.int8 else 4) if byte else _KV_CODES[data.dtype],
+        lut.data_ptr() if byte else None,
+        scales.data_ptr() if scales is not None else None,
+        num_blocks, block_size, kv_heads, head_dim, num_heads,
+        d.block_tables.data_ptr(), d.block_tables.stride(0), d.table_rows.data_ptr(),
+        d.tokens.data_ptr(), d.first.data_ptr(), d.seq_lens.data_ptr(), d.tokens.shape[0], scale,
+        out.data_ptr(), _Q_CODES[out.dtype], lse.data_ptr() if lse is not None else None, torch.get_num_threads())
+    if rc != 0:
+        raise ValueError("cpu_native.decode: sizes past the kernel's limits (check supports() first)")

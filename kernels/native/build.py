@@ -1,0 +1,96 @@
+"""Compile and load llmd's C kernels for CPUs (``paged_decode.c``) with the system C compiler.
+
+The source ships in the package; the shared object is built on first use on the machine that
+runs it (``-march=native``: the kernel uses whatever vector units this CPU has) into
+``$LLMD_CACHE_DIR/native`` (default ``~/.cache/llmd/native``), named by a hash of the source,
+the flags and the compiler's version, so an edit or another CPU rebuilds and a second process
+reuses it (written to a temporary name, then renamed: concurrent builders do not collide).
+A build takes ~1 s (plain C, no torch headers).
+
+OpenMP: ``-fopenmp`` links ``libgomp.so.1``; torch's wheel loads its own copy under that soname
+first (``import torch`` happens before this module loads the kernel), so the dynamic loader binds
+the kernel to the same runtime and both use one thread team instead of two competing for the cores.
+
+Nothing here raises: :func:`load` returns None when there is no compiler, the build fails or
+``LLMD_NATIVE_KERNELS=0`` is set, and says why once (logger ``llmd.kernels``); the callers then
+take the pure-torch path, which computes the same attention.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch  # noqa: F401  (loads torch's libgomp before the kernel's NEEDED entry is resolved)
+
+log = logging.getLogger("llmd.kernels")
+SOURCE = Path(__file__).with_name("paged_decode.c")
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+_cache: dict[str, ctypes.CDLL | None] = {}
+why_not: str | None = None  # why the kernel is unavailable, once load() has been called
+
+
+def cache_dir() -> Path:
+    """Where built kernels live: ``$LLMD_CACHE_DIR/native`` or ``~/.cache/llmd/native``."""
+    root = os.environ.get("LLMD_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "llmd")
+    return Path(root) / "native"
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or "cc"
+    return shutil.which(cc) or (shutil.which("gcc") if not os.environ.get("CC") else None)
+
+
+def _build(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
+    out = cache_dir() / f"paged_decode-{digest}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        res = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=300)
+        if res.returncode != 0:
+            last = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else f"exit {res.returncode}"
+            raise RuntimeError(f"{cc} failed: {last}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def load() -> ctypes.CDLL | None:
+    """The loaded kernel library (its ``llmd_paged_decode`` typed), or None (see the module docstring)."""
+    global why_not
+    if "lib" in _cache:
+        return _cache["lib"]
+    lib = None
+    if os.environ.get("LLMD_NATIVE_KERNELS", "1") == "0":
+        why_not = "LLMD_NATIVE_KERNELS=0"
+    elif (cc := _compiler()) is None:
+        why_not = "no C compiler (cc/gcc, or $CC) on PATH"
+    else:
+        try:
+            lib = ctypes.CDLL(str(_build(cc)))
+            fn = lib.llmd_paged_decode
+            c = ctypes
+            fn.argtypes = [c.c_void_p, c.c_int, c.c_int64, c.c_void_p, c.c_int, c.c_void_p, c.c_void_p,
+                           c.c_int64, c.c_int, c.c_int, c.c_int, c.c_int, c.c_void_p, c.c_int64, c.c_void_p,
+                           c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_float, c.c_void_p, c.c_int,
+                           c.c_void_p, c.c_int]
+            fn.restype = c.c_int
+        except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
+            why_not, lib = f"build failed: {e}", None
+    if lib is None:
+        log.warning("llmd: native CPU decode kernel unavailable (%s); using the torch path", why_not)
+    _cache["lib"] = lib
+    return lib

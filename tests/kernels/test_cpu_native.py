@@ -1,0 +1,121 @@
+"""The cpu backend's C decode kernel (``kernels/native/paged_decode.c`` via ``kernels/cpu_native.py``).
+
+Against the float64 reference on random paged caches (shapes, formats, windows as in
+``test_cpu_attention.py``, whose cases also run through this kernel), against the torch path
+on the same step, its log-sum-exp, exact batch invariance, its fallbacks, and that it shares
+torch's OpenMP runtime. Tolerances as the backend's: float32 ≤ 1e-5 relative to float64
+(measured ≤ 3e-7), bfloat16 ≤ 2e-2 (measured ≤ 4e-3: only the query, K/V and output are bfloat16).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_cpu_attention import make_step, rel
+
+from llmd.kernels import AttentionMetadata, cpu_attention, cpu_native, reference
+from llmd.kernels.native import build
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason=f"no native kernel: {build.why_not}")
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+CASES = [("decode", 1, 16, 64, "auto", None, torch.float32), ("decode", 3, 32, 128, "int8", 7, torch.bfloat16),
+         ("spread", 4, 16, 64, "fp8_e4m3", None, torch.float32), ("spread", 8, 16, 256, "fp8_e5m2", 40, torch.bfloat16),
+         ("few", 3, 16, 64, "auto", 40, torch.bfloat16), ("spread", 3, 32, 64, "int8", None, torch.float32),
+         ("decode", 16, 16, 64, "auto", None, torch.bfloat16)]
+KEYS = ("kind", "group", "block_size", "head_dim", "fmt", "window", "dtype")
+
+
+def _torch_path(meta: AttentionMetadata) -> AttentionMetadata:
+    """The same step with the C kernel switched off (and no cached plan)."""
+    fields = ("slot_mapping", "block_tables", "query_start_loc", "seq_lens", "query_lens_cpu", "seq_lens_cpu",
+              "block_size", "attn_backend", "slots_padded")
+    return AttentionMetadata(**{f: getattr(meta, f) for f in fields}, native_kernels=False)
+
+
+@pytest.mark.parametrize("values", CASES, ids=lambda v: "-".join(str(x) for x in v).replace("torch.", ""))
+def test_native_decodes_match_float64_reference_and_torch_path(values):
+    case = dict(zip(KEYS, values))
+    meta, query, cache = make_step(case, seed=5)
+    scale = case["head_dim"] ** -0.5
+    q = query.to(case["dtype"])
+    out = cpu_attention.paged_attention(q, cache, meta, scale, case["window"])
+    (plan,) = [p for k, p in meta.plans.items() if k[0] == "cpu"]
+    assert plan.native is not None and not plan.decodes  # every decode went through the kernel
+    ref = reference.paged_attention(q.double(), cache, meta, scale, case["window"], compute_dtype=torch.float64)
+    assert out.dtype == case["dtype"] and rel(out, ref) <= TOL[case["dtype"]]
+    torch_out = cpu_attention.paged_attention(q, cache, _torch_path(meta), scale, case["window"])
+    assert rel(out, torch_out) <= TOL[case["dtype"]]
+
+
+def test_log_sum_exp_and_untouched_rows():
+    """``lse`` is each decode row's log-sum-exp of its scaled scores (float64 check); rows of
+    other tokens in ``out`` are left as they were."""
+    case = dict(zip(KEYS, ("mixed", 3, 16, 64, "int8", None, torch.float32)))
+    meta, query, cache = make_step(case, seed=2)
+    plan = cpu_attention.get_plan(meta, 2, None, 3, native=True)
+    out = torch.full_like(query, 7.0)
+    lse = torch.zeros(query.shape[:2])
+    cpu_native.decode(query, cache, plan.native, 0.125, out, lse)
+    for row, tok in enumerate(plan.native.tokens.tolist()):
+        n = int(plan.native.seq_lens[row])
+        table = meta.block_tables[int(plan.native.table_rows[row])].long()
+        slots = table[torch.arange(n) // 16] * 16 + torch.arange(n) % 16
+        codes = cache.data[0].reshape(-1, 2, 64)[slots].double()
+        keys = codes * cache.scales[0].reshape(-1, 2)[slots].double()[..., None]  # [n, kv_heads, 64]
+        scores = torch.einsum("hgd,nhd->hgn", query[tok].double().view(2, 3, 64), keys) * 0.125
+        assert torch.allclose(lse[tok].double(), torch.logsumexp(scores, -1).reshape(6), rtol=1e-5, atol=1e-5)
+    prefill_rows = torch.ones(query.shape[0], dtype=torch.bool)
+    prefill_rows[plan.native.tokens] = False
+    assert bool((out[prefill_rows] == 7.0).all())
+
+
+def test_a_sequence_gives_the_same_bits_in_any_batch():
+    """Case S4 on this path: keys in position order per (sequence, head), float32 sums, no
+    padding, so a sequence's output does not change with what else the step holds."""
+    case = dict(zip(KEYS, ("spread", 3, 16, 64, "auto", None, torch.bfloat16)))
+    meta, query, cache = make_step(case, seed=9)
+    q = query.to(torch.bfloat16)
+    whole = cpu_attention.paged_attention(q, cache, meta, 0.125)
+    for pick in ([5], [0, 5, 17], list(range(5, 32, 3))):
+        sub = AttentionMetadata(meta.slot_mapping[pick], meta.block_tables[pick],
+                                torch.arange(len(pick) + 1, dtype=torch.int32), meta.seq_lens[pick],
+                                [1] * len(pick), [meta.seq_lens_cpu[i] for i in pick], 16, "cpu", slots_padded=False)
+        assert torch.equal(cpu_attention.paged_attention(q[pick], cache, sub, 0.125), whole[pick])
+
+
+def test_not_served_here_falls_back_to_torch():
+    """Grouped scales, head_dim not a multiple of 16, float64: the torch path (plans with buckets)."""
+    for case in ({"fmt": "int8", "scale_group": 32, "head_dim": 64, "dtype": torch.float32},
+                 {"fmt": "auto", "head_dim": 72, "dtype": torch.float32},
+                 {"fmt": "auto", "head_dim": 64, "dtype": torch.float64}):
+        full = {"kind": "decode", "group": 3, "block_size": 16, "window": None, **case}
+        meta, query, cache = make_step(full, seed=1)
+        q = query.to(full["dtype"])
+        out = cpu_attention.paged_attention(q, cache, meta, 0.125)
+        (plan,) = [p for k, p in meta.plans.items() if k[0] == "cpu"]
+        assert plan.native is None and plan.decodes
+        ref = reference.paged_attention(q.double(), cache, meta, 0.125, compute_dtype=torch.float64)
+        assert rel(out, ref) <= 1e-5
+
+
+def test_one_openmp_runtime_in_the_process():
+    """The kernel binds to the libgomp torch loaded: one copy mapped, not two thread teams."""
+    maps = open("/proc/self/maps").read().splitlines()
+    gomp = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(gomp) == 1, gomp
+
+
+@pytest.mark.parametrize("env,why", [({"LLMD_NATIVE_KERNELS": "0"}, "LLMD_NATIVE_KERNELS=0"),
+                                     ({"CC": "/nonexistent/cc"}, "no C compiler")])
+def test_unavailable_kernel_says_why_and_attention_still_works(env, why, tmp_path):
+    code = ("import torch, logging; logging.basicConfig(); from llmd.kernels import cpu_native;"
+            "from llmd.kernels.native import build; print(cpu_native.available(), build.why_not)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "LLMD_CACHE_DIR": str(tmp_path), **env})
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("False") and why in res.stdout
+    assert "native CPU decode kernel unavailable" in res.stderr and why in res.stderr
