@@ -37,8 +37,25 @@ MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 32  # paged_decode.c's fixed tile 
 
 
 def available() -> bool:
-    """The kernel built and loaded on this machine (see :mod:`llmd.kernels.native.build`)."""
+    """The kernel built and loaded on this machine (:mod:`llmd.kernels.native.build`; the first
+    call builds its runtime-shape variant, ~1.5 s)."""
     return build.load() is not None
+
+
+def prepare(head_dim: int, group: int) -> bool:
+    """Build (first time on this machine, ~3 s) and load the variant specialized for a model's
+    shape, which :func:`decode` then uses; engines call this at start-up. Returns availability."""
+    return supports_shape(head_dim, group) and build.load((head_dim // 16, group)) is not None
+
+
+def supports_shape(head_dim: int, group: int) -> bool:
+    """The kernel's fixed limits: head_dim a multiple of 16 up to 256, at most 16 query heads per KV head."""
+    return head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM and group <= MAX_GROUP
+
+
+def _lib(head_dim: int, group: int):
+    """The specialized variant when :func:`prepare` loaded it, else the runtime-shape one."""
+    return build._cache.get((head_dim // 16, group)) or build.load()
 
 
 def supports(cache: PagedKVCache, cdt: torch.dtype, group: int) -> bool:
@@ -46,9 +63,7 @@ def supports(cache: PagedKVCache, cdt: torch.dtype, group: int) -> bool:
     data = cache.data
     return (cdt in _Q_CODES and not cache.fmt.group_size and not cache.fmt.k_per_block
             and (data.dtype in _KV_CODES or data.dtype in _BYTE_DTYPES) and data.is_contiguous()
-            and data.shape[2] <= MAX_BLOCK and data.shape[4] <= MAX_HEAD_DIM and data.shape[4] % 16 == 0
-            and group <= MAX_GROUP
-            and available())
+            and data.shape[2] <= MAX_BLOCK and supports_shape(data.shape[4], group) and available())
 
 
 def _lut(dtype: torch.dtype) -> torch.Tensor:
@@ -105,7 +120,7 @@ def decode(query: torch.Tensor, cache: PagedKVCache, d: Decodes, scale: float, o
     scales = cache.scales if cache.fmt.quantized else None
     if scales is not None and not scales.is_contiguous():
         raise ValueError("cpu_native.decode: the cache's scales must be contiguous")
-    lib = build.load()
+    lib = _lib(head_dim, num_heads // kv_heads)
     rc = lib.llmd_paged_decode(
         query.data_ptr(), _Q_CODES[query.dtype], query.stride(0),
         data.data_ptr(), (3 if data.dtype == torch.int8 else 4) if byte else _KV_CODES[data.dtype],

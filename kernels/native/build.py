@@ -1,11 +1,12 @@
 """Compile and load llmd's C kernels for CPUs (``paged_decode.c``) with the system C compiler.
 
 The source ships in the package; the shared object is built on first use on the machine that
-runs it (``-march=native``: the kernel uses whatever vector units this CPU has) into
-``$LLMD_CACHE_DIR/native`` (default ``~/.cache/llmd/native``), named by a hash of the source,
-the flags and the compiler's version, so an edit or another CPU rebuilds and a second process
-reuses it (written to a temporary name, then renamed: concurrent builders do not collide).
-A build takes ~1 s (plain C, no torch headers).
+runs it (``-march=native``: the kernel uses whatever vector units this CPU has), once per model
+shape (``-DSPEC_NV=head_dim/16 -DSPEC_G=query heads per KV head``: that shape's loops unrolled),
+into ``$XDG_CACHE_HOME/llmd/native`` (default ``~/.cache/llmd/native``), named by a hash of the
+source, the flags and the compiler's version, so an edit or another CPU rebuilds and a second
+process reuses it (written to a temporary name, then renamed: concurrent builders do not
+collide). A build takes ~3 s on the 2-core machine (plain C, no torch headers).
 
 OpenMP: ``-fopenmp`` links ``libgomp.so.1``; torch's wheel loads its own copy under that soname
 first (``import torch`` happens before this module loads the kernel), so the dynamic loader binds
@@ -32,14 +33,15 @@ import torch  # noqa: F401  (loads torch's libgomp before the kernel's NEEDED en
 log = logging.getLogger("llmd.kernels")
 SOURCE = Path(__file__).with_name("paged_decode.c")
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
-_cache: dict[str, ctypes.CDLL | None] = {}
+_cache: dict[tuple[int, int] | None, ctypes.CDLL | None] = {}
 why_not: str | None = None  # why the kernel is unavailable, once load() has been called
 
 
 def cache_dir() -> Path:
-    """Where built kernels live: ``$LLMD_CACHE_DIR/native`` or ``~/.cache/llmd/native``."""
-    root = os.environ.get("LLMD_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "llmd")
-    return Path(root) / "native"
+    """Where built kernels live: ``$XDG_CACHE_HOME/llmd/native`` (default ``~/.cache/llmd/native``),
+    beside the rest of llmd's cache (:mod:`llmd.models.paths`, a layer above this one)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "llmd" / "native"
 
 
 def _compiler() -> str | None:
@@ -47,9 +49,9 @@ def _compiler() -> str | None:
     return shutil.which(cc) or (shutil.which("gcc") if not os.environ.get("CC") else None)
 
 
-def _build(cc: str) -> Path:
+def _build(cc: str, flags: list[str]) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
     out = cache_dir() / f"paged_decode-{digest}.so"
     if out.exists():
         return out
@@ -57,7 +59,7 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        res = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=300)
+        res = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=300)
         if res.returncode != 0:
             last = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else f"exit {res.returncode}"
             raise RuntimeError(f"{cc} failed: {last}")
@@ -68,19 +70,24 @@ def _build(cc: str) -> Path:
     return out
 
 
-def load() -> ctypes.CDLL | None:
-    """The loaded kernel library (its ``llmd_paged_decode`` typed), or None (see the module docstring)."""
+def load(shape: tuple[int, int] | None = None) -> ctypes.CDLL | None:
+    """The kernel library for ``shape = (head_dim // 16, query heads per KV head)`` (specialized
+    for it; None: the runtime-shape build), its ``llmd_paged_decode`` typed, or None when it is
+    unavailable (see the module docstring; the reason is in :data:`why_not`)."""
     global why_not
-    if "lib" in _cache:
-        return _cache["lib"]
+    if shape in _cache:
+        return _cache[shape]
     lib = None
     if os.environ.get("LLMD_NATIVE_KERNELS", "1") == "0":
         why_not = "LLMD_NATIVE_KERNELS=0"
     elif (cc := _compiler()) is None:
         why_not = "no C compiler (cc/gcc, or $CC) on PATH"
+    elif why_not is not None and why_not.startswith("build failed"):
+        pass  # a failed build is not retried per shape
     else:
+        spec = [f"-DSPEC_NV={shape[0]}", f"-DSPEC_G={shape[1]}"] if shape else []
         try:
-            lib = ctypes.CDLL(str(_build(cc)))
+            lib = ctypes.CDLL(str(_build(cc, FLAGS + spec)))
             fn = lib.llmd_paged_decode
             c = ctypes
             fn.argtypes = [c.c_void_p, c.c_int, c.c_int64, c.c_void_p, c.c_int, c.c_void_p, c.c_void_p,
@@ -90,7 +97,7 @@ def load() -> ctypes.CDLL | None:
             fn.restype = c.c_int
         except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
             why_not, lib = f"build failed: {e}", None
-    if lib is None:
+    if lib is None and not _cache:
         log.warning("llmd: native CPU decode kernel unavailable (%s); using the torch path", why_not)
-    _cache["lib"] = lib
+    _cache[shape] = lib
     return lib

@@ -102,6 +102,20 @@ def test_not_served_here_falls_back_to_torch():
         assert rel(out, ref) <= 1e-5
 
 
+def test_the_shape_specialized_build_matches_the_generic_one():
+    """``prepare`` (engines at start-up) builds the variant with the model's shape as constants;
+    it computes what the runtime-shape build does (within float32 reassociation)."""
+    case = dict(zip(KEYS, ("spread", 3, 16, 64, "int8", None, torch.float32)))
+    meta, query, cache = make_step(case, seed=4)
+    plan = cpu_attention.get_plan(meta, 2, None, 3, native=True)
+    generic, special = torch.zeros_like(query), torch.zeros_like(query)
+    cpu_native.decode(query, cache, plan.native, 0.125, generic)
+    assert cpu_native.prepare(64, 3) and build._cache.get((4, 3)) is not None
+    cpu_native.decode(query, cache, plan.native, 0.125, special)
+    assert rel(special, generic) <= 1e-6
+    assert not cpu_native.prepare(72, 3) and not cpu_native.prepare(64, 17)  # past the kernel's limits
+
+
 def test_one_openmp_runtime_in_the_process():
     """The kernel binds to the libgomp torch loaded: one copy mapped, not two thread teams."""
     maps = open("/proc/self/maps").read().splitlines()
@@ -115,7 +129,7 @@ def test_unavailable_kernel_says_why_and_attention_still_works(env, why, tmp_pat
     code = ("import torch, logging; logging.basicConfig(); from llmd.kernels import cpu_native;"
             "from llmd.kernels.native import build; print(cpu_native.available(), build.why_not)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "LLMD_CACHE_DIR": str(tmp_path), **env})
+                         env={**os.environ, "XDG_CACHE_HOME": str(tmp_path), **env})
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("False") and why in res.stdout
     assert "native CPU decode kernel unavailable" in res.stderr and why in res.stderr
