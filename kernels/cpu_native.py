@@ -63,7 +63,8 @@ def supports(cache: PagedKVCache, cdt: torch.dtype, group: int) -> bool:
     data = cache.data
     return (cdt in _Q_CODES and not cache.fmt.group_size and not cache.fmt.k_per_block
             and (data.dtype in _KV_CODES or data.dtype in _BYTE_DTYPES) and data.is_contiguous()
-            and data.shape[2] <= MAX_BLOCK and supports_shape(data.shape[4], group) and available())
+            and data.shape[2] <= MAX_BLOCK and supports_shape(data.shape[4], group)
+            and _lib(data.shape[4], group) is not None)
 
 
 def _lut(dtype: torch.dtype) -> torch.Tensor:

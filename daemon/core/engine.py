@@ -270,7 +270,14 @@ class Engine:
         threads = f"{c.threads} thread{'' if c.threads == 1 else 's'}"
         wq = getattr(self.runner.model, "weight_quant_summary", None)
         weights = f", {wq.describe()}" if wq is not None and wq.mode != "none" else ""
-        return f"dtype {c.dtype}{why}, attention {c.attention_backend}, {threads}{weights}"
+        attn = c.attention_backend
+        if attn == "cpu":  # who runs the decodes (kernels/cpu_native.py), and why not the C kernel
+            from llmd.kernels.native import build
+
+            reason = ("--disable-native-kernels" if c.disable_native_kernels else build.why_not
+                      or "not for this model dtype, KV format or shape")
+            attn += " (decodes: C kernel)" if self.runner.native_decodes else f" (decodes: torch ops, {reason})"
+        return f"dtype {c.dtype}{why}, attention {attn}, {threads}{weights}"
 
     def _kv_dtype_label(self) -> str:
         c = self.config

@@ -101,8 +101,9 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self.measure_device_wait, self.device_wait_s = False, 0.0
         self._graph_limits = (max_num_seqs, max_model_len)
-        if attention_backend == "cpu" and native_kernels:  # build/load the C decode kernel for this shape now
-            cpu_native.prepare(self.config.head_dim, self.config.num_heads // self.config.num_kv_heads)
+        self.native_decodes = attention_backend == "cpu" and native_kernels and fmt.name != "int4" \
+            and not fmt.group_size and kv_dtype in (torch.float32, torch.bfloat16, torch.float16) \
+            and cpu_native.prepare(self.config.head_dim, self.config.num_heads // self.config.num_kv_heads)
         if attention_backend == "triton" and self.device.type == "cuda":
             self.num_warmed_up = self.warm_up_kernels(kv_dtype, fmt.name, kv_scales is not None, max_model_len)
             if cuda_graphs and not fmt.k_per_block:  # int4: its store plans each step on the host

@@ -35,7 +35,7 @@ def test_generate_chat_answers_paris_without_transformers_modeling():
     assert "BITSANDBYTES_IMPORTED=False\n" in proc.stderr  # the default (--weight-quant auto) start-up
     assert "MODELING_MODULES=\n" in proc.stderr or proc.stderr.rstrip().endswith("MODELING_MODULES=")
     assert "KV cache: 46080 B/token" in proc.stderr
-    assert "; dtype float32, attention cpu, " in proc.stderr  # the load line names dtype, backend, threads
+    assert "; dtype float32, attention cpu (decodes: C kernel), " in proc.stderr  # dtype, backend, threads
 
 
 def run_cli(args):
