@@ -19,6 +19,10 @@ looped per sequence:
   gathers dequantize their codes in place (``code × scale`` in the compute dtype). int4 caches (KIVI K
   per block and channel, a 16-bit residual for the open block) take the branch in
   :mod:`llmd.kernels.cpu_int4` with the same plans.
+* **Decodes in the C kernel** (:mod:`llmd.kernels.cpu_native`) when it is built and serves the
+  cache's format and shape (``meta.native_kernels``, default on; ``--disable-native-kernels``):
+  it reads each decode's K/V in place through the block table, so the plan only lists the
+  decodes (no gather rows, no masks, no buckets). Otherwise, and for what it does not serve:
 * **Decodes batched together** (in up to 4 length buckets, so short contexts are not padded to
   the step's longest): the query ``[B, heads, head_dim]`` viewed as ``[B * kv_heads,
   group, head_dim]`` (GQA without copies of K/V), scores ``[B * kv_heads, group, L]``, keys past

@@ -32,7 +32,10 @@ import torch  # noqa: F401  (loads torch's libgomp before the kernel's NEEDED en
 
 log = logging.getLogger("llmd.kernels")
 SOURCE = Path(__file__).with_name("paged_decode.c")
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+# no -ffast-math: with GCC < 13 linking a shared object with it adds crtfastmath.o, whose constructor
+# sets the FTZ/DAZ bits of the loading thread's MXCSR: every later float op of the process would flush
+# subnormals (hypothesis refuses to run then). The kernel's vector code is explicit, so it needs none of it.
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 _cache: dict[tuple[int, int] | None, ctypes.CDLL | None] = {}
 why_not: str | None = None  # why the kernel is unavailable, once load() has been called
 

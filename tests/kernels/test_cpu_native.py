@@ -116,6 +116,15 @@ def test_the_shape_specialized_build_matches_the_generic_one():
     assert not cpu_native.prepare(72, 3) and not cpu_native.prepare(64, 17)  # past the kernel's limits
 
 
+def test_loading_the_kernel_keeps_subnormals():
+    """Built without -ffast-math: GCC 12 would link crtfastmath.o into the shared object, whose
+    constructor sets FTZ/DAZ for the loading thread and so flushes every later subnormal."""
+    code = ("import sys, torch; from llmd.kernels import cpu_native; assert cpu_native.prepare(64, 3);"
+            "x = float(sys.argv[1]); print(x * 1.0 > 0, bool((torch.tensor([1e-40]) * 1.0 > 0).all()))")
+    res = subprocess.run([sys.executable, "-c", code, "5e-324"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.split() == ["True", "True"], (res.stdout, res.stderr)
+
+
 def test_one_openmp_runtime_in_the_process():
     """The kernel binds to the libgomp torch loaded: one copy mapped, not two thread teams."""
     maps = open("/proc/self/maps").read().splitlines()
