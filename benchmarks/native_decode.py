@@ -1,0 +1,77 @@
+"""The cpu backend's decode attention: C kernel (kernels/cpu_native.py) vs its torch ops, side by side.
+
+A decode-only step of ``--batch`` sequences with ``--context`` cached tokens each, SmolLM2's shapes
+(3 KV heads, 9 query heads, head_dim 64, block 16) by default, over ``--layers`` separate caches on
+a shuffled block layout (so every layer reads from memory, as a real step does), bfloat16; the two
+paths alternate for ``--rounds`` rounds and the medians and their ratio are printed.
+
+    python benchmarks/native_decode.py --batch 32 --context 512 [--kv-cache-dtype int8] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from llmd.kernels import AttentionMetadata, cpu_attention, cpu_native
+from llmd.kernels.bench import random_paged_layout
+from llmd.quant.kv import PagedKVCache, get_format
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2"])
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--group", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    if not cpu_native.prepare(a.head_dim, a.group):
+        raise SystemExit("native_decode: the C kernel is unavailable here (see the warning above)")
+    g = torch.Generator().manual_seed(0)
+    lens = [a.context] * a.batch
+    tables, slots, num_blocks = random_paged_layout(lens, 16, g)
+    caches = []
+    for _ in range(a.layers):
+        c = PagedKVCache.allocate((2, num_blocks, 16, a.kv_heads, a.head_dim), get_format(a.kv_cache_dtype),
+                                  torch.bfloat16, "cpu")
+        if c.fmt.quantized:
+            c.data.view(torch.uint8).random_(0, 100, generator=g)
+            c.scales.fill_(0.02)
+        else:
+            c.data.normal_(generator=g)
+        caches.append(c)
+    q = torch.randn(a.batch, a.kv_heads * a.group, a.head_dim, generator=g).to(torch.bfloat16)
+
+    def step(native: bool) -> float:
+        qsl = torch.arange(a.batch + 1, dtype=torch.int32)
+        meta = AttentionMetadata(torch.tensor([s[-1] for s in slots]), tables, qsl, torch.tensor(lens, dtype=torch.int32),
+                                 [1] * a.batch, lens, 16, "cpu", slots_padded=False, native_kernels=native)
+        t0 = time.perf_counter()
+        for c in caches:
+            cpu_attention.paged_attention(q, c, meta, a.head_dim**-0.5)
+        return time.perf_counter() - t0
+
+    times = {True: [], False: []}
+    for native in (True, False):
+        step(native)  # warm-up (plans, workspaces, first touch)
+    for _ in range(a.rounds):
+        for native in (True, False):
+            times[native].append(step(native))
+    kv_mb = 2 * a.batch * a.context * a.kv_heads * a.head_dim * caches[0].data.element_size() * a.layers / 2**20
+    on, off = (statistics.median(times[k]) * 1e3 for k in (True, False))
+    print(f"native_decode: batch {a.batch} x {a.context} keys, {a.layers} layers, kv {a.kv_cache_dtype} "
+          f"({kv_mb:.0f} MiB read), bfloat16, {a.threads} threads, median of {a.rounds} alternating rounds")
+    print(f"  C kernel {on:.1f} ms   torch ops {off:.1f} ms   kernel / torch = {on / off:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
