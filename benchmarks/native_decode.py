@@ -52,9 +52,9 @@ def main() -> None:
     q = torch.randn(a.batch, a.kv_heads * a.group, a.head_dim, generator=g).to(torch.bfloat16)
 
     def step(native: bool) -> float:
-        qsl = torch.arange(a.batch + 1, dtype=torch.int32)
-        meta = AttentionMetadata(torch.tensor([s[-1] for s in slots]), tables, qsl, torch.tensor(lens, dtype=torch.int32),
-                                 [1] * a.batch, lens, 16, "cpu", slots_padded=False, native_kernels=native)
+        qsl, sl = torch.arange(a.batch + 1, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+        meta = AttentionMetadata(torch.tensor([s[-1] for s in slots]), tables, qsl, sl, [1] * a.batch, lens, 16, "cpu",
+                                 slots_padded=False, native_kernels=native)
         t0 = time.perf_counter()
         for c in caches:
             cpu_attention.paged_attention(q, c, meta, a.head_dim**-0.5)
