@@ -28,8 +28,10 @@ import torch
 
 from llmd.kernels.native import build
 from llmd.quant.kv import PagedKVCache
+from llmd.quant.kv_format import KVCacheFormat
 
-_KV_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_KV_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}  # paged_decode.c's KV_*
+_KV_LUT = 4  # any other 1-byte code (fp8): through a 256-entry table
 _BYTE_DTYPES = (torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2)
 _Q_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _luts: dict[torch.dtype, torch.Tensor] = {}
@@ -55,15 +57,20 @@ def supports_shape(head_dim: int, group: int) -> bool:
 
 def _lib(head_dim: int, group: int):
     """The specialized variant when :func:`prepare` loaded it, else the runtime-shape one."""
-    return build._cache.get((head_dim // 16, group)) or build.load()
+    return build.loaded((head_dim // 16, group)) or build.load()
+
+
+def serves(fmt: KVCacheFormat, cdt: torch.dtype, block_size: int) -> bool:
+    """The KV formats, compute dtypes and block sizes the kernel reads (not grouped scales, not
+    int4, float32/bfloat16 compute, blocks of at most 32 tokens)."""
+    return cdt in _Q_CODES and not fmt.group_size and not fmt.k_per_block and block_size <= MAX_BLOCK
 
 
 def supports(cache: PagedKVCache, cdt: torch.dtype, group: int) -> bool:
     """This kernel can serve the decodes of a step over ``cache`` in compute dtype ``cdt``."""
     data = cache.data
-    return (cdt in _Q_CODES and not cache.fmt.group_size and not cache.fmt.k_per_block
-            and (data.dtype in _KV_CODES or data.dtype in _BYTE_DTYPES) and data.is_contiguous()
-            and data.shape[2] <= MAX_BLOCK and supports_shape(data.shape[4], group)
+    return (serves(cache.fmt, cdt, data.shape[2]) and (data.dtype in _KV_CODES or data.dtype in _BYTE_DTYPES)
+            and data.is_contiguous() and supports_shape(data.shape[4], group)
             and _lib(data.shape[4], group) is not None)
 
 
@@ -116,16 +123,15 @@ def decode(query: torch.Tensor, cache: PagedKVCache, d: Decodes, scale: float, o
         raise ValueError("cpu_native.decode: query heads/channels and out must be contiguous, out shaped like query")
     if lse is not None and (lse.dtype != torch.float32 or not lse.is_contiguous()):
         raise ValueError("cpu_native.decode: lse must be contiguous float32 [T, num_heads]")
-    byte = data.dtype in _BYTE_DTYPES
-    lut = _lut(data.dtype) if byte else None
+    uses_lut = data.dtype in _BYTE_DTYPES and data.dtype != torch.int8  # int8 is widened directly
+    lut = _lut(data.dtype) if uses_lut else None
     scales = cache.scales if cache.fmt.quantized else None
     if scales is not None and not scales.is_contiguous():
         raise ValueError("cpu_native.decode: the cache's scales must be contiguous")
     lib = _lib(head_dim, num_heads // kv_heads)
     rc = lib.llmd_paged_decode(
         query.data_ptr(), _Q_CODES[query.dtype], query.stride(0),
-        data.data_ptr(), (3 if data.dtype == torch.int8 else 4) if byte else _KV_CODES[data.dtype],
-        lut.data_ptr() if byte else None,
+        data.data_ptr(), _KV_CODES.get(data.dtype, _KV_LUT), lut.data_ptr() if uses_lut else None,
         scales.data_ptr() if scales is not None else None,
         num_blocks, block_size, kv_heads, head_dim, num_heads,
         d.block_tables.data_ptr(), d.block_tables.stride(0), d.table_rows.data_ptr(),

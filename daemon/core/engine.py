@@ -275,7 +275,7 @@ class Engine:
             from llmd.kernels.native import build
 
             reason = ("--disable-native-kernels" if c.disable_native_kernels else build.why_not
-                      or "not for this model dtype, KV format or shape")
+                      or "not for this model dtype, KV format, block size or shape")
             attn += " (decodes: C kernel)" if self.runner.native_decodes else f" (decodes: torch ops, {reason})"
         return f"dtype {c.dtype}{why}, attention {attn}, {threads}{weights}"
 

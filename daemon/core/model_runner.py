@@ -24,6 +24,7 @@ from llmd.daemon.core.request import Request
 from llmd.daemon.core.sampler import Sampler, SamplerOutput
 from llmd.daemon.kv import KVCacheGroupSpec, layer_placement, make_kv_cache_groups
 from llmd.kernels import AttentionMetadata, cpu_native, shift_keys
+from llmd.kernels.cpu_attention import compute_dtype_for
 from llmd.kernels.kv_shift import shift_residual
 from llmd.models.config import ModelConfig
 from llmd.quant.kv import PagedKVCache, get_format
@@ -101,8 +102,8 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self.measure_device_wait, self.device_wait_s = False, 0.0
         self._graph_limits = (max_num_seqs, max_model_len)
-        self.native_decodes = attention_backend == "cpu" and native_kernels and fmt.name != "int4" \
-            and not fmt.group_size and kv_dtype in (torch.float32, torch.bfloat16, torch.float16) \
+        self.native_decodes = attention_backend == "cpu" and native_kernels \
+            and cpu_native.serves(fmt, compute_dtype_for(kv_dtype), block_size) \
             and cpu_native.prepare(self.config.head_dim, self.config.num_heads // self.config.num_kv_heads)
         if attention_backend == "triton" and self.device.type == "cuda":
             self.num_warmed_up = self.warm_up_kernels(kv_dtype, fmt.name, kv_scales is not None, max_model_len)

@@ -47,6 +47,11 @@ def cache_dir() -> Path:
     return Path(root) / "llmd" / "native"
 
 
+def loaded(shape: tuple[int, int] | None) -> ctypes.CDLL | None:
+    """The library :func:`load` already loaded for ``shape``, else None (never builds)."""
+    return _cache.get(shape)
+
+
 def _compiler() -> str | None:
     cc = os.environ.get("CC") or "cc"
     return shutil.which(cc) or (shutil.which("gcc") if not os.environ.get("CC") else None)
@@ -58,7 +63,8 @@ def _build(cc: str, flags: list[str]) -> Path:
     out = cache_dir() / f"paged_decode-{digest}.so"
     if out.exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
+    os.makedirs(out.parent.parent, mode=0o700, exist_ok=True)  # llmd's cache directory is private (models/paths.py)
+    out.parent.mkdir(mode=0o700, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:

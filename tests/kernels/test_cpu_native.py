@@ -110,7 +110,7 @@ def test_the_shape_specialized_build_matches_the_generic_one():
     plan = cpu_attention.get_plan(meta, 2, None, 3, native=True)
     generic, special = torch.zeros_like(query), torch.zeros_like(query)
     cpu_native.decode(query, cache, plan.native, 0.125, generic)
-    assert cpu_native.prepare(64, 3) and build._cache.get((4, 3)) is not None
+    assert cpu_native.prepare(64, 3) and build.loaded((4, 3)) is not None
     cpu_native.decode(query, cache, plan.native, 0.125, special)
     assert rel(special, generic) <= 1e-6
     assert not cpu_native.prepare(72, 3) and not cpu_native.prepare(64, 17)  # past the kernel's limits
