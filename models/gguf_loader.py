@@ -109,7 +109,7 @@ def cache_mode(weight_quant: str, device) -> str:
 
 def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                weight_quant: str = "none", keep_dense: bool = False, weights_cache: bool = False,
-               cache_dir: str | None = None):
+               cache_dir: str | None = None, native: bool = False):
     """Build the architecture's model and fill it from the GGUF file.
 
     Args:
@@ -121,6 +121,7 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torc
         weights_cache: take the converted model from :mod:`llmd.models.weights_cache` when it
             holds a valid entry for these settings, else load from the GGUF and store one;
             cache_dir: its root (default the llmd cache dir; tests).
+        native: also the fused single-stream decode kernel's packs (``quantize_linears``'s ``native``).
     Returns:
         ``(model, config)``; model in eval mode with ``requires_grad=False`` parameters.
     Raises:
@@ -133,7 +134,8 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torc
         from llmd.models.header_cache import header_info
 
         info = header_info(path, cache_dir)
-        key = wc.cache_key(path, info.data_offset, dtype, cache_mode(weight_quant, device), keep_dense)
+        mode = cache_mode(weight_quant, device) + ("+fused" if native else "")
+        key = wc.cache_key(path, info.data_offset, dtype, mode, keep_dense)
         model = wc.load_cached(model_class(info.config.architecture), info.config, dtype, key, cache_dir)
         if model is not None:
             return model.to(device).eval(), info.config
@@ -164,7 +166,8 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torc
     from llmd.models.weight_quant import quantize_linears
 
     model.weight_quant_summary = quantize_linears(model, {t.name: t for t in reader.tensors}, weight_quant,
-                                                  keep_dense=keep_dense, device=torch.device(device).type)
+                                                  keep_dense=keep_dense, device=torch.device(device).type,
+                                                  native=native)
     if key is not None:
         wc.store(model, key, cache_dir)
     model.to(device).eval()

@@ -66,3 +66,44 @@ class LlamaForCausalLM(DecoderForCausalLM):
         if name.endswith("attn_k.weight"):
             return unpermute_qk(w, self.config.num_kv_heads)
         return w
+
+    def fused_decoder(self, layer_caches: list, block_size: int):
+        """The single-stream decode of this model in one C call (:class:`llmd.kernels.cpu_fused.FusedDecoder`)
+        over ``layer_caches`` (one :class:`~llmd.quant.kv.PagedKVCache` per layer), or the reason it
+        cannot run (a string): it needs the fused kernel's weight packs (``--weight-quant auto`` /
+        ``gguf`` on CPU), ``auto`` caches, no per-head Q/K norm, one RoPE base and the kernel's limits."""
+        from llmd.kernels import cpu_fused
+        from llmd.quant.packed_linear import PackedLinear
+
+        cfg = self.config
+        if self.layer_cls.qk_norm:
+            return "per-head Q/K norms (not in the fused kernel)"
+        if len(set(self.rope_thetas)) != 1:
+            return "more than one RoPE base"
+        if self.embed_tokens.weight.dtype not in (torch.float32, torch.bfloat16):
+            return f"model dtype {self.embed_tokens.weight.dtype} (needs float32 or bfloat16)"
+        if any(c.fmt.quantized or c.fmt.k_per_block or c.rotation != "none" for c in layer_caches):
+            return "a quantized or rotated KV cache (needs --kv-cache-dtype auto, --kv-rotation none)"
+
+        def pack(mod):
+            return mod.native_pack() if isinstance(mod, PackedLinear) else None
+
+        layers, mats = [], []
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            parts = [pack(attn.qkv_proj), pack(attn.o_proj), pack(mlp.gate_up_proj), pack(mlp.down_proj)]
+            mats += parts
+            layers.append(cpu_fused.FusedLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                                               *parts, kv=layer_caches[i].data, window=cfg.layer_window(i)))
+        head = pack(self.logits_proj) if self.logits_proj is not None else None
+        reason = cpu_fused.why_not(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                                   cfg.head_dim, block_size, layer_caches[0].data, mats + [head])
+        if reason is None and not cpu_fused.available(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads):
+            from llmd.kernels.native import build
+
+            reason = build.fused_why_not or "the fused kernel did not build"
+        if reason is not None:
+            return reason
+        return cpu_fused.FusedDecoder(layers, self.norm.weight, head, self.embed_tokens.weight, cfg.num_heads,
+                                      cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, self.layers[0].self_attn.scale,
+                                      self.rope_thetas[0], block_size)

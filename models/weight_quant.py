@@ -32,7 +32,7 @@ from torch import nn
 
 from llmd.models.errors import GGUFLoadError
 from llmd.models.weight_bytes import weight_bytes  # noqa: F401  (re-exported: its home before)
-from llmd.quant import bnb_linear
+from llmd.quant import bnb_linear, native_packs
 from llmd.quant.bnb_linear import BnbLinear
 from llmd.quant.gguf_packs import GROUP, INT4_TYPES, INT8_TYPES, int4_codes, int8_rows
 from llmd.quant.packed_linear import PackedLinear, pack_int4, pack_int8
@@ -56,6 +56,7 @@ class WeightQuantSummary:
     dense_bytes: int = 0
     bnb: int = 0
     layouts: list[str] = field(default_factory=list)
+    native_bytes: int = 0  # the fused decode kernel's copy of the packs (quant/native_packs.py)
 
     def describe(self) -> str:
         """One line for the startup message, e.g. ``weights gguf: 210 int4 + 1 int8 layers, 71 MiB``
@@ -70,6 +71,8 @@ class WeightQuantSummary:
             text = f"weights {self.mode}: {self.int4} int4 + {self.int8} int8 layers, {self.pack_bytes / 2**20:.0f} MiB"
         if self.dense_bytes:
             text += f" + {self.dense_bytes / 2**20:.0f} MiB dense"
+        if self.native_bytes:
+            text += f" + {self.native_bytes / 2**20:.0f} MiB fused-decode copy"
         if self.dense:
             text += f"; dense (no exact kernel): {', '.join(self.dense[:3])}"
             text += f" and {len(self.dense) - 3} more" if len(self.dense) > 3 else ""
@@ -95,15 +98,33 @@ def _int4_parts(model, parts, k: int):
             torch.from_numpy(np.concatenate(zeros)))
 
 
-def _pack(model, parts, k: int, mode: str, dtype: torch.dtype):
-    """``("int4" | "int8", packs)`` for the GGUF tensors ``parts`` of one layer, or None (dense)."""
+def _q8_parts(model, parts, k: int):
+    """The fused kernel's Q8 pack of Q8_0 parts, each through the model's row transform, stacked."""
+    codes, scales = [], []
+    for name, t, n in parts:
+        c, s = native_packs.q8_pack(t.data, t.tensor_type, n, k)
+        codes.append(model.transform_gguf_tensor(name, c.numpy()))
+        scales.append(model.transform_gguf_tensor(name, s.numpy()))
+    return native_packs.Q8, (torch.from_numpy(np.ascontiguousarray(np.concatenate(codes))),
+                             torch.from_numpy(np.ascontiguousarray(np.concatenate(scales))))
+
+
+def _pack(model, parts, k: int, mode: str, dtype: torch.dtype, native: bool = False):
+    """``("int4" | "int8", packs, native)`` for the GGUF tensors ``parts`` of one layer, or None
+    (dense). ``native``: also the fused decode kernel's pack (:mod:`llmd.quant.native_packs`) of
+    the file's own blocks, when K allows it (``(kind, pack)``, else None)."""
     types = {t.tensor_type for _, t, _ in parts}
     rows = sum(n for _, _, n in parts)
     if mode == "gguf" and types <= INT4_TYPES and k % GROUP == 0 and rows % 16 == 0:  # the pack needs N % 16
-        return "int4", pack_int4(*_int4_parts(model, parts, k), dtype)
+        codes, scale, zero = _int4_parts(model, parts, k)
+        fused = None
+        if native and k % 64 == 0:
+            fused = native_packs.Q4, native_packs.q4_pack(codes.numpy(), scale.numpy(), zero.numpy())
+        return "int4", pack_int4(codes, scale, zero, dtype), fused
     if mode == "int8" or (mode == "gguf" and types <= INT8_TYPES):
         codes, scale = int8_rows(np.concatenate([_dequantized(model, name, t) for name, t, _ in parts]))
-        return "int8", pack_int8(torch.from_numpy(codes), torch.from_numpy(scale), dtype)
+        fused = _q8_parts(model, parts, k) if native and types <= INT8_TYPES and k % 64 == 0 else None
+        return "int8", pack_int8(torch.from_numpy(codes), torch.from_numpy(scale), dtype), fused
     return None
 
 
@@ -124,7 +145,7 @@ def uses_bnb(mode: str, device: str) -> bool:
 
 
 def quantize_linears(model: nn.Module, tensors: dict, mode: str, *, keep_dense: bool = False,
-                     device: str = "cpu") -> WeightQuantSummary:
+                     device: str = "cpu", native: bool = False) -> WeightQuantSummary:
     """Swap the linear layers (and the lm_head) of a loaded GGUF model for :class:`PackedLinear`
     (torch's CPU kernels) or :class:`~llmd.quant.bnb_linear.BnbLinear` (bitsandbytes).
 
@@ -133,6 +154,9 @@ def quantize_linears(model: nn.Module, tensors: dict, mode: str, *, keep_dense: 
         tensors: GGUF tensor name → ``GGUFReader`` tensor, for the file it was loaded from.
         mode: one of :data:`WEIGHT_QUANT_MODES`.
         keep_dense: keep each packed layer's dense weight for larger batches (torch packs only).
+        native: give each torch-packed layer (and the head) a second copy of the file's blocks in
+            the fused single-stream decode kernel's layout (:mod:`llmd.quant.native_packs`;
+            ``gguf`` Q4_0/Q4_1/Q4_K and Q8_0 tensors with K a multiple of 64).
         device: where the model will run ("cpu" / "cuda..."): picks bitsandbytes for ``int8`` off
             the CPU and the 4-bit layout (:func:`~llmd.quant.bnb_linear.layout_for`).
     Returns:
@@ -169,13 +193,14 @@ def quantize_linears(model: nn.Module, tensors: dict, mode: str, *, keep_dense: 
                                                      getattr(mod, "sizes", None)))
             summary.bnb += 1
             continue
-        packed = _pack(model, parts, mod.in_features, mode, dtype) if parts else None
+        packed = _pack(model, parts, mod.in_features, mode, dtype, native) if parts else None
         if packed is None:
             summary.dense.append(mod_name)
             continue
-        kind, packs = packed
+        kind, packs, fused = packed
         new = PackedLinear(mod.in_features, mod.out_features, **{kind: packs},
-                           dense=mod.weight.data if keep_dense else None, sizes=getattr(mod, "sizes", None))
+                           dense=mod.weight.data if keep_dense else None, sizes=getattr(mod, "sizes", None),
+                           native=fused)
         model.set_submodule(mod_name, new)
         setattr(summary, kind, getattr(summary, kind) + 1)
     head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
@@ -186,10 +211,10 @@ def quantize_linears(model: nn.Module, tensors: dict, mode: str, *, keep_dense: 
         model.logits_proj = _bnb_layer(model, head_parts, w.shape[1], mode, dtype, str(device))
         summary.bnb += 1
     else:
-        kind, packs = _pack(model, head_parts, w.shape[1], mode, dtype) or \
-            _pack(model, head_parts, w.shape[1], "int8", dtype)
+        kind, packs, fused = _pack(model, head_parts, w.shape[1], mode, dtype, native) or \
+            _pack(model, head_parts, w.shape[1], "int8", dtype, native)
         model.logits_proj = PackedLinear(w.shape[1], w.shape[0], **{kind: packs},
-                                         dense=w.data if keep_dense or tied else None)
+                                         dense=w.data if keep_dense or tied else None, native=fused)
         setattr(summary, kind, getattr(summary, kind) + 1)
     if not tied:
         model.lm_head = None  # the packs (and the dense copy, if kept) replace it
@@ -197,6 +222,7 @@ def quantize_linears(model: nn.Module, tensors: dict, mode: str, *, keep_dense: 
         if isinstance(mod, (PackedLinear, BnbLinear)):
             pb, db = mod.nbytes()
             summary.pack_bytes += pb
+            summary.native_bytes += mod.native_nbytes() if isinstance(mod, PackedLinear) else 0
             summary.dense_bytes += db if mod is not model.logits_proj or not tied else 0
             if isinstance(mod, BnbLinear) and mod.layout not in summary.layouts:
                 summary.layouts.append(mod.layout)

@@ -57,7 +57,7 @@ _QUANT = os.path.join(os.path.dirname(_MODELS), "quant")
 #: (this one's entry layout is :data:`FORMAT`), and the weight packs of llmd.quant (not its KV formats)
 _NOT_CONVERSION = ("assemble.py", "errors.py", "paths.py", "presets.py", "tokenizer.py", "fast_tokenizer.py",
                    "chat_template.py", "weights_cache.py", "__init__.py")
-_QUANT_SOURCES = ("gguf_packs.py", "packed_linear.py", "bnb_linear.py")
+_QUANT_SOURCES = ("gguf_packs.py", "packed_linear.py", "bnb_linear.py", "native_packs.py")
 
 
 def enabled() -> bool:
@@ -117,7 +117,7 @@ def store(model: nn.Module, key: str, cache_dir: str | None = None) -> str | Non
         tensors[name] = t.detach().contiguous()
     spec = {
         "packed": [{"name": n, "in": m.in_features, "out": m.out_features, "kind": m.kind, "sizes": m.sizes,
-                    "small_batch": m.small_batch, "dense": m.dense is not None}
+                    "small_batch": m.small_batch, "dense": m.dense is not None, "native": m.native_kind}
                    for n, m in model.named_modules() if isinstance(m, PackedLinear)],
         "bnb": [{"name": n, **m.spec()} for n, m in model.named_modules() if isinstance(m, BnbLinear)],
         "lm_head_none": model.lm_head is None,
@@ -232,8 +232,12 @@ def load_cached(cls, cfg, dtype: torch.dtype, key: str, cache_dir: str | None = 
         for p in spec["packed"]:
             packs = (aligned(tensors.pop(f"{p['name']}.packed")), aligned(tensors.pop(f"{p['name']}.scales")))
             dense = tensors.pop(f"{p['name']}.dense") if p["dense"] else None
+            native = None
+            if p.get("native"):
+                roles = [r for r in ("native_codes", "native_scales", "native_mins") if f"{p['name']}.{r}" in tensors]
+                native = p["native"], tuple(aligned(tensors.pop(f"{p['name']}.{r}")) for r in roles)
             mod = PackedLinear(p["in"], p["out"], **{p["kind"]: packs}, dense=dense, small_batch=p["small_batch"],
-                               sizes=p["sizes"])
+                               sizes=p["sizes"], native=native)
             parent, _, leaf = p["name"].rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, leaf, mod)
         for p in spec.get("bnb", []):  # bitsandbytes layers (--weight-quant nf4 / fp4, CUDA int8)

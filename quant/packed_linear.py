@@ -38,13 +38,17 @@ class PackedLinear(nn.Module):
     scales_zeros [K/32, N, 2])``, ``int8 = (codes [N, K] int8, scales [N])``, scales in ``x``'s
     dtype (the kernels require it). ``dense``: an optional ``[N, K]`` weight used for more than ``small_batch``
     rows. ``sizes``: the parts of a fused projection (``split`` as :class:`MergedLinear`'s).
+    ``native``: optionally ``(kind, pack)``, the same weights in the fused single-stream decode
+    kernel's layout (:mod:`llmd.quant.native_packs`; buffers ``native_codes``, ``native_scales``,
+    ``native_mins``), read only by that kernel (:mod:`llmd.kernels.cpu_fused`), never by ``forward``.
 
     Raises:
         ValueError: neither or both packs given.
     """
 
     def __init__(self, in_features: int, out_features: int, *, int4=None, int8=None,
-                 dense: torch.Tensor | None = None, small_batch: int = SMALL_BATCH, sizes: list[int] | None = None):
+                 dense: torch.Tensor | None = None, small_batch: int = SMALL_BATCH, sizes: list[int] | None = None,
+                 native: tuple[str, tuple[torch.Tensor, ...]] | None = None):
         super().__init__()
         if (int4 is None) == (int8 is None):
             raise ValueError("PackedLinear needs exactly one of int4 / int8 packs")
@@ -56,6 +60,17 @@ class PackedLinear(nn.Module):
         self.dense = None if dense is None else nn.Parameter(dense, requires_grad=False)
         self.small_batch = small_batch
         self.sizes = sizes
+        self.native_kind = None if native is None else native[0]
+        if native is not None:
+            for role, t in zip(("native_codes", "native_scales", "native_mins"), native[1]):
+                self.register_buffer(role, t, persistent=False)
+
+    def native_pack(self) -> tuple[str, tuple[torch.Tensor, ...]] | None:
+        """``(kind, pack)`` for the fused decode kernel, or None (see the class docstring)."""
+        if self.native_kind is None:
+            return None
+        b = self._buffers
+        return self.native_kind, tuple(b[r] for r in ("native_codes", "native_scales", "native_mins") if r in b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Tensors straight from the module's dicts: nn.Module.__getattr__ costs ~1.4 µs per
@@ -80,6 +95,11 @@ class PackedLinear(nn.Module):
         """``(pack bytes, dense bytes)`` held by this layer."""
         packs = self.packed.nbytes + self.scales.nbytes
         return packs, 0 if self.dense is None else self.dense.nbytes
+
+    def native_nbytes(self) -> int:
+        """Bytes of the fused decode kernel's copy (0 without one)."""
+        native = self.native_pack()
+        return 0 if native is None else sum(t.nbytes for t in native[1])
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, {self.kind}"

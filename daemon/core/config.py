@@ -258,6 +258,21 @@ class EngineConfig:
         """The resolved ``--kv-cache-dtype`` with ``--kv-scale-group-size`` (:mod:`llmd.quant.kv_format`)."""
         return get_format(self.kv_cache_dtype, self.kv_scale_group_size)
 
+    def wants_fused_decode(self, cfg) -> bool:
+        """Whether to pack the weights for the fused single-stream decode kernel too
+        (:mod:`llmd.kernels.cpu_fused`): CPU, the cpu backend with its native kernels, ``gguf``
+        weights (``--weight-quant auto`` on a bfloat16 CPU, or ``gguf``), an ``auto`` cache without
+        rotation, a Llama-architecture file (``cfg``: its :class:`~llmd.models.config.ModelConfig`),
+        and the kernel builds for its shape here (~3 s the first time on a machine)."""
+        if (self.device != "cpu" or self.attention_backend != "cpu" or self.disable_native_kernels
+                or self.weight_quant != "gguf" or self.kv_cache_dtype != "auto" or self.kv_rotation != "none"
+                or cfg.architecture not in ("llama",)):
+            return False
+        from llmd.kernels import cpu_fused
+
+        group = cfg.num_heads // max(1, cfg.num_kv_heads)
+        return cfg.head_dim % 16 == 0 and group <= 16 and cpu_fused.available(cfg.head_dim, group)
+
     @property
     def keep_dense(self) -> bool:
         """Whether packed layers keep their dense weights (``weight_quant`` was "auto")."""

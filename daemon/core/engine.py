@@ -239,7 +239,8 @@ class Engine:
 
         path = resolve_model(config.model)
         model, cfg = load_model(path, config.torch_dtype, config.device, config.weight_quant, config.keep_dense,
-                                weights_cache=weights_cache.enabled())  # a warm start maps the converted weights
+                                weights_cache=weights_cache.enabled(),  # a warm start maps the converted weights
+                                native=config.wants_fused_decode(header_info(path).config))
         tokenizer = load_tokenizer(path, cfg, header_info(path).data_offset)
         return cls(model, tokenizer, config)
 
@@ -276,7 +277,12 @@ class Engine:
 
             reason = ("--disable-native-kernels" if c.disable_native_kernels else build.why_not
                       or "not for this model dtype, KV format, block size or shape")
-            attn += " (decodes: C kernel)" if self.runner.native_decodes else f" (decodes: torch ops, {reason})"
+            attn += " (decodes: C kernel" if self.runner.native_decodes else f" (decodes: torch ops, {reason}"
+            if self.runner.fused_decode is not None:  # kernels/cpu_fused.py: the whole batch-1 step in C
+                attn += "; batch-1 steps: fused C kernel"
+            elif c.weight_quant == "gguf":
+                attn += f"; batch-1 steps: torch ops, {self.runner.fused_why_not}"
+            attn += ")"
         return f"dtype {c.dtype}{why}, attention {attn}, {threads}{weights}"
 
     def _kv_dtype_label(self) -> str:

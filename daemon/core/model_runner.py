@@ -105,6 +105,15 @@ class ModelRunner:
         self.native_decodes = attention_backend == "cpu" and native_kernels \
             and cpu_native.serves(fmt, compute_dtype_for(kv_dtype), block_size) \
             and cpu_native.prepare(self.config.head_dim, self.config.num_heads // self.config.num_kv_heads)
+        # batch-1 decode steps in one C call (kernels/cpu_fused.py), or why not (the startup line says)
+        self.fused_decode, self.fused_why_not = None, "off (--disable-native-kernels or not the cpu backend)"
+        if attention_backend == "cpu" and native_kernels and self.device.type == "cpu":
+            builder = getattr(model, "fused_decoder", None)
+            fused = builder(self.layer_caches, block_size) if builder else "not in this architecture's model file"
+            if isinstance(fused, str):
+                self.fused_why_not = fused
+            else:
+                self.fused_decode, self.fused_why_not = fused, None
         if attention_backend == "triton" and self.device.type == "cuda":
             self.num_warmed_up = self.warm_up_kernels(kv_dtype, fmt.name, kv_scales is not None, max_model_len)
             if cuda_graphs and not fmt.k_per_block:  # int4: its store plans each step on the host
@@ -240,6 +249,11 @@ class ModelRunner:
             logits_indices = step.logits_indices
         else:
             input_ids, positions, meta, logits_indices = self.prepare_inputs(out)
+            fused = self.fused_decode
+            if fused is not None and logits_indices == [0] and meta.query_lens_cpu == [1] \
+                    and not isinstance(meta, list):  # one decode token: the whole step in one C call
+                return fused(int(input_ids[0]), int(positions[0]), int(meta.slot_mapping[0]), meta.block_tables[0],
+                             meta.seq_lens_cpu[0]).clone()
             hidden = self.model(input_ids, positions, self.layer_caches, meta)
         if not logits_indices:
             return torch.empty(0, self.config.vocab_size)
@@ -260,12 +274,17 @@ class ModelRunner:
                        block_tables: list[list[int]], residual_slots: list[int] | None = None) -> torch.Tensor:
         """Teacher forcing: run one sequence's chunk at positions ``num_computed_tokens..`` (its
         K/V stored first, then read back: store-then-read) and return the logits of *every*
-        position, ``[len(token_ids), vocab]`` float32 on CPU. ``block_tables`` (one per KV cache
-        group) must cover the chunk; ``residual_slots`` the request's int4 residual slots; nothing
-        is sampled."""
+        position, ``[len(token_ids), vocab]`` float32 on CPU. A one-token chunk runs as a batch-1
+        decode step would (the fused kernel when on), so ``chunk=1`` measures that path.
+        ``block_tables`` (one per KV cache group) must cover the chunk; ``residual_slots`` the
+        request's int4 residual slots; nothing is sampled."""
         step = SchedulerOutput([ScheduledRequest(request_id, list(token_ids), num_computed_tokens, block_tables,
                                                  sample=True, is_prefill=True, residual_slots=residual_slots)])
         input_ids, positions, meta, _ = self.prepare_inputs(step)
+        fused = self.fused_decode
+        if fused is not None and len(token_ids) == 1 and not isinstance(meta, list):  # as a decode step would run
+            return fused(int(input_ids[0]), int(positions[0]), int(meta.slot_mapping[0]), meta.block_tables[0],
+                         meta.seq_lens_cpu[0]).clone()
         hidden = self.model(input_ids, positions, self.layer_caches, meta)
         return self.model.compute_logits(hidden).float().cpu()
 

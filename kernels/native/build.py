@@ -32,11 +32,14 @@ import torch  # noqa: F401  (loads torch's libgomp before the kernel's NEEDED en
 
 log = logging.getLogger("llmd.kernels")
 SOURCE = Path(__file__).with_name("paged_decode.c")
+# fused_decode.c includes paged_decode.c (its attention)
+SOURCES = {"paged_decode": SOURCE, "fused_decode": Path(__file__).with_name("fused_decode.c")}
 # no -ffast-math: with GCC < 13 linking a shared object with it adds crtfastmath.o, whose constructor
 # sets the FTZ/DAZ bits of the loading thread's MXCSR: every later float op of the process would flush
 # subnormals (hypothesis refuses to run then). The kernel's vector code is explicit, so it needs none of it.
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
-_cache: dict[tuple[int, int] | None, ctypes.CDLL | None] = {}
+_cache: dict[tuple[int, int] | None, ctypes.CDLL | None] = {}  # paged_decode builds per shape
+_fused: dict[tuple[int, int], ctypes.CDLL | None] = {}  # fused_decode builds per shape
 why_not: str | None = None  # why the kernel is unavailable, once load() has been called
 
 
@@ -57,10 +60,12 @@ def _compiler() -> str | None:
     return shutil.which(cc) or (shutil.which("gcc") if not os.environ.get("CC") else None)
 
 
-def _build(cc: str, flags: list[str]) -> Path:
+def _build(cc: str, flags: list[str], name: str = "paged_decode") -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
-    out = cache_dir() / f"paged_decode-{digest}.so"
+    sources = b"".join(p.read_bytes() for p in SOURCES.values())  # fused_decode.c includes paged_decode.c
+    digest = hashlib.sha256(sources + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
+    out = cache_dir() / f"{name}-{digest}.so"
+    source = SOURCES[name]
     if out.exists():
         return out
     os.makedirs(out.parent.parent, mode=0o700, exist_ok=True)  # llmd's cache directory is private (models/paths.py)
@@ -68,7 +73,7 @@ def _build(cc: str, flags: list[str]) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        res = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=300)
+        res = subprocess.run([cc, *flags, "-o", tmp, str(source), "-lm"], capture_output=True, text=True, timeout=300)
         if res.returncode != 0:
             last = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else f"exit {res.returncode}"
             raise RuntimeError(f"{cc} failed: {last}")
@@ -110,3 +115,37 @@ def load(shape: tuple[int, int] | None = None) -> ctypes.CDLL | None:
         log.warning("llmd: native CPU decode kernel unavailable (%s); using the torch path", why_not)
     _cache[shape] = lib
     return lib
+
+
+def load_fused(shape: tuple[int, int]) -> ctypes.CDLL | None:
+    """The fused single-stream decode library (``fused_decode.c``) for ``shape`` (as :func:`load`),
+    its ``llmd_fused_decode`` typed, or None when it is unavailable: as :func:`load`, or the CPU
+    lacks AVX512-VNNI/BW/VL (the library then reports ``llmd_fused_supported() == 0``). Says why
+    once (``fused_why_not``)."""
+    global fused_why_not
+    if shape in _fused:
+        return _fused[shape]
+    lib = None
+    if load(shape) is None:  # the same compiler, switches and build; a failure there is reported there
+        fused_why_not = why_not
+    else:
+        try:
+            lib = ctypes.CDLL(str(_build(_compiler(), FLAGS + [f"-DSPEC_NV={shape[0]}", f"-DSPEC_G={shape[1]}"],
+                                         "fused_decode")))
+            if lib.llmd_fused_supported() != 1:
+                fused_why_not, lib = "this CPU lacks AVX512-VNNI/BW/VL", None
+            else:
+                c = ctypes
+                fn = lib.llmd_fused_decode
+                fn.argtypes = [c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_int64, c.c_int64, c.c_void_p,
+                               c.c_int64, c.c_void_p, c.c_void_p, c.c_int]
+                fn.restype = c.c_int
+        except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
+            fused_why_not, lib = f"build failed: {e}", None
+    if lib is None:
+        log.warning("llmd: fused single-stream decode kernel unavailable (%s); using the torch path", fused_why_not)
+    _fused[shape] = lib
+    return lib
+
+
+fused_why_not: str | None = None  # why load_fused() found no library

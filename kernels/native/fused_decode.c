@@ -1,0 +1,303 @@
+/* One decode token of a Llama-architecture model in one call: every layer's RMSNorm, 4-bit / 8-bit
+ * weight matrix-vector products, RoPE, K/V store into the paged cache, paged attention, SwiGLU and
+ * residual adds, then the final norm and the LM head's logits (single-stream decode, batch 1).
+ *
+ * Why: at batch 1 a step of the torch path is ~27 small kernels per layer plus torch's weight-only
+ * int4/int8 matmuls; those alone (~6.8 ms for SmolLM2) cost about what llama.cpp spends on a whole
+ * token. Here the step is one OpenMP parallel region (torch's thread team, see build.py) with one
+ * barrier per matrix-vector product.
+ *
+ * Weights (packed by llmd/quant/native_packs.py from the GGUF's own blocks):
+ *   Q4 matrix [N, K]: codes [N, K/2] uint8, each 64-weight group g of a row in 32 bytes, byte j
+ *     holding weight 64g + j in its low nibble and weight 64g + 32 + j in its high nibble (codes
+ *     0..15); scales and mins [N, K/32] float16: w = code * scale + min per block of 32 (GGUF Q4_1
+ *     exactly; Q4_0: min = -8 scale; Q4_K: scale = d * sc_j, min = -dmin * m_j rounded to float16).
+ *   Q8 matrix [N, K]: codes [N, K] int8, scales [N, K/32] float16: w = code * scale (GGUF Q8_0).
+ * Activations: each matrix-vector product quantizes its input vector per block of 32 to int8
+ * (symmetric, scale = absmax / 127, round to nearest even) as llama.cpp does (ggml-quants.c
+ * quantize_row_q8_1: its Q8_1 activations for Q4_1 weights). Q4 products use centred codes,
+ * w = (q - 8) scale + (min + 8 scale): the integer dot sum (q - 8) xq (the accumulator starts at
+ * -8 * sum(xq)) carries the quantized x, the small offset term multiplies the block's exact float
+ * sum, so the activation rounding error is weighted by the centred weights (as llama.cpp's Q8_1 sum
+ * term achieves) and the two float terms do not cancel. Products: AVX512-VNNI vpdpbusd (u8 x s8 -> s32
+ * per 4 bytes); Q8 weights are made unsigned by +128 and the accumulator starts at -128 * sum(xq). Everything
+ * else is float32: the residual stream, norms, RoPE, softmax (paged_decode.c's decode_task), SwiGLU.
+ * The new K/V row is written in the cache's dtype (float32, or bfloat16 rounded to nearest even).
+ *
+ * Built only where the compiler targets AVX512-VNNI and AVX512-BW; elsewhere llmd_fused_supported()
+ * returns 0 and llmd keeps the torch path.
+ */
+#include "paged_decode.c"
+
+#include <omp.h>
+
+typedef struct {
+    const uint8_t *codes;    /* Q4: [N, K/2]; Q8: [N, K] int8 */
+    const uint16_t *scales;  /* [N, K/32] float16 */
+    const uint16_t *mins;    /* [N, K/32] float16 (Q4), NULL for Q8 */
+    int64_t rows, cols;
+    int kind;                /* 0 = Q4, 1 = Q8 */
+} llmd_mat;
+
+typedef struct {
+    const float *attn_norm, *ffn_norm;  /* [hidden] float32 */
+    llmd_mat qkv, o, gate_up, down;     /* qkv rows: q heads, then k heads, then v heads; gate_up: gate, then up */
+    void *kv;                           /* the layer's cache data [2, blocks, block_size, kv_heads, head_dim] */
+    int64_t num_blocks;
+    int window;                         /* sliding window (tokens), 0 = none */
+} llmd_layer;
+
+typedef struct {
+    int hidden, heads, kv_heads, head_dim, inter, num_layers, block_size, kv_dtype;  /* kv_dtype: KV_F32 / KV_BF16 */
+    float eps, attn_scale;
+    int act_levels;          /* 1: int8 activations; 2: plus an int8 code of each one's rounding residual */
+    const float *inv_freq;   /* [head_dim / 2] RoPE inverse frequencies */
+    const float *final_norm; /* [hidden] */
+    llmd_mat head;           /* [vocab, hidden] */
+} llmd_model;
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define FUSED_OK 1
+#define MAX_K 16384
+#ifndef PF_TILES
+#define PF_TILES 4  /* row tiles ahead whose weights each tile prefetches */
+#endif
+
+/* Per-thread copy of the quantized input of the next product (no barrier to share it). */
+typedef struct {
+    int8_t xq[2][MAX_K] __attribute__((aligned(64)));  /* codes, and the codes of the residual (2 levels) */
+    float dx[MAX_K / 32] __attribute__((aligned(64)));
+    float sx[MAX_K / 32] __attribute__((aligned(64)));
+    int32_t sq[2][MAX_K / 32] __attribute__((aligned(64)));  /* each block's sum of codes, per level */
+} qvec;
+
+#define RESIDUAL_STEPS 254.0f  /* the residual's codes step dx / 254: |residual| <= dx / 2 fits in +-127 */
+#define ROWS 16                /* rows per tile of the packed layouts (one 16-lane accumulator) */
+
+static inline __m512i round_codes(__m512 v) { return _mm512_cvtps_epi32(v); }  /* to nearest even (MXCSR) */
+
+static inline int32_t sum_codes(const int8_t *c) {
+    const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c));
+    const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16)));
+    return _mm512_reduce_add_epi32(_mm512_add_epi32(w, v));
+}
+
+/* x [K] float32 -> int8 codes per block of 32 with scale dx (absmax / 127), each block's float sum sx
+ * and code sums, and with levels == 2 the codes of the rounding residual in steps of dx / 254 (the
+ * product then sees x to ~1/64,000 of the block's absmax instead of ~1/254). */
+static void quantize(const float *x, int K, qvec *q, int levels) {
+    for (int b = 0; b < K / 32; b++) {
+        const __m512 a = _mm512_loadu_ps(x + 32 * b), c = _mm512_loadu_ps(x + 32 * b + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+        const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        q->dx[b] = d;
+        q->sx[b] = _mm512_reduce_add_ps(_mm512_add_ps(a, c));
+        const __m512 vid = _mm512_set1_ps(id);
+        const __m512i ia = round_codes(_mm512_mul_ps(a, vid)), ic = round_codes(_mm512_mul_ps(c, vid));
+        _mm_storeu_si128((__m128i *)(q->xq[0] + 32 * b), _mm512_cvtsepi32_epi8(ia));
+        _mm_storeu_si128((__m128i *)(q->xq[0] + 32 * b + 16), _mm512_cvtsepi32_epi8(ic));
+        q->sq[0][b] = sum_codes(q->xq[0] + 32 * b);
+        if (levels == 2) {  /* residual r = x - d q1, in codes of d / 254 */
+            const __m512 vd = _mm512_set1_ps(d), vid2 = _mm512_set1_ps(id * RESIDUAL_STEPS);
+            const __m512 ra = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ia), vd, a);
+            const __m512 rc = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ic), vd, c);
+            _mm_storeu_si128((__m128i *)(q->xq[1] + 32 * b), _mm512_cvtsepi32_epi8(round_codes(_mm512_mul_ps(ra, vid2))));
+            _mm_storeu_si128((__m128i *)(q->xq[1] + 32 * b + 16),
+                             _mm512_cvtsepi32_epi8(round_codes(_mm512_mul_ps(rc, vid2))));
+            q->sq[1][b] = sum_codes(q->xq[1] + 32 * b);
+        }
+    }
+}
+
+/* One block's integer dot for the 16 rows of a tile, lane j = row j: sum over the block's 32 weights
+ * of (weight code as the u8 operand) x (activation code), then minus off x the block's code sum, so
+ * lane j = sum (q - 8) xq (Q4) or sum code xq (Q8, stored + 128). The activation's 4 codes of a step
+ * are broadcast to every lane (vpdpbusd's 4-byte groups). Layouts: quant/native_packs.py. */
+static inline __m512i block_dot(const uint8_t *wb, const int8_t *xb, int32_t sq, const int q4) {
+    const int32_t *x4 = (const int32_t *)xb;
+    __m512i d = _mm512_setzero_si512();
+    if (q4) {  /* 4 chunks of 64 bytes: chunk c's low nibbles are step c, its high nibbles step c + 4 */
+        const __m512i low = _mm512_set1_epi8(0x0F);
+        for (int c = 0; c < 4; c++) {
+            const __m512i v = _mm512_loadu_si512(wb + 64 * c);
+            d = _mm512_dpbusd_epi32(d, _mm512_and_si512(v, low), _mm512_set1_epi32(x4[c]));
+            d = _mm512_dpbusd_epi32(d, _mm512_and_si512(_mm512_srli_epi16(v, 4), low), _mm512_set1_epi32(x4[c + 4]));
+        }
+        return _mm512_sub_epi32(d, _mm512_set1_epi32(8 * sq));
+    }
+    const __m512i flip = _mm512_set1_epi8((char)0x80);  /* 8 steps of 64 bytes, codes + 128 as u8 */
+    for (int s8 = 0; s8 < 8; s8++)
+        d = _mm512_dpbusd_epi32(d, _mm512_xor_si512(_mm512_loadu_si512(wb + 64 * s8), flip), _mm512_set1_epi32(x4[s8]));
+    return _mm512_sub_epi32(d, _mm512_set1_epi32(128 * sq));
+}
+
+/* out[16 t ..] (+)= W x for row tiles [t0, t1), x as quantize() left it (LV levels). Per block: the
+ * tile's 16 integer dots (block_dot), x its 16 scales and the block's dx; Q4 adds (min + 8 scale) x
+ * the block's exact float sum. */
+static inline __attribute__((always_inline)) void matvec_impl(const llmd_mat *w, int64_t t0, int64_t t1,
+                                                               const qvec *q, float *out, int accumulate, const int LV) {
+    const int nb = (int)(w->cols / 32), q4 = w->kind == 0;
+    const int64_t tile_bytes = (int64_t)nb * (q4 ? 256 : 512);
+    for (int64_t t = t0; t < t1; t++) {
+        const uint8_t *wt = w->codes + t * tile_bytes;
+        const uint16_t *st = w->scales + t * nb * ROWS, *mt = q4 ? w->mins + t * nb * ROWS : 0;
+        const int pf = PF_TILES > 0 && t + PF_TILES < t1;  /* the tile PF_TILES ahead, block by block */
+        __m512 acc = _mm512_setzero_ps(), acc2 = _mm512_setzero_ps(), accm = _mm512_setzero_ps();
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *wb = wt + (int64_t)b * (q4 ? 256 : 512);
+            if (pf)
+                for (int l = 0; l < (q4 ? 256 : 512); l += 64) _mm_prefetch((const char *)wb + PF_TILES * tile_bytes + l, _MM_HINT_T0);
+            const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + b * ROWS)));
+            const __m512 sd = _mm512_mul_ps(sc, _mm512_set1_ps(q->dx[b]));
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block_dot(wb, q->xq[0] + 32 * b, q->sq[0][b], q4)), sd, acc);
+            if (LV == 2)
+                acc2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block_dot(wb, q->xq[1] + 32 * b, q->sq[1][b], q4)), sd, acc2);
+            if (q4) {  /* centred codes: w = (q - 8) s + (min + 8 s) */
+                const __m512 z = _mm512_fmadd_ps(_mm512_set1_ps(8.0f), sc,
+                                                 _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mt + b * ROWS))));
+                accm = _mm512_fmadd_ps(z, _mm512_set1_ps(q->sx[b]), accm);
+            }
+        }
+        __m512 sum = _mm512_add_ps(acc, accm);
+        if (LV == 2) sum = _mm512_fmadd_ps(acc2, _mm512_set1_ps(1.0f / RESIDUAL_STEPS), sum);
+        float *o = out + t * ROWS;
+        _mm512_storeu_ps(o, accumulate ? _mm512_add_ps(_mm512_loadu_ps(o), sum) : sum);
+    }
+}
+
+static void matvec_1(const llmd_mat *w, int64_t t0, int64_t t1, const qvec *q, float *out, int acc) {
+    matvec_impl(w, t0, t1, q, out, acc, 1);
+}
+static void matvec_2(const llmd_mat *w, int64_t t0, int64_t t1, const qvec *q, float *out, int acc) {
+    matvec_impl(w, t0, t1, q, out, acc, 2);
+}
+
+/* This thread's share of a product (a static split of the row tiles), then the team's barrier. */
+static void matvec(const llmd_mat *w, const qvec *q, float *out, int accumulate, int levels) {
+    const int64_t tiles = w->rows / ROWS;
+    void (*fn)(const llmd_mat *, int64_t, int64_t, const qvec *, float *, int) = levels == 2 ? matvec_2 : matvec_1;
+    const int nt = omp_get_num_threads(), me = omp_get_thread_num();
+    fn(w, tiles * me / nt, tiles * (me + 1) / nt, q, out, accumulate);
+#pragma omp barrier
+}
+
+static void rms_norm(const float *x, const float *wt, int n, float eps, float *out) {
+    __m512 s = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        s = _mm512_fmadd_ps(v, v, s);
+    }
+    const float r = 1.0f / sqrtf(_mm512_reduce_add_ps(s) / (float)n + eps);
+    for (int i = 0; i < n; i += 16)
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(r)),
+                                                _mm512_loadu_ps(wt + i)));
+}
+
+/* NEOX rotate-half RoPE of one head in place: x1' = x1 c - x2 s, x2' = x2 c + x1 s. */
+static void rope(float *v, const float *cs, const float *sn, int D) {
+    const int h = D / 2;
+    for (int i = 0; i < h; i++) {
+        const float a = v[i], b = v[i + h];
+        v[i] = a * cs[i] - b * sn[i];
+        v[i + h] = b * cs[i] + a * sn[i];
+    }
+}
+
+static void store_row(void *kv, int64_t off, const float *src, int D, int kv_dtype) {
+    if (kv_dtype == KV_F32) {
+        memcpy((float *)kv + off, src, (size_t)D * 4);
+    } else {
+        uint16_t *dst = (uint16_t *)kv + off;
+        for (int i = 0; i < D; i++) dst[i] = f32_to_bf16(src[i]);
+    }
+}
+
+/* silu(g) * u, 16 lanes: g / (1 + exp(-g)) with exp of -|g| only (exp16 takes x <= 0). */
+static void swiglu(const float *gu, int I, float *act) {
+    for (int i = 0; i < I; i += 16) {
+        v16f g, u;
+        memcpy(&g, gu + i, 64);
+        memcpy(&u, gu + I + i, 64);
+        v16f ng = (v16f)_mm512_abs_ps((__m512)g);
+        const v16f e = exp16((v16f){0} - ng);  /* exp(-|g|) */
+        const v16f pos = g / (1.0f + e), neg = g * e / (1.0f + e);
+        const __mmask16 m = _mm512_cmp_ps_mask((__m512)g, _mm512_setzero_ps(), _CMP_GE_OQ);
+        const v16f s = (v16f)_mm512_mask_blend_ps(m, (__m512)neg, (__m512)pos);
+        const v16f r = s * u;
+        memcpy(act + i, &r, 64);
+    }
+}
+
+/* Shared work buffers (floats): x [hidden], qkv [(heads + 2 kv_heads) D], attn [heads D], gu [2 inter],
+ * rope cos/sin [D/2 each]; each thread's norm / SwiGLU output and quantized vector are its own. */
+int llmd_fused_decode(const llmd_model *m, const llmd_layer *layers, const void *embed_row, int embed_dtype,
+                      int64_t position, int64_t slot, const int32_t *block_table, int64_t seq_len,
+                      float *logits, float *work, int num_threads) {
+    const int H = m->hidden, D = m->head_dim, Hq = m->heads, Hk = m->kv_heads, I = m->inter;
+    const int G = Hq / Hk, NV = D / 16, LVL = m->act_levels == 2 ? 2 : 1;
+    if (H > MAX_K || I > MAX_K || H % 64 || I % 64 || D % 16 || D > MAX_HEAD_DIM || G > MAX_GROUP
+        || m->block_size > MAX_BLOCK || G * Hk != Hq)
+        return -1;
+    float *x = work, *qkv = x + H, *attn = qkv + (Hq + 2 * Hk) * D, *gu = attn + Hq * D;
+    float *cs = gu + 2 * I, *sn = cs + D / 2;
+    for (int i = 0; i < H; i++)
+        x[i] = embed_dtype == Q_F32 ? ((const float *)embed_row)[i] : bf16_to_f32(((const uint16_t *)embed_row)[i]);
+    for (int i = 0; i < D / 2; i++) {
+        const float a = (float)position * m->inv_freq[i];
+        cs[i] = cosf(a);
+        sn[i] = sinf(a);
+    }
+    qvec *qs = NULL;
+    const int nt = num_threads < 1 ? 1 : num_threads;
+    if (posix_memalign((void **)&qs, 64, sizeof(qvec) * (size_t)nt)) return -2;
+    const int64_t row = (int64_t)Hk * D, bs = m->block_size;
+#pragma omp parallel num_threads(nt)
+    {
+        qvec *q = qs + omp_get_thread_num();
+        float normed[MAX_K] __attribute__((aligned(64)));
+        for (int l = 0; l < m->num_layers; l++) {
+            const llmd_layer *L = layers + l;
+            rms_norm(x, L->attn_norm, H, m->eps, normed);
+            quantize(normed, H, q, LVL);
+            matvec(&L->qkv, q, qkv, 0, LVL);
+            const int64_t half = L->num_blocks * bs * row, first = L->window > 0 && seq_len > L->window
+                                                                    ? seq_len - L->window : 0;
+#pragma omp for schedule(dynamic, 1)
+            for (int h = 0; h < Hk; h++) {
+                float *k = qkv + (Hq + h) * D, *v = qkv + (Hq + Hk + h) * D;
+                for (int a = 0; a < G; a++) rope(qkv + (h * G + a) * D, cs, sn, D);
+                rope(k, cs, sn, D);
+                store_row(L->kv, slot * row + (int64_t)h * D, k, D, m->kv_dtype);
+                store_row(L->kv, half + slot * row + (int64_t)h * D, v, D, m->kv_dtype);
+                run_task(qkv, Q_F32, 0, L->kv, m->kv_dtype, NULL, NULL, half, 0, (int)bs, Hk, NV, G, block_table,
+                         0, first, seq_len, h, h + 1, m->attn_scale, attn, Q_F32, NULL);
+            }
+            quantize(attn, Hq * D, q, LVL);
+            matvec(&L->o, q, x, 1, LVL);
+            rms_norm(x, L->ffn_norm, H, m->eps, normed);
+            quantize(normed, H, q, LVL);
+            matvec(&L->gate_up, q, gu, 0, LVL);
+            swiglu(gu, I, normed);
+            quantize(normed, I, q, LVL);
+            matvec(&L->down, q, x, 1, LVL);
+        }
+        rms_norm(x, m->final_norm, H, m->eps, normed);
+        quantize(normed, H, q, LVL);
+        matvec(&m->head, q, logits, 0, LVL);
+    }
+    free(qs);
+    return 0;
+}
+
+int llmd_fused_supported(void) { return 1; }
+#else
+int llmd_fused_decode(const llmd_model *m, const llmd_layer *layers, const void *embed_row, int embed_dtype,
+                      int64_t position, int64_t slot, const int32_t *block_table, int64_t seq_len,
+                      float *logits, float *work, int num_threads) {
+    (void)m; (void)layers; (void)embed_row; (void)embed_dtype; (void)position; (void)slot; (void)block_table;
+    (void)seq_len; (void)logits; (void)work; (void)num_threads;
+    return -3;
+}
+
+int llmd_fused_supported(void) { return 0; }
+#endif
