@@ -24,7 +24,6 @@ from llmd.kernels.native import build
 
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # paged_decode.c's KV_F32 / KV_BF16
 _EMBED_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # Q_F32 / Q_BF16
-TILE = 4  # rows per tile of the kernel's products
 
 
 class _Mat(ctypes.Structure):
@@ -74,11 +73,12 @@ class FusedLayer:
 
 def why_not(hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
             kv: torch.Tensor, mats: list[tuple]) -> str | None:
-    """Why the kernel cannot run this model (None: it can). Its limits: hidden and inter multiples
-    of 64 up to 16,384, head_dim a multiple of 16 up to 256, ≤ 16 query heads per KV head, blocks
-    of ≤ 32 tokens, a float32/bfloat16 contiguous cache, every product packed with rows a multiple of 4."""
-    if hidden % 64 or inter % 64 or max(hidden, inter) > 16384:
-        return f"hidden {hidden} / intermediate {inter} not multiples of 64 up to 16384"
+    """Why the kernel cannot run this model (None: it can). Its limits: hidden, inter and heads ·
+    head_dim multiples of 32 up to 16,384, head_dim a multiple of 16 up to 256, ≤ 16 query heads per
+    KV head, blocks of ≤ 32 tokens, a float32/bfloat16 contiguous cache, every product packed
+    (:mod:`llmd.quant.native_packs`: rows a multiple of 16)."""
+    if hidden % 32 or inter % 32 or heads * head_dim % 32 or max(hidden, inter, heads * head_dim) > 16384:
+        return f"hidden {hidden} / intermediate {inter} / heads x head_dim not multiples of 32 up to 16384"
     if head_dim % 16 or head_dim > 256 or heads % kv_heads or heads // kv_heads > 16:
         return f"head_dim {head_dim} / {heads} heads over {kv_heads} KV heads past the kernel's limits"
     if block_size > 32:
@@ -87,8 +87,6 @@ def why_not(hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int, b
         return f"KV cache {str(kv.dtype).removeprefix('torch.')} (needs auto: float32 or bfloat16)"
     if any(m is None for m in mats):
         return "a layer without the GGUF 4/8-bit blocks (needs --weight-quant auto or gguf, Q4_0/Q4_1/Q4_K/Q8_0)"
-    if any(m[1][0].shape[0] % TILE for m in mats):
-        return "a product whose rows are not a multiple of 4"
     return None
 
 
@@ -114,14 +112,16 @@ class FusedDecoder:
             activations); 2 (default) = plus int8 codes of each value's rounding residual (a
             second VNNI product over the same weight bytes; README "Single-stream decode" has the
             quality and speed of both).
+        specialize: the library built for this shape (:func:`llmd.kernels.native.build.load_fused`;
+            ~3 s the first time on a machine), else the runtime-shape one (tests of many shapes).
     Raises:
         RuntimeError: the kernel library is unavailable (check :func:`available` first).
     """
 
     def __init__(self, layers: list[FusedLayer], final_norm: torch.Tensor, head: tuple, embed: torch.Tensor,
                  heads: int, kv_heads: int, head_dim: int, eps: float, scale: float, rope_theta: float,
-                 block_size: int, act_levels: int = 2):
-        self.lib = build.load_fused((head_dim // 16, heads // kv_heads))
+                 block_size: int, act_levels: int = 2, specialize: bool = True):
+        self.lib = build.load_fused((head_dim // 16, heads // kv_heads) if specialize else None)
         if self.lib is None:
             raise RuntimeError(f"fused decode kernel unavailable: {build.fused_why_not}")
         keep: list = []  # every tensor a pointer refers to

@@ -101,12 +101,11 @@ def _int4_parts(model, parts, k: int):
 def _q8_parts(model, parts, k: int):
     """The fused kernel's Q8 pack of Q8_0 parts, each through the model's row transform, stacked."""
     codes, scales = [], []
-    for name, t, n in parts:
-        c, s = native_packs.q8_pack(t.data, t.tensor_type, n, k)
-        codes.append(model.transform_gguf_tensor(name, c.numpy()))
-        scales.append(model.transform_gguf_tensor(name, s.numpy()))
-    return native_packs.Q8, (torch.from_numpy(np.ascontiguousarray(np.concatenate(codes))),
-                             torch.from_numpy(np.ascontiguousarray(np.concatenate(scales))))
+    for name, t, n in parts:  # the row transforms (llama Q/K) on row-major blocks, then the tile layout
+        c, s = native_packs.q8_blocks(t.data, t.tensor_type, n, k)
+        codes.append(model.transform_gguf_tensor(name, c))
+        scales.append(model.transform_gguf_tensor(name, s))
+    return native_packs.Q8, native_packs.q8_pack(np.concatenate(codes), np.concatenate(scales))
 
 
 def _pack(model, parts, k: int, mode: str, dtype: torch.dtype, native: bool = False):
@@ -118,12 +117,12 @@ def _pack(model, parts, k: int, mode: str, dtype: torch.dtype, native: bool = Fa
     if mode == "gguf" and types <= INT4_TYPES and k % GROUP == 0 and rows % 16 == 0:  # the pack needs N % 16
         codes, scale, zero = _int4_parts(model, parts, k)
         fused = None
-        if native and k % 64 == 0:
+        if native and k % 32 == 0:
             fused = native_packs.Q4, native_packs.q4_pack(codes.numpy(), scale.numpy(), zero.numpy())
         return "int4", pack_int4(codes, scale, zero, dtype), fused
     if mode == "int8" or (mode == "gguf" and types <= INT8_TYPES):
         codes, scale = int8_rows(np.concatenate([_dequantized(model, name, t) for name, t, _ in parts]))
-        fused = _q8_parts(model, parts, k) if native and types <= INT8_TYPES and k % 64 == 0 else None
+        fused = _q8_parts(model, parts, k) if native and types <= INT8_TYPES and rows % 16 == 0 else None
         return "int8", pack_int8(torch.from_numpy(codes), torch.from_numpy(scale), dtype), fused
     return None
 

@@ -57,24 +57,24 @@ def q4_pack(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> tuple[tor
     return torch.from_numpy(packed), _tiles_scales(scale), _tiles_scales(mins)
 
 
-def q8_pack(raw: np.ndarray, ggml_type: T, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Q8 pack of a Q8_0 tensor's bytes (``GGUFReader`` tensor ``data``, ``[rows, cols]``).
-    Raises ValueError for another type, N not a multiple of 16 or K of 32."""
+def q8_blocks(raw: np.ndarray, ggml_type: T, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0 tensor's bytes (``GGUFReader`` tensor ``data``, ``[rows, cols]``) as row-major int8
+    ``codes [rows, cols]`` and float32 ``scales [rows, cols / 32]`` (exact). Raises ValueError for
+    another type."""
     if ggml_type != T.Q8_0:
         raise ValueError(f"Q8 pack reads Q8_0 blocks, got {ggml_type.name}")
-    _check(rows, cols)
     b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, cols // 32, 34)
-    scales = np.ascontiguousarray(b[..., :2]).view(np.float16)[..., 0]
-    codes = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(rows // ROWS, ROWS, cols // 32, 8, 4)
-    codes = np.ascontiguousarray(codes.transpose(0, 2, 3, 1, 4)).reshape(rows, cols)  # [tile, block, step, row, i]
-    return torch.from_numpy(codes), _tiles_scales(scales.astype(np.float32))
+    scales = np.ascontiguousarray(b[..., :2]).view(np.float16)[..., 0].astype(np.float32)
+    return np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(rows, cols), scales
 
 
-def q8_pack_rows(codes: np.ndarray, scales: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Q8 pack of row-major int8 ``codes [N, K]`` and float ``scales [N, K/32]`` (tests)."""
+def q8_pack(codes: np.ndarray, scales: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Q8 pack of row-major int8 ``codes [N, K]`` and float ``scales [N, K/32]`` (``w = code ·
+    scale``; :func:`q8_blocks` reads them from a file). Raises ValueError for N not a multiple of
+    16 or K of 32."""
     n, k = codes.shape
     _check(n, k)
-    c = np.asarray(codes, dtype=np.int8).reshape(n // ROWS, ROWS, k // 32, 8, 4)
+    c = np.asarray(codes, dtype=np.int8).reshape(n // ROWS, ROWS, k // 32, 8, 4)  # tile, row, block, step, i
     return torch.from_numpy(np.ascontiguousarray(c.transpose(0, 2, 3, 1, 4)).reshape(n, k)), _tiles_scales(scales)
 
 

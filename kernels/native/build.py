@@ -39,7 +39,7 @@ SOURCES = {"paged_decode": SOURCE, "fused_decode": Path(__file__).with_name("fus
 # subnormals (hypothesis refuses to run then). The kernel's vector code is explicit, so it needs none of it.
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 _cache: dict[tuple[int, int] | None, ctypes.CDLL | None] = {}  # paged_decode builds per shape
-_fused: dict[tuple[int, int], ctypes.CDLL | None] = {}  # fused_decode builds per shape
+_fused: dict[tuple[int, int] | None, ctypes.CDLL | None] = {}  # fused_decode builds per shape
 why_not: str | None = None  # why the kernel is unavailable, once load() has been called
 
 
@@ -117,8 +117,9 @@ def load(shape: tuple[int, int] | None = None) -> ctypes.CDLL | None:
     return lib
 
 
-def load_fused(shape: tuple[int, int]) -> ctypes.CDLL | None:
-    """The fused single-stream decode library (``fused_decode.c``) for ``shape`` (as :func:`load`),
+def load_fused(shape: tuple[int, int] | None) -> ctypes.CDLL | None:
+    """The fused single-stream decode library (``fused_decode.c``) for ``shape`` (as :func:`load`;
+    None: the runtime-shape build, whose attention takes any shape, ~10 % slower at SmolLM2's),
     its ``llmd_fused_decode`` typed, or None when it is unavailable: as :func:`load`, or the CPU
     lacks AVX512-VNNI/BW/VL (the library then reports ``llmd_fused_supported() == 0``). Says why
     once (``fused_why_not``)."""
@@ -130,8 +131,8 @@ def load_fused(shape: tuple[int, int]) -> ctypes.CDLL | None:
         fused_why_not = why_not
     else:
         try:
-            lib = ctypes.CDLL(str(_build(_compiler(), FLAGS + [f"-DSPEC_NV={shape[0]}", f"-DSPEC_G={shape[1]}"],
-                                         "fused_decode")))
+            spec = [f"-DSPEC_NV={shape[0]}", f"-DSPEC_G={shape[1]}"] if shape else []
+            lib = ctypes.CDLL(str(_build(_compiler(), FLAGS + spec, "fused_decode")))
             if lib.llmd_fused_supported() != 1:
                 fused_why_not, lib = "this CPU lacks AVX512-VNNI/BW/VL", None
             else:

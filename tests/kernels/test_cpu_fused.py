@@ -17,7 +17,7 @@ from fused_reference import decode_step, product, rms_norm
 
 from llmd.kernels import cpu_fused
 
-pytestmark = pytest.mark.skipif(not cpu_fused.available(32, 1), reason="fused kernel unavailable on this CPU")
+pytestmark = pytest.mark.skipif(not cpu_fused.available(64, 3), reason="fused kernel unavailable on this CPU")
 
 
 def _q4(n, k, gen):
@@ -61,15 +61,17 @@ def test_products_match_float64(kind, hidden, levels, monkeypatch):
     gen = torch.Generator().manual_seed(hidden)
     head = (_q4 if kind == "q4" else _q8)(64, hidden, gen)
     embed, norm = torch.randn(8, hidden, generator=gen), 1 + 0.1 * torch.randn(hidden, generator=gen)
-    dec = cpu_fused.FusedDecoder([], norm, head, embed, 2, 1, 32, 1e-6, 0.1, 1e4, 16, act_levels=levels)
+    dec = cpu_fused.FusedDecoder([], norm, head, embed, 2, 1, 32, 1e-6, 0.1, 1e4, 16, act_levels=levels,
+                                 specialize=False)
     got = dec(5, 0, 0, torch.zeros(1, dtype=torch.int32), 1)[0].double()
     want = product(head, rms_norm(embed[5].double(), norm, 1e-6))
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 
 
+SMOLLM2_SHAPE = (192, 384, 3, 1, 64, 16, None)  # SmolLM2's head_dim and group (the specialized build)
 SHAPES = [  # hidden, inter, heads, kv_heads, head_dim, block_size, window
     (128, 256, 4, 4, 32, 16, None),
-    (192, 384, 3, 1, 64, 16, None),
+    SMOLLM2_SHAPE,
     (256, 512, 8, 2, 32, 32, None),
     (128, 192, 4, 1, 32, 16, 20),
     (256, 256, 2, 1, 128, 32, None),
@@ -97,7 +99,7 @@ def test_fused_step_matches_float64_reference(shape, kv_dtype, levels, monkeypat
         slot = int(table[pos // bs]) * bs + pos % bs
         ref, unq = _copy(layers), _copy(layers)
         dec = cpu_fused.FusedDecoder(layers, final_norm, head, embed, heads, kv_heads, head_dim, eps, scale, theta, bs,
-                                     act_levels=levels)
+                                     act_levels=levels, specialize=shape == SMOLLM2_SHAPE)
         token = 7 + seed
         got = dec(token, pos, slot, table, seq_len)[0].double()
         args = (final_norm, head, embed[token], heads, kv_heads, head_dim, eps, scale, theta, pos, slot, table,

@@ -181,15 +181,39 @@ def float32_base(smollm2, smollm2_tokenizer):
     return ids, quality_row(smollm2[0], smollm2_tokenizer, ids, "auto", None, dtype="float32", **kw), kw
 
 
+@pytest.fixture(scope="module")
+def smollm2_gguf(smollm2_path):
+    """SmolLM2 in bfloat16 with ``gguf`` packs and the fused decode kernel's copy, loaded once."""
+    return load_model(smollm2_path, torch.bfloat16, weight_quant="gguf", native=True)[0]
+
+
 @pytest.mark.parametrize("fmt", ["gguf", "int8", "nf4"])
-def test_smollm2_quality_per_format(float32_base, smollm2_path, smollm2_tokenizer, fmt):
+def test_smollm2_quality_per_format(float32_base, smollm2_path, smollm2_tokenizer, fmt, request):
     from llmd.daemon.bench.kv_quality import quality_row
 
     ids, base, kw = float32_base
-    model, _ = load_model(smollm2_path, torch.bfloat16, weight_quant=fmt)
+    model = request.getfixturevalue("smollm2_gguf") if fmt == "gguf" else \
+        load_model(smollm2_path, torch.bfloat16, weight_quant=fmt)[0]
     row = quality_row(model, smollm2_tokenizer, ids, "auto", base, dtype="bfloat16", **kw)
     max_dnll, min_top1 = QUALITY[fmt]
     assert row.delta_nll_pct <= max_dnll and row.top1 >= min_top1, (row.delta_nll_pct, row.top1)
+
+
+def test_smollm2_fused_decode_quality(float32_base, smollm2_gguf, smollm2_tokenizer, monkeypatch):
+    """The batch-1 decode path (kernels/cpu_fused.py) teacher-forced one token per step over the
+    same text: measured +0.015 % ΔNLL, 98.9 % top-1 vs the float32 model (the torch path through
+    the same one-token steps: +0.31 %, 94.6 %); every step went through the kernel."""
+    from llmd.daemon.bench.kv_quality import quality_row
+    from llmd.kernels import cpu_fused
+
+    ids, base, kw = float32_base
+    calls = []
+    real = cpu_fused.FusedDecoder.__call__
+    monkeypatch.setattr(cpu_fused.FusedDecoder, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+    row = quality_row(smollm2_gguf, smollm2_tokenizer, ids, "auto", base, chunk=1, dtype="bfloat16",
+                      **{**kw, "attention_backend": "cpu"})
+    assert len(calls) == len(ids)
+    assert row.delta_nll_pct <= 0.05 and row.top1 >= 0.975, (row.delta_nll_pct, row.top1)
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.F16])
