@@ -34,8 +34,18 @@ def cpu_has_avx512_bf16() -> bool:
         return False
 
 
+def cpu_has_avx512_vnni() -> bool:
+    """Whether ``/proc/cpuinfo`` lists ``avx512_vnni`` (what the fused decode kernel needs, with
+    AVX512-BW/VL; torch-free); False where the file is absent."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " avx512_vnni" in line for line in f)
+    except OSError:
+        return False
+
+
 def weight_bytes(tensors: dict, layer_tensors: dict, mode: str, elem_bytes: int, keep_dense: bool = False,
-                 bnb_cpu_layout: bool = False) -> int:
+                 bnb_cpu_layout: bool = False, fused: bool = False) -> int:
     """Bytes :func:`quantize_linears` leaves in memory for ``mode``, from GGUF tensor infos alone.
 
     Args:
@@ -46,6 +56,8 @@ def weight_bytes(tensors: dict, layer_tensors: dict, mode: str, elem_bytes: int,
         keep_dense: packed layers keep their dense weights too (``--weight-quant auto``).
         bnb_cpu_layout: ``nf4`` / ``fp4`` layers in bitsandbytes' CPU layout (a bfloat16 model on an
             AVX512-BF16 CPU), see :func:`bnb_4bit_bytes`.
+        fused: ``gguf`` layers also hold the fused decode kernel's copy (:mod:`llmd.quant.native_packs`:
+            4-bit codes with a float16 scale and min per 32, or Q8_0 int8 codes with a float16 scale).
     Returns:
         Weight bytes (int4 packs: K/2 bytes per row and a (scale, zero) pair per 32; int8: K
         bytes per row and one scale; nf4 / fp4: :func:`bnb_4bit_bytes`; dense: ``elem_bytes``
@@ -78,8 +90,11 @@ def weight_bytes(tensors: dict, layer_tensors: dict, mode: str, elem_bytes: int,
             total += bnb_4bit_bytes(n, k, bnb_cpu_layout)
         elif mode == "gguf" and types <= INT4_TYPES and k % GROUP == 0 and n % 16 == 0:
             total += n * k // 2 + n * (k // GROUP) * 2 * elem_bytes + extra
+            total += n * k // 2 + n * (k // GROUP) * 4 if fused else 0
         elif mode == "int8" or types <= INT8_TYPES or head:
             total += n * k + n * elem_bytes + extra
+            q8_copy = fused and mode == "gguf" and types <= INT8_TYPES and n % 16 == 0
+            total += n * k + n * (k // GROUP) * 2 if q8_copy else 0
         else:
             total += n * k * elem_bytes
     return total

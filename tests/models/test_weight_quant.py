@@ -225,10 +225,12 @@ def test_weight_bytes_from_metadata_equal_the_loaded_model(tmp_path, qtype):
     path = tmp_path / "m.gguf"
     write_tiny_llama(path, layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, qtype=qtype)
     tensors = {t.name: t for t in open_gguf(str(path)).tensors}
-    for mode, keep in (("none", False), ("gguf", False), ("gguf", True), ("int8", False)):
-        model, _ = load_model(str(path), torch.bfloat16, weight_quant=mode, keep_dense=keep)
+    for mode, keep, fused in (("none", False, False), ("gguf", False, False), ("gguf", True, False),
+                              ("gguf", True, True), ("int8", False, False)):
+        model, _ = load_model(str(path), torch.bfloat16, weight_quant=mode, keep_dense=keep, native=fused)
         s = model.weight_quant_summary
-        assert weight_bytes(tensors, LlamaForCausalLM.layer_tensors, mode, 2, keep) == s.pack_bytes + s.dense_bytes
+        assert weight_bytes(tensors, LlamaForCausalLM.layer_tensors, mode, 2, keep, fused=fused) == \
+            s.pack_bytes + s.dense_bytes + s.native_bytes
     for dtype in (torch.bfloat16, torch.float32):  # nf4: bitsandbytes' CPU layout (bf16 absmax) or its plain one
         s = load_model(str(path), dtype, weight_quant="nf4")[0].weight_quant_summary
         cpu_layout = s.layouts == ["cpu"]
