@@ -1,4 +1,6 @@
-"""Compile and load llmd's C kernels for CPUs (``paged_decode.c``) with the system C compiler.
+"""Compile and load llmd's C kernels for CPUs with the system C compiler: ``paged_decode.c`` (the
+cpu backend's decode attention, :func:`load`) and ``fused_decode.c`` (a whole batch-1 decode step,
+which includes the former for its attention; :func:`load_fused`).
 
 The source ships in the package; the shared object is built on first use on the machine that
 runs it (``-march=native``: the kernel uses whatever vector units this CPU has), once per model
