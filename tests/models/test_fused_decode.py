@@ -19,7 +19,8 @@ from llmd.quant import native_packs
 from llmd.quant.packed_linear import PackedLinear
 
 T = gguf.GGMLQuantizationType
-pytestmark = pytest.mark.skipif(not cpu_fused.available(16, 2), reason="fused kernel unavailable on this CPU")
+pytestmark = pytest.mark.skipif(not cpu_fused.available(64, 3), reason="fused kernel unavailable on this CPU")
+SHAPE = dict(hidden=192, heads=3, kv_heads=1, ffn=384)  # SmolLM2's head_dim and group: the kernel build it uses
 
 
 def _packed(model):
@@ -28,9 +29,9 @@ def _packed(model):
 
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0])
 def test_native_packs_hold_the_files_weights(tmp_path, qtype):
-    hidden = 256 if qtype == T.Q4_K else 64  # Q4_K super-blocks are 256 wide
+    shape = dict(hidden=256, heads=4, kv_heads=2, ffn=512) if qtype == T.Q4_K else SHAPE  # Q4_K: 256-wide blocks
     path = str(tmp_path / "m.gguf")
-    write_tiny_llama(path, hidden=hidden, heads=4, kv_heads=2, ffn=2 * hidden, qtype=qtype)
+    write_tiny_llama(path, qtype=qtype, **shape)
     dense, _ = load_model(path, torch.float32)
     model, _ = load_model(path, torch.bfloat16, weight_quant="gguf", native=True)
     params = dict(dense.named_parameters())
@@ -47,7 +48,7 @@ def test_native_packs_hold_the_files_weights(tmp_path, qtype):
 
 def test_native_packs_through_the_weights_cache(tmp_path):
     path = str(tmp_path / "m.gguf")
-    write_tiny_llama(path, qtype=T.Q4_1)
+    write_tiny_llama(path, qtype=T.Q4_1, **SHAPE)
     kw = dict(weight_quant="gguf", weights_cache=True, cache_dir=str(tmp_path / "cache"))
     first, _ = load_model(path, torch.bfloat16, native=True, **kw)
     again, _ = load_model(path, torch.bfloat16, native=True, **kw)
@@ -69,7 +70,7 @@ def _engine(path, **kw):
 
 def test_batch1_decodes_run_fused_and_track_the_torch_path(tmp_path, monkeypatch):
     path = str(tmp_path / "m.gguf")
-    write_tiny_llama(path, qtype=T.Q4_1, vocab=256)
+    write_tiny_llama(path, qtype=T.Q4_1, vocab=256, **SHAPE)
     eng = _engine(path)
     assert "batch-1 steps: fused C kernel" in eng.runtime_summary()
     kernel = eng.runner.fused_decode
@@ -109,7 +110,7 @@ def test_batch1_decodes_run_fused_and_track_the_torch_path(tmp_path, monkeypatch
 
 def test_disable_native_kernels_turns_the_fused_path_off(tmp_path):
     path = str(tmp_path / "m.gguf")
-    write_tiny_llama(path, qtype=T.Q4_1)
+    write_tiny_llama(path, qtype=T.Q4_1, **SHAPE)
     eng = _engine(path, disable_native_kernels=True)
     assert eng.runner.fused_decode is None
     assert "batch-1 steps: torch ops, off (--disable-native-kernels" in eng.runtime_summary()
