@@ -147,22 +147,21 @@ class FusedDecoder:
         self.layers, self._keep = structs, keep
         self.work = torch.empty(self.hidden + (heads + 2 * kv_heads) * head_dim + heads * head_dim + 2 * inter
                                 + head_dim, dtype=torch.float32)
-        self.logits = torch.empty(1, self.vocab, dtype=torch.float32)
 
     def __call__(self, token: int, position: int, slot: int, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-        """Logits ``[1, vocab]`` float32 (a buffer reused by the next call) of the token ``token``
+        """Logits ``[1, vocab]`` float32 (a new tensor) of the token ``token``
         at ``position``, whose K/V go to cache slot ``slot``; ``block_table``: the sequence's
         ``[max_blocks]`` int32 row (contiguous) covering ``seq_len`` tokens (this one included).
 
         Raises:
             ValueError: the kernel refused the sizes (not expected after :func:`why_not`)."""
-        row = self.embed[token]
+        row, logits = self.embed[token], torch.empty(1, self.vocab, dtype=torch.float32)
         rc = self.lib.llmd_fused_decode(
             ctypes.byref(self.model), self.layers, row.data_ptr(), _EMBED_DTYPES[row.dtype], position, slot,
-            block_table.data_ptr(), seq_len, self.logits.data_ptr(), self.work.data_ptr(), torch.get_num_threads())
+            block_table.data_ptr(), seq_len, logits.data_ptr(), self.work.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise ValueError(f"fused decode kernel refused the step ({rc})")
-        return self.logits
+        return logits
 
 
 def available(head_dim: int, group: int) -> bool:

@@ -249,11 +249,8 @@ class ModelRunner:
             logits_indices = step.logits_indices
         else:
             input_ids, positions, meta, logits_indices = self.prepare_inputs(out)
-            fused = self.fused_decode
-            if fused is not None and logits_indices == [0] and meta.query_lens_cpu == [1] \
-                    and not isinstance(meta, list):  # one decode token: the whole step in one C call
-                return fused(int(input_ids[0]), int(positions[0]), int(meta.slot_mapping[0]), meta.block_tables[0],
-                             meta.seq_lens_cpu[0]).clone()
+            if logits_indices == [0] and meta.query_lens_cpu == [1] and self._fused_serves(meta):
+                return self._fused_step(input_ids, positions, meta)  # one decode token: the whole step in C
             hidden = self.model(input_ids, positions, self.layer_caches, meta)
         if not logits_indices:
             return torch.empty(0, self.config.vocab_size)
@@ -281,12 +278,19 @@ class ModelRunner:
         step = SchedulerOutput([ScheduledRequest(request_id, list(token_ids), num_computed_tokens, block_tables,
                                                  sample=True, is_prefill=True, residual_slots=residual_slots)])
         input_ids, positions, meta, _ = self.prepare_inputs(step)
-        fused = self.fused_decode
-        if fused is not None and len(token_ids) == 1 and not isinstance(meta, list):  # as a decode step would run
-            return fused(int(input_ids[0]), int(positions[0]), int(meta.slot_mapping[0]), meta.block_tables[0],
-                         meta.seq_lens_cpu[0]).clone()
+        if len(token_ids) == 1 and self._fused_serves(meta):  # as a decode step would run
+            return self._fused_step(input_ids, positions, meta)
         hidden = self.model(input_ids, positions, self.layer_caches, meta)
         return self.model.compute_logits(hidden).float().cpu()
+
+    def _fused_serves(self, meta) -> bool:
+        """The fused decoder is on and the one-token step has a single KV cache group's metadata."""
+        return self.fused_decode is not None and not isinstance(meta, list)
+
+    def _fused_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """``[1, vocab]`` float32 logits of a one-token step through :attr:`fused_decode`."""
+        return self.fused_decode(int(input_ids[0]), int(positions[0]), int(meta.slot_mapping[0]),
+                                 meta.block_tables[0], meta.seq_lens_cpu[0])
 
     def execute(self, out: SchedulerOutput, requests: Sequence[Request],
                 rows: Sequence[int] | None = None) -> SamplerOutput | None:
