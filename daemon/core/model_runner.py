@@ -249,7 +249,7 @@ class ModelRunner:
             logits_indices = step.logits_indices
         else:
             input_ids, positions, meta, logits_indices = self.prepare_inputs(out)
-            if logits_indices == [0] and meta.query_lens_cpu == [1] and self._fused_serves(meta):
+            if logits_indices == [0] and self._fused_serves(meta) and meta.query_lens_cpu == [1]:
                 return self._fused_step(input_ids, positions, meta)  # one decode token: the whole step in C
             hidden = self.model(input_ids, positions, self.layer_caches, meta)
         if not logits_indices:
