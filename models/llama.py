@@ -80,6 +80,8 @@ class LlamaForCausalLM(DecoderForCausalLM):
             return "per-head Q/K norms (not in the fused kernel)"
         if len(set(self.rope_thetas)) != 1:
             return "more than one RoPE base"
+        if len(set(cfg.layer_windows)) != 1:  # the kernel walks one block table for every layer
+            return "more than one KV cache group (layers with different sliding windows)"
         if self.embed_tokens.weight.dtype not in (torch.float32, torch.bfloat16):
             return f"model dtype {self.embed_tokens.weight.dtype} (needs float32 or bfloat16)"
         if any(c.fmt.quantized or c.fmt.k_per_block or c.rotation != "none" for c in layer_caches):

@@ -114,3 +114,19 @@ def test_disable_native_kernels_turns_the_fused_path_off(tmp_path):
     eng = _engine(path, disable_native_kernels=True)
     assert eng.runner.fused_decode is None
     assert "batch-1 steps: torch ops, off (--disable-native-kernels" in eng.runtime_summary()
+
+
+def test_two_kv_cache_groups_take_the_torch_path(tmp_path):
+    """A model with a sliding-window group beside the full one (the step's metadata is one entry per
+    group) runs its batch-1 decodes on torch ops, says why, and serves a single stream to the end
+    (the runner once read the one-group metadata off the list and failed every such step)."""
+    path = str(tmp_path / "m.gguf")
+    write_tiny_llama(path, qtype=T.Q4_1, sliding_window=8, sliding_layers=[True, False], **SHAPE)
+    eng = _engine(path)
+    assert eng.runner.fused_decode is None
+    assert "batch-1 steps: torch ops, more than one KV cache group" in eng.runtime_summary()
+    eng.add_request(list(b"a window and a full layer"), SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += [o for o in eng.step() if o.finished]
+    assert [(o.finish_reason, o.num_output_tokens) for o in outs] == [("length", 20)]
