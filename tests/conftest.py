@@ -35,29 +35,42 @@ def smollm2_path() -> str:
 
 
 @pytest.fixture(scope="session")
-def smollm2(smollm2_path):
-    """(model, config) of SmolLM2-135M-Instruct in float32, loaded once."""
+def smollm2_reader(smollm2_path):
+    """The GGUF's ``gguf.GGUFReader`` from llmd's ``open_gguf``, parsed once (~2-3 s) and kept for
+    the session (tests/fixtures/gguf_readers.py: a later ``open_gguf`` would parse it again)."""
+    from llmd.models.gguf_loader import open_gguf
+
+    return open_gguf(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path, smollm2_reader):
+    """(model, config) of SmolLM2-135M-Instruct in float32, loaded once (the loader's
+    ``open_gguf`` finds the reader ``smollm2_reader`` has just parsed)."""
     from llmd.models.gguf_loader import load_model
 
     return load_model(smollm2_path, torch.float32, "cpu")
 
 
 @pytest.fixture(scope="session")
-def smollm2_tokenizer(smollm2_path, smollm2, tmp_path_factory):
-    from llmd.models.gguf_loader import open_gguf
+def smollm2_tokenizer(smollm2_path, smollm2, smollm2_reader, tmp_path_factory):
     from llmd.models.tokenizer import load_tokenizer
 
-    return load_tokenizer(smollm2_path, smollm2[1], open_gguf(smollm2_path).data_offset)
+    return load_tokenizer(smollm2_path, smollm2[1], smollm2_reader.data_offset)
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2(smollm2_path):
-    """HF transformers' own float32 model from the same GGUF (the reference)."""
+def hf_smollm2(smollm2_path, smollm2_reader):
+    """HF transformers' own float32 model from the same GGUF (the reference). transformers parses
+    the GGUF twice (config, then weights); it gets the session's parsed reader instead (the same
+    ``gguf.GGUFReader`` of the same file, read-only use: tests/fixtures/gguf_readers.py)."""
+    from gguf_readers import shared_gguf_readers
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path), dtype=torch.float32
-    )
+    with shared_gguf_readers((smollm2_path, smollm2_reader)):
+        m = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path), dtype=torch.float32
+        )
     return m.eval()
 
 
@@ -76,4 +89,11 @@ def make_engine(smollm2, smollm2_tokenizer):
 # Real daemons in subprocesses (session-scoped; see tests/fixtures/daemon_harness.py). The helper
 # modules of tests/fixtures/ are importable by name (pytest's ``pythonpath`` in pyproject.toml).
 from daemon_harness import llmd_daemon, llmd_daemons, llmd_small_daemon  # noqa: E402,F401
-from gemma_fixtures import gemma3, gemma3_path, gemma3_tokenizer, hf_gemma3, make_gemma_engine  # noqa: E402,F401
+from gemma_fixtures import (  # noqa: E402,F401
+    gemma3,
+    gemma3_path,
+    gemma3_reader,
+    gemma3_tokenizer,
+    hf_gemma3,
+    make_gemma_engine,
+)

@@ -20,7 +20,6 @@ from llmd.daemon.bench.kv_quality_text import QUALITY_TEXT
 from llmd.daemon.core.config import EngineConfig
 from llmd.daemon.core.engine import Engine
 from llmd.daemon.core.request import SamplingParams
-from llmd.models.gguf_loader import load_model
 
 # Measured on this text (962 tokens), float32 on CPU, torch backend, ties-to-even rounding,
 # since Q/K/V and gate/up are fused at load time (issue 13; the fused matmuls round a few float32
@@ -119,16 +118,17 @@ def test_q1_with_prefix_served_from_cache(quality, smollm2, smollm2_tokenizer, n
 
 
 @pytest.fixture(scope="module")
-def float64_quality(quality, smollm2_path, smollm2_tokenizer, hf_smollm2):
+def float64_quality(quality, smollm2, smollm2_tokenizer, hf_smollm2):
     """``get(name)`` -> (llmd float64 QualityRow, HF float64 ``(nll, argmax)``), once per dtype.
 
-    Both sides run the same GGUF weights in float64 (llmd ``--dtype float64``; HF's float32
-    model copied and cast, its weights being exact float32 dequantizations). Upstream of each
+    Both sides run the same GGUF weights in float64 (llmd ``--dtype float64``; each side's float32
+    model copied and cast, its weights being exact float32 dequantizations: llmd's copy equals a
+    ``load_model(..., torch.float64)`` tensor for tensor, and gives the same rows). Upstream of each
     quantizer the two implementations then agree to ~1e-15 instead of float32's ~1e-7, so a K/V
     element lands on a different side of a rounding boundary about once per run instead of
     thousands of times, and what is compared is the quantization itself."""
     ids = quality[0]
-    model, _ = load_model(smollm2_path, torch.float64, "cpu")
+    model = copy.deepcopy(smollm2[0]).double()
     hf = copy.deepcopy(hf_smollm2).double()
     get_llmd = quality_getter(model, smollm2_tokenizer, ids, dtype="float64")
     runs = {}

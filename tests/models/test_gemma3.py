@@ -15,7 +15,6 @@ from gemma_fixtures import GEMMA_GLOBAL_LAYERS, GEMMA_WINDOW, contiguous_meta
 
 from llmd.models.config import ModelConfig, read_config, sliding_layers
 from llmd.models.errors import LlmdError
-from llmd.models.gguf_loader import open_gguf
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # first test here loads HF's reference
 BLOCK = 16
@@ -93,10 +92,10 @@ def reference(hf_gemma3, ours_long):
     return dict(zip(wanted, logits))
 
 
-def test_windows_and_rope_bases_per_layer(gemma3, gemma3_path):
+def test_windows_and_rope_bases_per_layer(gemma3, gemma3_reader):
     """Case W1: window 512 on local layers, None on 5/11/17; RoPE 10,000 local, freq_base global."""
     model, cfg = gemma3
-    freq_base = open_gguf(gemma3_path).fields["gemma3.rope.freq_base"].contents()
+    freq_base = gemma3_reader.fields["gemma3.rope.freq_base"].contents()
     assert freq_base == 1e6
     want = [None if i in GEMMA_GLOBAL_LAYERS else GEMMA_WINDOW for i in range(cfg.num_layers)]
     assert list(cfg.sliding_window) == want == [layer.self_attn.sliding_window for layer in model.layers]
@@ -138,15 +137,16 @@ def test_metadata_keys_override_gemma_defaults():
     assert cfg.sliding_window == (None, 8, 8, None)
 
 
-def test_dequantization_exact_on_gemma3(gemma3, gemma3_path):
+def test_dequantization_exact_on_gemma3(gemma3, gemma3_reader):
     """Case L2 (Gemma half): every tensor type equals gguf.quants.dequantize bit for bit, norms as stored.
 
     Layer 0 and 5 (global) in full, then the first tensor of any type not seen yet. Tensor bytes
-    come from ``gguf.GGUFReader`` (llmd's cached ``open_gguf``); the dequantization is ``gguf``'s own.
+    come from ``gguf.GGUFReader`` (llmd's ``open_gguf``, the session's ``gemma3_reader``); the
+    dequantization is ``gguf``'s own.
     """
     model, _ = gemma3
     params, tmap = dict(model.named_parameters()), model.gguf_tensor_map()
-    tensors = open_gguf(gemma3_path).tensors
+    tensors = gemma3_reader.tensors
     picked = [t for t in tensors if t.name.startswith(("blk.0.", "blk.5.")) or t.name == "output_norm.weight"]
     seen = {t.tensor_type.name for t in picked}
     for t in tensors:

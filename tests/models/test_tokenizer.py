@@ -6,13 +6,12 @@ import os
 import pytest
 
 from llmd.models.errors import LlmdError
-from llmd.models.gguf_loader import open_gguf
 from llmd.models.tokenizer import Tokenizer, load_tokenizer
 
 
-def test_tokenizer_cache_is_built_once_and_reused(smollm2_path, smollm2, tmp_path):
+def test_tokenizer_cache_is_built_once_and_reused(smollm2_path, smollm2, smollm2_reader, tmp_path):
     cfg = smollm2[1]
-    header = open_gguf(smollm2_path).data_offset
+    header = smollm2_reader.data_offset  # llmd's open_gguf of the file, parsed once per session
     first = load_tokenizer(smollm2_path, cfg, header, cache_dir=str(tmp_path))
     entries = os.listdir(tmp_path / "tokenizers")
     assert len(entries) == 1 and not entries[0].startswith(".tmp")  # renamed into place, no leftovers
