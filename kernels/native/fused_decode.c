@@ -220,18 +220,18 @@ static void store_row(void *kv, int64_t off, const float *src, int D, int kv_dty
     }
 }
 
-/* silu(g) * u, 16 lanes: g / (1 + exp(-g)) with exp of -|g| only (exp16 takes x <= 0). */
+/* silu(g) * u, 16 lanes: g / (1 + exp(-g)) with exp of -|g| only (expv takes x <= 0). */
 static void swiglu(const float *gu, int I, float *act) {
     for (int i = 0; i < I; i += 16) {
-        v16f g, u;
+        vf g, u;
         memcpy(&g, gu + i, 64);
         memcpy(&u, gu + I + i, 64);
-        v16f ng = (v16f)_mm512_abs_ps((__m512)g);
-        const v16f e = exp16((v16f){0} - ng);  /* exp(-|g|) */
-        const v16f pos = g / (1.0f + e), neg = g * e / (1.0f + e);
+        vf ng = (vf)_mm512_abs_ps((__m512)g);
+        const vf e = expv((vf){0} - ng);  /* exp(-|g|) */
+        const vf pos = g / (1.0f + e), neg = g * e / (1.0f + e);
         const __mmask16 m = _mm512_cmp_ps_mask((__m512)g, _mm512_setzero_ps(), _CMP_GE_OQ);
-        const v16f s = (v16f)_mm512_mask_blend_ps(m, (__m512)neg, (__m512)pos);
-        const v16f r = s * u;
+        const vf s = (vf)_mm512_mask_blend_ps(m, (__m512)neg, (__m512)pos);
+        const vf r = s * u;
         memcpy(act + i, &r, 64);
     }
 }

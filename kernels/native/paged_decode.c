@@ -25,15 +25,24 @@ enum { Q_F32 = 0, Q_BF16 = 1 };
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 32
-#define NV_MAX (MAX_HEAD_DIM / 16)
 
-/* GCC vector extensions: 16 float32 lanes, lowered to whatever vector unit -march=native has */
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef _Float16 v16hf __attribute__((vector_size(32)));
-typedef int8_t v16b __attribute__((vector_size(16)));
+/* VL float32 lanes per vector: 16 with AVX-512 (one zmm), 8 otherwise (one ymm with AVX2, a pair of
+ * xmm elsewhere). Key tiles are VL keys wide (one score vector per query row). With GCC's
+ * 64-byte vector type on an AVX2-only CPU (Zen 3) the whole kernel went through the stack (a
+ * 120 KiB frame, element-wise spills): 13x the AVX-512 build's time per decode; 8 lanes there. */
+#if defined(__AVX512F__)
+#define VL 16
+#else
+#define VL 8
+#endif
+#define NC_MAX (MAX_HEAD_DIM / VL)  /* vectors per head */
+
+typedef float vf __attribute__((vector_size(4 * VL)));
+typedef uint32_t vu __attribute__((vector_size(4 * VL)));
+typedef int32_t vi __attribute__((vector_size(4 * VL)));
+typedef uint16_t vh __attribute__((vector_size(2 * VL)));
+typedef _Float16 vhf __attribute__((vector_size(2 * VL)));
+typedef int8_t vb __attribute__((vector_size(VL)));
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t x = (uint32_t)h << 16;
@@ -49,83 +58,117 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even (NaN not
     return (uint16_t)(x >> 16);
 }
 
+static inline vf splat(float s) { return (vf){0} + s; }
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 /* AVX-512: explicit conversions (GCC lowers __builtin_convertvector of 8/16-bit lanes to scalar code) */
-static inline v16f load16(const void *base, int64_t off, int kv_dtype, const float *lut) {
-    if (kv_dtype == KV_F32) return (v16f)_mm512_loadu_ps((const float *)base + off);
+static inline vf loadv(const void *base, int64_t off, int kv_dtype, const float *lut) {
+    if (kv_dtype == KV_F32) return (vf)_mm512_loadu_ps((const float *)base + off);
     if (kv_dtype == KV_BF16) {
         __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off)));
-        return (v16f)_mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+        return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
     }
-    if (kv_dtype == KV_F16) return (v16f)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off)));
+    if (kv_dtype == KV_F16) return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off)));
     __m128i b = _mm_loadu_si128((const __m128i *)((const uint8_t *)base + off));
-    if (kv_dtype == KV_INT8) return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-    return (v16f)_mm512_i32gather_ps(_mm512_cvtepu8_epi32(b), lut, 4);
+    if (kv_dtype == KV_INT8) return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    return (vf)_mm512_i32gather_ps(_mm512_cvtepu8_epi32(b), lut, 4);
 }
-
-static inline float hsum(v16f v) { return _mm512_reduce_add_ps((__m512)v); }
-
-static inline v16i to_int(v16f x) { return (v16i)_mm512_cvttps_epi32((__m512)x); }
-static inline v16f to_float(v16i x) { return (v16f)_mm512_cvtepi32_ps((__m512i)x); }
-static inline v16f vmax(v16f a, v16f b) { return (v16f)_mm512_max_ps((__m512)a, (__m512)b); }
+static inline float hsum(vf v) { return _mm512_reduce_add_ps((__m512)v); }
+static inline float hmax(vf v) { return _mm512_reduce_max_ps((__m512)v); }
+static inline int any_gt(vf v, float s) { return _mm512_cmp_ps_mask((__m512)v, _mm512_set1_ps(s), _CMP_GT_OQ) != 0; }
+static inline vi to_int(vf x) { return (vi)_mm512_cvttps_epi32((__m512)x); }
+static inline vf to_float(vi x) { return (vf)_mm512_cvtepi32_ps((__m512i)x); }
+static inline vf vmax(vf a, vf b) { return (vf)_mm512_max_ps((__m512)a, (__m512)b); }
+#elif defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+/* AVX2 (+F16C: Zen 1-3, Intel before AVX-512): the same conversions on 8 lanes */
+static inline vf loadv(const void *base, int64_t off, int kv_dtype, const float *lut) {
+    if (kv_dtype == KV_F32) return (vf)_mm256_loadu_ps((const float *)base + off);
+    if (kv_dtype == KV_BF16)
+        return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + off))), 16));
+    if (kv_dtype == KV_F16) return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + off)));
+    const __m128i b = _mm_loadl_epi64((const __m128i *)((const uint8_t *)base + off));
+    if (kv_dtype == KV_INT8) return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    return (vf)_mm256_i32gather_ps(lut, _mm256_cvtepu8_epi32(b), 4);
+}
+static inline float hsum(vf v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+}
+static inline float hmax(vf v) {
+    __m128 a = _mm_max_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+    a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_max_ss(a, _mm_movehdup_ps(a)));
+}
+static inline int any_gt(vf v, float s) { return _mm256_movemask_ps(_mm256_cmp_ps((__m256)v, _mm256_set1_ps(s), _CMP_GT_OQ)); }
+static inline vi to_int(vf x) { return (vi)_mm256_cvttps_epi32((__m256)x); }
+static inline vf to_float(vi x) { return (vf)_mm256_cvtepi32_ps((__m256i)x); }
+static inline vf vmax(vf a, vf b) { return (vf)_mm256_max_ps((__m256)a, (__m256)b); }
 #else
 /* other CPUs: GCC vector extensions, lowered to whatever vector unit -march=native has */
-static inline v16f load16(const void *base, int64_t off, int kv_dtype, const float *lut) {
-    v16f r;
+static inline vf loadv(const void *base, int64_t off, int kv_dtype, const float *lut) {
+    vf r;
     if (kv_dtype == KV_F32) {
-        memcpy(&r, (const float *)base + off, 64);
+        memcpy(&r, (const float *)base + off, sizeof r);
     } else if (kv_dtype == KV_BF16) {
-        v16h h;
-        memcpy(&h, (const uint16_t *)base + off, 32);
-        v16u u = __builtin_convertvector(h, v16u) << 16;
-        memcpy(&r, &u, 64);
+        vh h;
+        memcpy(&h, (const uint16_t *)base + off, sizeof h);
+        vu u = __builtin_convertvector(h, vu) << 16;
+        memcpy(&r, &u, sizeof r);
     } else if (kv_dtype == KV_F16) {
-        v16hf h;
-        memcpy(&h, (const _Float16 *)base + off, 32);
-        r = __builtin_convertvector(h, v16f);
+        vhf h;
+        memcpy(&h, (const _Float16 *)base + off, sizeof h);
+        r = __builtin_convertvector(h, vf);
     } else if (kv_dtype == KV_INT8) {
-        v16b b;
-        memcpy(&b, (const int8_t *)base + off, 16);
-        r = __builtin_convertvector(b, v16f);
+        vb b;
+        memcpy(&b, (const int8_t *)base + off, sizeof b);
+        r = __builtin_convertvector(b, vf);
     } else {
         const uint8_t *s = (const uint8_t *)base + off;
-        for (int k = 0; k < 16; k++) r[k] = lut[s[k]];
+        for (int k = 0; k < VL; k++) r[k] = lut[s[k]];
     }
     return r;
 }
-
-static inline float hsum(v16f v) {
-    v16f a = v + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    a += __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    a += __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    return a[0] + a[1];
+static inline float hsum(vf v) {
+    float r = 0.0f;
+    for (int k = 0; k < VL; k++) r += v[k];
+    return r;
 }
-
-static inline v16i to_int(v16f x) { return __builtin_convertvector(x, v16i); }
-static inline v16f to_float(v16i x) { return __builtin_convertvector(x, v16f); }
-static inline v16f vmax(v16f a, v16f b) {
-    v16i ai, bi;
-    memcpy(&ai, &a, 64);
-    memcpy(&bi, &b, 64);
-    const v16i lt = a < b;
+static inline float hmax(vf v) {
+    float r = v[0];
+    for (int k = 1; k < VL; k++) r = v[k] > r ? v[k] : r;
+    return r;
+}
+static inline int any_gt(vf v, float s) { return hmax(v) > s; }
+static inline vi to_int(vf x) { return __builtin_convertvector(x, vi); }
+static inline vf to_float(vi x) { return __builtin_convertvector(x, vf); }
+static inline vf vmax(vf a, vf b) {
+    vi ai, bi;
+    memcpy(&ai, &a, sizeof a);
+    memcpy(&bi, &b, sizeof b);
+    const vi lt = a < b;
     ai = (ai & ~lt) | (bi & lt);
-    memcpy(&a, &ai, 64);
+    memcpy(&a, &ai, sizeof a);
     return a;
 }
 #endif
+#define RESCALE 8.0f  /* natural-log units: exponentials against a stale max stay below e^8 ~ 2981 */
 
-/* exp(x) for x <= 0 (scores minus their running max), 16 lanes: 2^n · p(r) with x = n ln2 + r,
- * |r| <= ln2/2, p a degree-7 Taylor polynomial (relative error ~2e-7, 1-2 float32 ulp; Cephes
- * expf's range reduction with a two-part ln2). x is clamped to -87 (exp(-87) ~ 1.6e-38: no
- * subnormal scale; a key that far below the row's max adds nothing visible to a sum that is >= 1). */
-static inline v16f exp16(v16f x) {
-    x = vmax(x, (v16f){0} - 87.0f);
-    const v16i n = to_int(x * 1.44269504088896341f - 0.5f);  /* round half away: x <= 0 */
-    const v16f nf = to_float(n);
-    v16f r = x - nf * 0.693359375f;
+/* exp(x) for x <= RESCALE (scores minus their running max, or a stale one: see decode_task), VL
+ * lanes: 2^n · p(r) with x = n ln2 + r, |r| <= ln2/2, p a degree-7 Taylor polynomial (relative
+ * error ~2e-7, 1-2 float32 ulp; Cephes expf's range reduction with a two-part ln2). x is clamped to
+ * -87 (exp(-87) ~ 1.6e-38: no subnormal scale; a key that far below the row's max adds nothing
+ * visible to a sum that is >= 1). */
+static inline vf expv(vf x) {
+    x = vmax(x, splat(-87.0f));
+    const vi n = to_int(x * 1.44269504088896341f + 1024.5f) - 1024;  /* nearest (x >= -87: truncation = floor) */
+    const vf nf = to_float(n);
+    vf r = x - nf * 0.693359375f;
     r = r - nf * -2.12194440e-4f;
-    v16f p = (v16f){0} + 1.0f / 5040;
+    vf p = splat(1.0f / 5040);
     p = p * r + 1.0f / 720;
     p = p * r + 1.0f / 120;
     p = p * r + 1.0f / 24;
@@ -133,28 +176,19 @@ static inline v16f exp16(v16f x) {
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    const v16i e = (n + 127) << 23;
-    v16f two_n;
-    memcpy(&two_n, &e, 64);
+    const vi e = (n + 127) << 23;
+    vf two_n;
+    memcpy(&two_n, &e, sizeof two_n);
     return p * two_n;
 }
 
-#if defined(__AVX512F__)
-static inline float hmax(v16f v) { return _mm512_reduce_max_ps((__m512)v); }
-#else
-static inline float hmax(v16f v) {
-    float r = v[0];
-    for (int k = 1; k < 16; k++) r = v[k] > r ? v[k] : r;
-    return r;
-}
-#endif
-
-/* The 16 lane sums of x[0..15] as one vector, lane j = sum of x[BITREV[j]]'s lanes (callers fill
- * x[k] with key BITREV[k]'s partial sums, so lane j is key j). A transpose-and-add tree: 15
- * vector adds and 30 shuffles for 16 dot products instead of 16 separate horizontal sums. */
-static const int BITREV[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-static inline v16f reduce16(const v16f *x) {
-    v16f u[8], v[4], w[2];
+/* The VL lane sums of x[0..VL-1] as one vector, lane j = sum of x[KEYMAP[j]]'s lanes (callers fill
+ * x[k] with key KEYMAP[k]'s partial sums, so lane j is key j). A transpose-and-add tree: VL - 1
+ * vector adds and 2 (VL - 1) shuffles for VL dot products instead of VL horizontal sums. */
+#if VL == 16
+static const int KEYMAP[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+static inline vf reducev(const vf *x) {
+    vf u[8], v[4], w[2];
     for (int i = 0; i < 8; i++)
         u[i] = __builtin_shufflevector(x[i], x[i + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
              + __builtin_shufflevector(x[i], x[i + 8], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -167,6 +201,20 @@ static inline v16f reduce16(const v16f *x) {
     return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
          + __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+#else
+static const int KEYMAP[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+static inline vf reducev(const vf *x) {
+    vf u[4], v[2];
+    for (int i = 0; i < 4; i++)
+        u[i] = __builtin_shufflevector(x[i], x[i + 4], 0, 1, 2, 3, 8, 9, 10, 11)
+             + __builtin_shufflevector(x[i], x[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++)
+        v[i] = __builtin_shufflevector(u[i], u[i + 2], 0, 1, 8, 9, 4, 5, 12, 13)
+             + __builtin_shufflevector(u[i], u[i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+    return __builtin_shufflevector(v[0], v[1], 0, 8, 2, 10, 4, 12, 6, 14)
+         + __builtin_shufflevector(v[0], v[1], 1, 9, 3, 11, 5, 13, 7, 15);
+}
+#endif
 
 #define MAX_TASK_HEADS 32  /* query heads one task holds state for */
 #ifndef PF_DIST
@@ -179,16 +227,16 @@ static inline __attribute__((always_inline)) void decode_task(
         const float *scales, int64_t half, int64_t shalf, int BS, int kv_heads, const int NV, const int G,
         const int32_t *table, int64_t t, int64_t first, int64_t seq_len, int h0, int h1, float scale, void *out,
         int out_dtype, float *lse) {
-    const int D = NV * 16, H = (h1 - h0) * G, num_heads = kv_heads * G;
+    const int D = NV * 16, NC = D / VL, H = (h1 - h0) * G, num_heads = kv_heads * G;
     const int64_t row = (int64_t)kv_heads * D;  /* elements per slot */
-    v16f q[MAX_TASK_HEADS][NV_MAX], acc[MAX_TASK_HEADS][NV_MAX];
+    vf q[MAX_TASK_HEADS][NC_MAX], acc[MAX_TASK_HEADS][NC_MAX];
     float m[MAX_TASK_HEADS], l[MAX_TASK_HEADS];
-    float p[MAX_GROUP][16] __attribute__((aligned(64)));
+    float p[MAX_GROUP][VL] __attribute__((aligned(64)));
     for (int a = 0; a < H; a++) {
         const int64_t qoff = t * q_row_stride + (int64_t)(h0 * G + a) * D;
-        for (int c = 0; c < NV; c++) {
-            q[a][c] = load16(query, qoff + 16 * c, q_dtype == Q_F32 ? KV_F32 : KV_BF16, 0) * scale;
-            acc[a][c] = (v16f){0};
+        for (int c = 0; c < NC; c++) {
+            q[a][c] = loadv(query, qoff + VL * c, q_dtype == Q_F32 ? KV_F32 : KV_BF16, 0) * scale;
+            acc[a][c] = (vf){0};
         }
         m[a] = -FLT_MAX;
         l[a] = 0.0f;
@@ -214,20 +262,20 @@ static inline __attribute__((always_inline)) void decode_task(
         const int64_t vbytes = half * esize;
         for (int h = h0; h < h1; h++) {
             const int a0 = (h - h0) * G;
-            v16f Q[MAX_GROUP][NV_MAX], A[MAX_GROUP][NV_MAX];  /* this head's queries and sums */
+            vf Q[MAX_GROUP][NC_MAX], A[MAX_GROUP][NC_MAX];  /* this head's queries and sums */
             for (int g = 0; g < G; g++)
-                for (int c = 0; c < NV; c++) {
+                for (int c = 0; c < NC; c++) {
                     Q[g][c] = q[a0 + g][c];
                     A[g][c] = acc[a0 + g][c];
                 }
-            for (int j0 = 0; j0 < n; j0 += 16) {  /* tiles of up to 16 keys: one score vector per query */
-                const int nt = n - j0 < 16 ? n - j0 : 16;
-                v16f part[MAX_GROUP][16], lane_ok, ksv = (v16f){0} + 1.0f, vsv = (v16f){0} + 1.0f;
-                for (int k = 0; k < 16; k++) lane_ok[k] = k < nt ? 1.0f : 0.0f;
-                for (int k = 0; k < 16; k++) {
-                    const int j = BITREV[k];
+            for (int j0 = 0; j0 < n; j0 += VL) {  /* tiles of up to VL keys: one score vector per query */
+                const int nt = n - j0 < VL ? n - j0 : VL;
+                vf part[MAX_GROUP][VL], lane_ok, ksv = (vf){0} + 1.0f, vsv = (vf){0} + 1.0f;
+                for (int k = 0; k < VL; k++) lane_ok[k] = k < nt ? 1.0f : 0.0f;
+                for (int k = 0; k < VL; k++) {
+                    const int j = KEYMAP[k];
                     if (j >= nt) {
-                        for (int g = 0; g < G; g++) part[g][k] = (v16f){0};
+                        for (int g = 0; g < G; g++) part[g][k] = (vf){0};
                         continue;
                     }
                     if (pf_done < pf_rows) {
@@ -239,11 +287,11 @@ static inline __attribute__((always_inline)) void decode_task(
                         pf_done++;
                     }
                     const int64_t r = (slot0 + j0 + j) * row + (int64_t)h * D;
-                    v16f kr[NV_MAX];
-                    for (int c = 0; c < NV; c++) kr[c] = load16(kv, r + 16 * c, kv_dtype, lut);
+                    vf kr[NC_MAX];
+                    for (int c = 0; c < NC; c++) kr[c] = loadv(kv, r + VL * c, kv_dtype, lut);
                     for (int g = 0; g < G; g++) {
-                        v16f sc = Q[g][0] * kr[0];
-                        for (int c = 1; c < NV; c++) sc += Q[g][c] * kr[c];
+                        vf sc = Q[g][0] * kr[0];
+                        for (int c = 1; c < NC; c++) sc += Q[g][c] * kr[c];
                         part[g][k] = sc;
                     }
                 }
@@ -254,41 +302,50 @@ static inline __attribute__((always_inline)) void decode_task(
                     }
                 for (int g = 0; g < G; g++) {
                     const int a = a0 + g;
-                    const v16f sc = reduce16(part[g]) * ksv;
-                    const v16f masked = sc * lane_ok + (lane_ok - 1.0f) * FLT_MAX;  /* lanes >= nt: -FLT_MAX */
-                    const float mx = hmax(masked) > m[a] ? hmax(masked) : m[a];
-                    const float corr = l[a] > 0.0f ? expf(m[a] - mx) : 0.0f;
-                    const v16f e = exp16(masked - mx) * lane_ok;
-                    l[a] = l[a] * corr + hsum(e);
-                    m[a] = mx;
-                    if (corr != 1.0f)
-                        for (int c = 0; c < NV; c++) A[g][c] *= corr;
-                    const v16f pv = e * vsv;
-                    memcpy(p[g], &pv, 64);
+                    vf sc = reducev(part[g]);
+                    if (scales) sc *= ksv;
+                    if (nt < VL) sc = sc * lane_ok + (lane_ok - 1.0f) * FLT_MAX;  /* lanes >= nt: -FLT_MAX */
+                    /* lazy rescaling: the reference point m moves only when a score passes it by more
+                     * than RESCALE (then acc and l are rescaled once); otherwise the exponentials are
+                     * taken against a stale m and may reach e^RESCALE, which float32 holds easily. The
+                     * quotient acc / l is the same softmax; the running max's serial chain through
+                     * every tile (hmax, expf, rescale) is gone from the common case. */
+                    if (any_gt(sc, m[a] + RESCALE)) {
+                        const float mx = hmax(sc) > m[a] ? hmax(sc) : m[a];
+                        const float corr = l[a] > 0.0f ? expf(m[a] - mx) : 0.0f;
+                        l[a] *= corr;
+                        for (int c = 0; c < NC; c++) A[g][c] *= corr;
+                        m[a] = mx;
+                    }
+                    vf e = expv(sc - m[a]);
+                    if (nt < VL) e *= lane_ok;
+                    l[a] += hsum(e);
+                    if (scales) e *= vsv;
+                    memcpy(p[g], &e, sizeof e);
                 }
                 for (int j = 0; j < nt; j++) {
                     const int64_t r = half + (slot0 + j0 + j) * row + (int64_t)h * D;
-                    for (int c = 0; c < NV; c++) {
-                        const v16f v = load16(kv, r + 16 * c, kv_dtype, lut);
+                    for (int c = 0; c < NC; c++) {
+                        const vf v = loadv(kv, r + VL * c, kv_dtype, lut);
                         for (int g = 0; g < G; g++) A[g][c] += p[g][j] * v;
                     }
                 }
             }
             for (int g = 0; g < G; g++)
-                for (int c = 0; c < NV; c++) acc[a0 + g][c] = A[g][c];
+                for (int c = 0; c < NC; c++) acc[a0 + g][c] = A[g][c];
         }
         pos += n;
     }
     for (int a = 0; a < H; a++) {
         const float inv = l[a] > 0.0f ? 1.0f / l[a] : 0.0f;
         const int64_t ooff = (t * num_heads + h0 * G + a) * (int64_t)D;
-        for (int c = 0; c < NV; c++) {
-            v16f o = acc[a][c] * inv;
+        for (int c = 0; c < NC; c++) {
+            vf o = acc[a][c] * inv;
             if (out_dtype == Q_F32) {
-                memcpy((float *)out + ooff + 16 * c, &o, 64);
+                memcpy((float *)out + ooff + VL * c, &o, sizeof o);
             } else {
-                uint16_t *dst = (uint16_t *)out + ooff + 16 * c;
-                for (int k = 0; k < 16; k++) dst[k] = f32_to_bf16(o[k]);
+                uint16_t *dst = (uint16_t *)out + ooff + VL * c;
+                for (int k = 0; k < VL; k++) dst[k] = f32_to_bf16(o[k]);
             }
         }
         if (lse) lse[t * num_heads + h0 * G + a] = l[a] > 0.0f ? m[a] + logf(l[a]) : -FLT_MAX;
