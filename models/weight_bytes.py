@@ -34,14 +34,16 @@ def cpu_has_avx512_bf16() -> bool:
         return False
 
 
-def cpu_has_avx512_vnni() -> bool:
-    """Whether ``/proc/cpuinfo`` lists ``avx512_vnni`` (what the fused decode kernel needs, with
-    AVX512-BW/VL; torch-free); False where the file is absent."""
+def cpu_runs_fused_decode() -> bool:
+    """Whether ``/proc/cpuinfo`` lists what the fused decode kernel is built for
+    (``kernels/native/fused_decode.c``): AVX512-VNNI with AVX512-BW/VL, or AVX2 with FMA and F16C
+    (torch-free); False where the file is absent."""
     try:
         with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " avx512_vnni" in line for line in f)
+            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
     except OSError:
         return False
+    return {"avx512_vnni", "avx512bw", "avx512vl"} <= flags or {"avx2", "fma", "f16c"} <= flags
 
 
 def weight_bytes(tensors: dict, layer_tensors: dict, mode: str, elem_bytes: int, keep_dense: bool = False,

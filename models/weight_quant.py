@@ -35,7 +35,7 @@ from llmd.models.weight_bytes import weight_bytes  # noqa: F401  (re-exported: i
 from llmd.quant import bnb_linear, native_packs
 from llmd.quant.bnb_linear import BnbLinear
 from llmd.quant.gguf_packs import GROUP, INT4_TYPES, INT8_TYPES, int4_codes, int8_rows
-from llmd.quant.packed_linear import PackedLinear, pack_int4, pack_int8
+from llmd.quant.packed_linear import SMALL_BATCH, PackedLinear, pack_int4, pack_int8
 
 WEIGHT_QUANT_MODES = ("none", "gguf", "int8", "nf4", "fp4")
 BNB_4BIT_MODES = ("nf4", "fp4")  # through bitsandbytes on every device
@@ -182,6 +182,9 @@ def quantize_linears(model: nn.Module, tensors: dict, mode: str, *, keep_dense: 
         rows = slot.rows or (0, None)
         by_param.setdefault(slot.param, []).append((rows[0], name))
     dtype = model.embed_tokens.weight.dtype  # the kernels take scales in the activation dtype
+    # torch's int4 kernel runs ~30x slower on float32 activations (README "Weights"): a float32 model
+    # that keeps its dense weights uses them for every step the fused kernel does not take
+    small_batch = 0 if keep_dense and dtype == torch.float32 else SMALL_BATCH
     targets = [(mod_name, mod) for mod_name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
     for mod_name, mod in targets:
         names = [n for _, n in sorted(by_param.get(f"{mod_name}.weight", []))]
@@ -199,7 +202,7 @@ def quantize_linears(model: nn.Module, tensors: dict, mode: str, *, keep_dense: 
         kind, packs, fused = packed
         new = PackedLinear(mod.in_features, mod.out_features, **{kind: packs},
                            dense=mod.weight.data if keep_dense else None, sizes=getattr(mod, "sizes", None),
-                           native=fused)
+                           native=fused, small_batch=small_batch)
         model.set_submodule(mod_name, new)
         setattr(summary, kind, getattr(summary, kind) + 1)
     head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
@@ -213,7 +216,8 @@ def quantize_linears(model: nn.Module, tensors: dict, mode: str, *, keep_dense: 
         kind, packs, fused = _pack(model, head_parts, w.shape[1], mode, dtype, native) or \
             _pack(model, head_parts, w.shape[1], "int8", dtype, native)
         model.logits_proj = PackedLinear(w.shape[1], w.shape[0], **{kind: packs},
-                                         dense=w.data if keep_dense or tied else None, native=fused)
+                                         dense=w.data if keep_dense or tied else None, native=fused,
+                                         small_batch=small_batch)
         setattr(summary, kind, getattr(summary, kind) + 1)
     if not tied:
         model.lm_head = None  # the packs (and the dense copy, if kept) replace it

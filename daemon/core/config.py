@@ -90,7 +90,11 @@ class EngineConfig:
             the file's 4-bit blocks as int4 packs (Q8_0 as per-row int8) and drops the dense
             weights; "auto" (the default) = on a bfloat16 CPU model the same packs for steps of
             at most 4 tokens plus the dense weights for larger ones (one stream decodes from ~4×
-            fewer bytes, batches keep the bfloat16 GEMM), else "none".
+            fewer bytes, batches keep the bfloat16 GEMM); on a float32 CPU model whose batch-1
+            steps the fused C kernel can run (:meth:`wants_fused_decode`; e.g. an AVX2-only CPU,
+            where float32 is the dtype) the packs for that kernel with the dense float32 weights
+            for every other step (torch's int4 kernel is ~30× slower on float32 activations);
+            else "none".
         context_overflow: what a sequence reaching ``max_model_len`` does: "stop" (default:
             ``finish_reason`` "length", and prompt + ``max_tokens`` beyond the context is refused)
             or "shift" (llama.cpp's ``--context-shift``: keep the first ``keep`` tokens, discard
@@ -186,8 +190,11 @@ class EngineConfig:
                             f"got {self.weight_quant!r}")
         if self.weight_quant == "auto":
             gguf_model = not self.model.startswith("random:")
-            self.weight_quant = "gguf" if gguf_model and not on_cuda and self.dtype == "bfloat16" else "none"
+            fused_only = gguf_model and not on_cuda and self.dtype == "float32"  # kept if the kernel serves it
+            self.weight_quant = "gguf" if gguf_model and not on_cuda and self.dtype == "bfloat16" or fused_only \
+                else "none"
             self.keep_dense_weights = True  # not a dataclass field, as dtype_auto
+            self.packs_for_fused_only = fused_only  # Engine.from_config: "none" unless the fused kernel runs
         elif self.weight_quant != "none":
             bnb = self.weight_quant in ("nf4", "fp4") or (self.weight_quant == "int8" and on_cuda)
             if on_cuda and not bnb:
@@ -272,6 +279,14 @@ class EngineConfig:
 
         group = cfg.num_heads // max(1, cfg.num_kv_heads)
         return cfg.head_dim % 16 == 0 and group <= 16 and cpu_fused.available(cfg.head_dim, group)
+
+    def settle_weight_quant(self, cfg) -> bool:
+        """:meth:`wants_fused_decode` for the model ``cfg``, and a float32 ``--weight-quant auto``
+        (whose packs only serve the fused kernel) set to "none" when that kernel will not run."""
+        fused = self.wants_fused_decode(cfg)
+        if getattr(self, "packs_for_fused_only", False) and not fused:
+            self.weight_quant, self.packs_for_fused_only = "none", False
+        return fused
 
     @property
     def keep_dense(self) -> bool:

@@ -238,9 +238,10 @@ class Engine:
         from llmd.models.tokenizer import load_tokenizer
 
         path = resolve_model(config.model)
+        fused = config.settle_weight_quant(header_info(path).config)
         model, cfg = load_model(path, config.torch_dtype, config.device, config.weight_quant, config.keep_dense,
                                 weights_cache=weights_cache.enabled(),  # a warm start maps the converted weights
-                                native=config.wants_fused_decode(header_info(path).config))
+                                native=fused)
         tokenizer = load_tokenizer(path, cfg, header_info(path).data_offset)
         return cls(model, tokenizer, config)
 

@@ -36,6 +36,7 @@ log = logging.getLogger("llmd.kernels")
 SOURCE = Path(__file__).with_name("paged_decode.c")
 # fused_decode.c includes paged_decode.c (its attention)
 SOURCES = {"paged_decode": SOURCE, "fused_decode": Path(__file__).with_name("fused_decode.c")}
+HEADERS = [Path(__file__).with_name("fused_avx2.h")]  # included by fused_decode.c: part of every build's hash
 # no -ffast-math: with GCC < 13 linking a shared object with it adds crtfastmath.o, whose constructor
 # sets the FTZ/DAZ bits of the loading thread's MXCSR: every later float op of the process would flush
 # subnormals (hypothesis refuses to run then). The kernel's vector code is explicit, so it needs none of it.
@@ -64,7 +65,7 @@ def _compiler() -> str | None:
 
 def _build(cc: str, flags: list[str], name: str = "paged_decode") -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    sources = b"".join(p.read_bytes() for p in SOURCES.values())  # fused_decode.c includes paged_decode.c
+    sources = b"".join(p.read_bytes() for p in [*SOURCES.values(), *HEADERS])  # fused_decode.c includes the rest
     digest = hashlib.sha256(sources + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
     out = cache_dir() / f"{name}-{digest}.so"
     source = SOURCES[name]
@@ -123,7 +124,7 @@ def load_fused(shape: tuple[int, int] | None) -> ctypes.CDLL | None:
     """The fused single-stream decode library (``fused_decode.c``) for ``shape`` (as :func:`load`;
     None: the runtime-shape build, whose attention takes any shape, ~10 % slower at SmolLM2's),
     its ``llmd_fused_decode`` typed, or None when it is unavailable: as :func:`load`, or the CPU
-    lacks AVX512-VNNI/BW/VL (the library then reports ``llmd_fused_supported() == 0``). Says why
+    has neither AVX512-VNNI/BW/VL nor AVX2/FMA/F16C (the library then reports ``llmd_fused_supported() == 0``). Says why
     once (``fused_why_not``)."""
     global fused_why_not
     if shape in _fused:
@@ -136,7 +137,7 @@ def load_fused(shape: tuple[int, int] | None) -> ctypes.CDLL | None:
             spec = [f"-DSPEC_NV={shape[0]}", f"-DSPEC_G={shape[1]}"] if shape else []
             lib = ctypes.CDLL(str(_build(_compiler(), FLAGS + spec, "fused_decode")))
             if lib.llmd_fused_supported() != 1:
-                fused_why_not, lib = "this CPU lacks AVX512-VNNI/BW/VL", None
+                fused_why_not, lib = "this CPU has neither AVX512-VNNI/BW/VL nor AVX2/FMA/F16C", None
             else:
                 c = ctypes
                 fn = lib.llmd_fused_decode

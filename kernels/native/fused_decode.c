@@ -64,8 +64,6 @@ typedef struct {
     llmd_mat head;           /* [vocab, hidden] */
 } llmd_model;
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define FUSED_OK 1
 #define MAX_K 16384
 #ifndef PF_TILES
 #define PF_TILES 4  /* row tiles ahead whose weights each tile prefetches */
@@ -81,6 +79,9 @@ typedef struct {
 
 #define RESIDUAL_STEPS 254.0f  /* the residual's codes step dx / 254: |residual| <= dx / 2 fits in +-127 */
 #define ROWS 16                /* rows per tile of the packed layouts (one 16-lane accumulator) */
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define FUSED_OK 1
 
 static inline __m512i round_codes(__m512 v) { return _mm512_cvtps_epi32(v); }  /* to nearest even (MXCSR) */
 
@@ -173,6 +174,39 @@ static inline __attribute__((always_inline)) void matvec_impl(const llmd_mat *w,
     }
 }
 
+static void rms_norm(const float *x, const float *wt, int n, float eps, float *out) {
+    __m512 s = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        s = _mm512_fmadd_ps(v, v, s);
+    }
+    const float r = 1.0f / sqrtf(_mm512_reduce_add_ps(s) / (float)n + eps);
+    for (int i = 0; i < n; i += 16)
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(r)),
+                                                _mm512_loadu_ps(wt + i)));
+}
+
+/* silu(g) * u, 16 lanes: g / (1 + exp(-g)) with exp of -|g| only (expv takes x <= 0). */
+static void swiglu(const float *gu, int I, float *act) {
+    for (int i = 0; i < I; i += 16) {
+        vf g, u;
+        memcpy(&g, gu + i, 64);
+        memcpy(&u, gu + I + i, 64);
+        vf ng = (vf)_mm512_abs_ps((__m512)g);
+        const vf e = expv((vf){0} - ng);  /* exp(-|g|) */
+        const vf pos = g / (1.0f + e), neg = g * e / (1.0f + e);
+        const __mmask16 m = _mm512_cmp_ps_mask((__m512)g, _mm512_setzero_ps(), _CMP_GE_OQ);
+        const vf s = (vf)_mm512_mask_blend_ps(m, (__m512)neg, (__m512)pos);
+        const vf r = s * u;
+        memcpy(act + i, &r, 64);
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define FUSED_OK 1
+#include "fused_avx2.h"
+#endif
+
+#ifdef FUSED_OK
 static void matvec_1(const llmd_mat *w, int64_t t0, int64_t t1, const qvec *q, float *out, int acc) {
     matvec_impl(w, t0, t1, q, out, acc, 1);
 }
@@ -187,18 +221,6 @@ static void matvec(const llmd_mat *w, const qvec *q, float *out, int accumulate,
     const int nt = omp_get_num_threads(), me = omp_get_thread_num();
     fn(w, tiles * me / nt, tiles * (me + 1) / nt, q, out, accumulate);
 #pragma omp barrier
-}
-
-static void rms_norm(const float *x, const float *wt, int n, float eps, float *out) {
-    __m512 s = _mm512_setzero_ps();
-    for (int i = 0; i < n; i += 16) {
-        const __m512 v = _mm512_loadu_ps(x + i);
-        s = _mm512_fmadd_ps(v, v, s);
-    }
-    const float r = 1.0f / sqrtf(_mm512_reduce_add_ps(s) / (float)n + eps);
-    for (int i = 0; i < n; i += 16)
-        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(r)),
-                                                _mm512_loadu_ps(wt + i)));
 }
 
 /* NEOX rotate-half RoPE of one head in place: x1' = x1 c - x2 s, x2' = x2 c + x1 s. */
@@ -220,21 +242,6 @@ static void store_row(void *kv, int64_t off, const float *src, int D, int kv_dty
     }
 }
 
-/* silu(g) * u, 16 lanes: g / (1 + exp(-g)) with exp of -|g| only (expv takes x <= 0). */
-static void swiglu(const float *gu, int I, float *act) {
-    for (int i = 0; i < I; i += 16) {
-        vf g, u;
-        memcpy(&g, gu + i, 64);
-        memcpy(&u, gu + I + i, 64);
-        vf ng = (vf)_mm512_abs_ps((__m512)g);
-        const vf e = expv((vf){0} - ng);  /* exp(-|g|) */
-        const vf pos = g / (1.0f + e), neg = g * e / (1.0f + e);
-        const __mmask16 m = _mm512_cmp_ps_mask((__m512)g, _mm512_setzero_ps(), _CMP_GE_OQ);
-        const vf s = (vf)_mm512_mask_blend_ps(m, (__m512)neg, (__m512)pos);
-        const vf r = s * u;
-        memcpy(act + i, &r, 64);
-    }
-}
 
 /* Shared work buffers (floats): x [hidden], qkv [(heads + 2 kv_heads) D], attn [heads D], gu [2 inter],
  * rope cos/sin [D/2 each]; each thread's norm / SwiGLU output and quantized vector are its own. */

