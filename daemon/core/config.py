@@ -90,7 +90,8 @@ class EngineConfig:
             the file's 4-bit blocks as int4 packs (Q8_0 as per-row int8) and drops the dense
             weights; "auto" (the default) = on a bfloat16 CPU model the same packs for steps of
             at most 4 tokens plus the dense weights for larger ones (one stream decodes from ~4×
-            fewer bytes, batches keep the bfloat16 GEMM); on a float32 CPU model whose batch-1
+            fewer bytes, batches keep the bfloat16 GEMM); on a CPU model that is float32 by
+            ``--dtype auto`` (no native bfloat16; an explicit float32 stays dense) and whose batch-1
             steps the fused C kernel can run (:meth:`wants_fused_decode`; e.g. an AVX2-only CPU,
             where float32 is the dtype) the packs for that kernel with the dense float32 weights
             for every other step (torch's int4 kernel is ~30× slower on float32 activations);
@@ -190,7 +191,9 @@ class EngineConfig:
                             f"got {self.weight_quant!r}")
         if self.weight_quant == "auto":
             gguf_model = not self.model.startswith("random:")
-            fused_only = gguf_model and not on_cuda and self.dtype == "float32"  # kept if the kernel serves it
+            # float32 because the CPU has no native bf16 (not an explicit --dtype float32, which keeps
+            # every step on the dense float32 weights: exact tokens); kept if the fused kernel serves it
+            fused_only = gguf_model and not on_cuda and self.dtype == "float32" and getattr(self, "dtype_auto", False)
             self.weight_quant = "gguf" if gguf_model and not on_cuda and self.dtype == "bfloat16" or fused_only \
                 else "none"
             self.keep_dense_weights = True  # not a dataclass field, as dtype_auto

@@ -130,3 +130,33 @@ def test_two_kv_cache_groups_take_the_torch_path(tmp_path):
     while eng.has_unfinished_requests():
         outs += [o for o in eng.step() if o.finished]
     assert [(o.finish_reason, o.num_output_tokens) for o in outs] == [("length", 20)]
+
+
+def test_float32_by_auto_dtype_takes_the_fused_kernel(tmp_path, monkeypatch):
+    """On a CPU without native bfloat16 (AVX2-only: float32 is the auto dtype) ``--weight-quant
+    auto`` keeps the fused kernel's packs for batch-1 decode steps and the dense float32 weights for
+    every other step (torch's int4 packs never run: small_batch 0); with the native kernels off it
+    settles to ``none`` before any weights load. Engine.from_config's weight steps, on a tiny GGUF."""
+    from llmd.daemon.core import config as config_module
+    from llmd.models.header_cache import header_info
+
+    monkeypatch.setattr(config_module, "cpu_has_native_bf16", lambda: False)
+    path = str(tmp_path / "m.gguf")
+    write_tiny_llama(path, qtype=T.Q4_1, vocab=256, **SHAPE)
+    off = EngineConfig(model=path, device="cpu", disable_native_kernels=True).resolve()
+    assert off.settle_weight_quant(header_info(path).config) is False and off.weight_quant == "none"
+    cfg = EngineConfig(model=path, device="cpu", kv_cache_memory=4 * 2**20, threads=1).resolve()
+    fused = cfg.settle_weight_quant(header_info(path).config)
+    assert (fused, cfg.dtype, cfg.weight_quant, cfg.keep_dense) == (True, "float32", "gguf", True)
+    model, _ = load_model(path, cfg.torch_dtype, "cpu", cfg.weight_quant, cfg.keep_dense, native=fused)
+    assert {m.small_batch for m in _packed(model).values()} == {0}
+    eng = Engine(model, ByteTokenizer(), cfg)
+    assert "dtype float32" in eng.runtime_summary() and "batch-1 steps: fused C kernel" in eng.runtime_summary()
+    calls = []
+    kernel = eng.runner.fused_decode
+    eng.runner.fused_decode = lambda *a: calls.append(1) or kernel(*a)
+    eng.add_request(list(b"float32 and fused"), SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += [o for o in eng.step() if o.finished]
+    assert len(calls) == 8 and [o.num_output_tokens for o in outs] == [9]

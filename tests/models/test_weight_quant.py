@@ -157,7 +157,9 @@ def test_bitsandbytes_formats_on_cuda_and_without_bitsandbytes(tmp_path, monkeyp
     assert cache_mode("int8", "cpu") == "int8" != cache_mode("int8", "cuda")
 
 
-def test_bad_combinations_fail_before_loading():
+def test_bad_combinations_fail_before_loading(monkeypatch):
+    from llmd.daemon.core import config as config_module
+
     def resolve(**kw):
         return EngineConfig(**{"device": "cpu", **kw}).resolve()
 
@@ -169,11 +171,14 @@ def test_bad_combinations_fail_before_loading():
         resolve(weight_quant="int8", model="random:qwen3-0.6b")
     auto16 = resolve(dtype="bfloat16")
     assert (auto16.weight_quant, auto16.keep_dense) == ("gguf", True)
-    auto32 = resolve(dtype="float32")  # packs for the fused batch-1 kernel, dense float32 for the rest
-    assert (auto32.weight_quant, auto32.keep_dense, auto32.packs_for_fused_only) == ("gguf", True, True)
+    assert resolve(dtype="float32").weight_quant == "none"  # explicit float32: dense, exact tokens
+    monkeypatch.setattr(config_module, "cpu_has_native_bf16", lambda: False)  # an AVX2-only CPU
+    auto32 = resolve()  # float32 by --dtype auto: packs for the fused batch-1 kernel, dense float32 for the rest
+    assert (auto32.dtype, auto32.weight_quant, auto32.keep_dense, auto32.packs_for_fused_only) == \
+        ("float32", "gguf", True, True)
     gemma = type("Cfg", (), {"architecture": "gemma3", "num_heads": 4, "num_kv_heads": 1, "head_dim": 256})()
     assert auto32.settle_weight_quant(gemma) is False and auto32.weight_quant == "none"  # no fused kernel: dense
-    assert resolve(dtype="float32", model="random:qwen3-0.6b").weight_quant == "none"
+    assert resolve(model="random:qwen3-0.6b").weight_quant == "none"
     assert (resolve(dtype="bfloat16", weight_quant="gguf").keep_dense) is False
 
 
