@@ -32,7 +32,8 @@
  * barrier. Weights stream from DRAM with the next tiles' lines prefetched block by block (a burst
  * per tile stalled on the fill buffers: 6.3 -> 4.1 ms per SmolLM2 step).
  *
- * Built only where the compiler targets AVX512-VNNI, -BW and -VL; elsewhere llmd_fused_supported()
+ * Built where the compiler targets AVX512-VNNI, -BW and -VL (this file's products) or AVX2 with FMA
+ * and F16C (fused_avx2.h: the same integer sums on 8-lane vectors); elsewhere llmd_fused_supported()
  * returns 0 and llmd keeps the torch path.
  */
 #include "paged_decode.c"
