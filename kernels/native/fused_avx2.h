@@ -1,4 +1,4 @@
-/* fused_decode.c's products, norms and SwiGLU for CPUs with AVX2, FMA and F16C but no AVX-512
+/* fused_decode.c's products, quantization and SwiGLU for CPUs with AVX2, FMA and F16C but no AVX-512
  * (Zen 1-3, Intel client cores before AVX-512): the same weight layout (quant/native_packs.py: tiles
  * of 16 rows, 4-byte groups of codes), the same activation quantization and the same integer sums,
  * on 8-lane vectors. A tile's 16 rows are two 8-lane halves (rows 0-7 are the first 32 bytes of
@@ -128,18 +128,6 @@ static inline __attribute__((always_inline)) void matvec_impl(const llmd_mat *w,
             _mm256_storeu_ps(o, accumulate ? _mm256_add_ps(_mm256_loadu_ps(o), sum) : sum);
         }
     }
-}
-
-static void rms_norm(const float *x, const float *wt, int n, float eps, float *out) {
-    __m256 s = _mm256_setzero_ps();
-    for (int i = 0; i < n; i += 8) {
-        const __m256 v = _mm256_loadu_ps(x + i);
-        s = _mm256_fmadd_ps(v, v, s);
-    }
-    const float r = 1.0f / sqrtf(hsum((vf)s) / (float)n + eps);
-    for (int i = 0; i < n; i += 8)
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(r)),
-                                                _mm256_loadu_ps(wt + i)));
 }
 
 /* silu(g) * u, 8 lanes: g / (1 + exp(-g)) with exp of -|g| only (expv). */

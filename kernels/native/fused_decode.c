@@ -175,18 +175,6 @@ static inline __attribute__((always_inline)) void matvec_impl(const llmd_mat *w,
     }
 }
 
-static void rms_norm(const float *x, const float *wt, int n, float eps, float *out) {
-    __m512 s = _mm512_setzero_ps();
-    for (int i = 0; i < n; i += 16) {
-        const __m512 v = _mm512_loadu_ps(x + i);
-        s = _mm512_fmadd_ps(v, v, s);
-    }
-    const float r = 1.0f / sqrtf(_mm512_reduce_add_ps(s) / (float)n + eps);
-    for (int i = 0; i < n; i += 16)
-        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(r)),
-                                                _mm512_loadu_ps(wt + i)));
-}
-
 /* silu(g) * u, 16 lanes: g / (1 + exp(-g)) with exp of -|g| only (expv takes x <= 0). */
 static void swiglu(const float *gu, int I, float *act) {
     for (int i = 0; i < I; i += 16) {
@@ -222,6 +210,20 @@ static void matvec(const llmd_mat *w, const qvec *q, float *out, int accumulate,
     const int nt = omp_get_num_threads(), me = omp_get_thread_num();
     fn(w, tiles * me / nt, tiles * (me + 1) / nt, q, out, accumulate);
 #pragma omp barrier
+}
+
+/* out = x / rms(x) * wt, VL lanes (paged_decode.c's vf; v * v + s contracts to an FMA). */
+static void rms_norm(const float *x, const float *wt, int n, float eps, float *out) {
+    vf s = {0};
+    for (int i = 0; i < n; i += VL) {
+        const vf v = loadv(x, i, KV_F32, 0);
+        s = v * v + s;
+    }
+    const float r = 1.0f / sqrtf(hsum(s) / (float)n + eps);
+    for (int i = 0; i < n; i += VL) {
+        const vf o = loadv(x, i, KV_F32, 0) * r * loadv(wt, i, KV_F32, 0);
+        memcpy(out + i, &o, sizeof o);
+    }
 }
 
 /* NEOX rotate-half RoPE of one head in place: x1' = x1 c - x2 s, x2' = x2 c + x1 s. */
