@@ -54,11 +54,13 @@ def test_fast_backend_greedy_tokens_equal_reference(model, request):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rotation,tol", [("none", 3e-2), ("hadamard", 1e-1)])
-def test_fast_backend_int8_matches_reference(make_engine, rotation, tol):
-    """int8 with and without its default K rotation (issue 19). Rotated, the backends' ulp-level
-    differences flip other stored codes, which moved a logprob by up to 0.063 here (measured;
-    3e-2 holds without the rotation); the greedy tokens stay equal."""
+@pytest.mark.parametrize("rotation", ["none", "hadamard"])
+def test_fast_backend_int8_matches_reference(make_engine, rotation):
+    """int8 with and without its default K rotation (issue 19): the greedy tokens are equal and
+    the logprobs within 0.1. In float32 the backends' ulp-level differences flip some stored
+    codes, and which ones depends on the CPU's matmul kernels: the largest logprob difference
+    was 0.063 rotated and 0.034 without (an AVX-512 CPU, 2026-12-02; 0.029 on another)."""
+    tol = 0.1
     results = {}
     for backend in ("torch", "cpu"):
         engine = make_engine(attention_backend=backend, kv_cache_dtype="int8", kv_rotation=rotation, **ENGINE)

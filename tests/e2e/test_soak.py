@@ -21,7 +21,7 @@ no block is held and no per-request table keeps an entry; ``check_integrity()`` 
 poll and holds at the end; the daemon's RSS grew less than :data:`RSS_BOUND_MIB`; the log has
 no unexpected 500; and a greedy request answers as it did before the soak.
 
-``LLMD_SOAK_SECONDS`` (default 60) sets the soak's length, ``LLMD_SOAK_MAX_REQUESTS`` (default
+``LLMD_SOAK_SECONDS`` (default 30) sets the soak's length, ``LLMD_SOAK_MAX_REQUESTS`` (default
 20,000) caps its requests. The figures are printed (``pytest -s``) and recorded in the README.
 """
 
@@ -40,9 +40,9 @@ import aiohttp
 import pytest
 from tiny_daemon import start
 
-SOAK_S = float(os.environ.get("LLMD_SOAK_SECONDS", "60"))
+SOAK_S = float(os.environ.get("LLMD_SOAK_SECONDS", "30"))
 MAX_REQUESTS = int(os.environ.get("LLMD_SOAK_MAX_REQUESTS", "20000"))
-WARMUP_S = min(8.0, SOAK_S / 4)
+WARMUP_S = min(8.0, SOAK_S / 3)
 WORKERS = 10
 RSS_BOUND_MIB = 40  # growth from the warmed-up baseline to the end of the soak
 BLOCK_TOKENS, USABLE_BLOCKS = 16, 23
