@@ -164,7 +164,7 @@ def test_s1_chunked_prefill_is_exact_smollm2(make_engine, s1_prompt, s1_referenc
 
 
 # ---- S2: preemption is invisible ---------------------------------------------------------
-S2_PROMPT, S2_NEW, S2_N, S2_BLOCKS = 100, 60, 6, 12  # issue 7's CI size of case S2 (full: 200, 150, 6, 24)
+S2_PROMPT, S2_NEW, S2_N, S2_BLOCKS = 100, 40, 6, 12  # issue 7's CI size of case S2 (full: 200, 150, 6, 24)
 
 
 def s2_requests() -> dict[str, tuple[list[int], SamplingParams]]:
@@ -181,14 +181,14 @@ def s2_requests() -> dict[str, tuple[list[int], SamplingParams]]:
 
 def test_s2_preemption_is_invisible(make_engine):
     """Case S2 at issue 7's CI size: a pool of 12 blocks, 6 concurrent greedy requests (100 prompt
-    tokens, 60 new, ignore_eos),
+    tokens, 40 new, ignore_eos),
     one with repetition_penalty 1.3, one with frequency_penalty 0.5: at least one preemption
     (counted per request and in total), every output equals its large-pool output (181
     blocks: no preemption), no token streamed twice (one token per output; the streamed
     deltas, concatenated, are exactly the request's output tokens), completion tokens ==
     max_tokens; integrity every step.
 
-    The pool holds one request near its end (10 blocks at 160 tokens); 64-token steps let a
+    The pool holds one request near its end (9 blocks at 140 tokens); 64-token steps let a
     second one in on its first chunk, and growing then preempts. Set the constants to 200, 150,
     6, 24 for the full case."""
     small = make_engine(kv_cache_memory=smol_pool(S2_BLOCKS), max_num_batched_tokens=64)
