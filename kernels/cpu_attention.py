@@ -269,12 +269,13 @@ def _gather_kv(plan: StepPlan, role: str, cache: PagedKVCache, rows: torch.Tenso
     Returns:
         ``(k, v, k_scales, v_scales)``: K and V ``[N * kv_heads, length, head_dim]`` in ``dtype``
         (K in float32 when ``dtype`` is bfloat16: the scores are float32; int8/fp8 codes converted
-        exactly: every code is representable in bfloat16 and float32), and for int8/fp8 their scales ``[N * kv_heads, 1, length]`` float32 (float64
-        for float64 compute), else None. With grouped scales (``--kv-scale-group-size``) the
-        gathered codes are dequantized in place instead (``code × scale`` in ``dtype``, a
-        ``[rows, G]`` scale gather) and both scales are None. The caller multiplies scores by ``k_scales`` and
-        probabilities by ``v_scales``: ``q·(code × s) = (q·code) × s``, the dequantization
-        folded into ``[N, group, L]``-sized products instead of a pass over K and V.
+        exactly: every code is representable in bfloat16 and float32), and for int8/fp8 their
+        scales ``[N * kv_heads, 1, length]`` float32 (float64 for float64 compute), else None.
+        With grouped scales (``--kv-scale-group-size``) the gathered codes are dequantized in
+        place instead (``code × scale`` in ``dtype``, a ``[rows, G]`` scale gather) and both
+        scales are None. The caller multiplies scores by ``k_scales`` and probabilities by
+        ``v_scales``: ``q·(code × s) = (q·code) × s``, the dequantization folded into
+        ``[N, group, L]``-sized products instead of a pass over K and V.
     """
     data = cache.data
     head_dim = data.shape[-1]
