@@ -1,9 +1,10 @@
 """What int8 weight grouping would buy: teacher-forced quality of int8 fake quantizations.
 
 Every linear layer's float32 weight ``w [N, K]`` is replaced by its int8 round trip
-(``round(w / s) · s``, symmetric, ``s = absmax / 127``) under one scheme, in float32, and the
-model runs the protocol of README "Weights" (the first 1,000 tokens of the kv-quality text,
-chunks of 64, the torch attention backend) against its own float32 dense run. Schemes:
+(``round(w / s) · s``, symmetric, ``s = absmax / 127``: the quantizer of ``--weight-quant
+int8``) under one scheme, in float32, and the model runs the protocol of README "Weights"
+(the first 1,000 tokens of the kv-quality text, chunks of 64, the torch attention backend)
+against its own float32 dense run. Schemes:
 
 * ``rows``: one scale per output row (what ``--weight-quant int8`` runs: torch's
   ``_weight_int8pack_mm``);
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import time
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -35,12 +37,14 @@ from llmd.daemon.bench.kv_quality_text import LONG_QUALITY_TEXT, QUALITY_TEXT
 from llmd.models.gguf_loader import load_model, open_gguf
 from llmd.models.registry import resolve_model
 from llmd.models.tokenizer import load_tokenizer
+from llmd.quant import gguf_packs
 
 
 def int8_rows(w: torch.Tensor) -> torch.Tensor:
-    """``w [N, K]`` float32 → its per-row symmetric int8 round trip, float32 ``[N, K]``."""
-    s = w.abs().amax(1, keepdim=True).clamp_min(1e-30) / 127
-    return (w / s).round().clamp(-127, 127) * s
+    """``w [N, K]`` float32 → its per-row symmetric int8 round trip, float32 ``[N, K]``, through
+    the quantizer ``--weight-quant int8`` uses (:func:`llmd.quant.gguf_packs.int8_rows`)."""
+    codes, scale = gguf_packs.int8_rows(w.numpy())
+    return torch.from_numpy(codes.astype(np.float32) * scale[:, None])
 
 
 def int8_groups(group: int):
