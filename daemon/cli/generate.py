@@ -61,11 +61,15 @@ def generate(prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, be
         cfg = load_config(resolve_model(engine_kw["model"]))
         if not cfg.chat_template:
             raise LlmdError(f"model {engine_kw['model']} has no chat template (a base model); drop --chat")
+    from llmd.daemon.core.config import EngineConfig
+    from llmd.daemon.core.prompt_check import check_prompt_before_load
+
+    request = [{"role": "user", "content": prompt}] if chat else prompt
+    check_prompt_before_load(EngineConfig(**engine_kw).resolve(), request, params)  # no weights loaded yet
     engine = build_engine(**engine_kw)
     from llmd.daemon.core.parallel import child_request_ids
 
-    engine.add_parallel_request([{"role": "user", "content": prompt}] if chat else prompt, params,
-                                child_request_ids("generate", beam_width))
+    engine.add_parallel_request(request, params, child_request_ids("generate", beam_width))
     beams: dict[int, str] = {}
     t0 = time.monotonic()
     n, reason = 0, None

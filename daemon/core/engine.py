@@ -35,7 +35,7 @@ from llmd.daemon.core.errors import LlmdError, RequestError, ServerBusyError
 from llmd.daemon.core.faults import FaultInjector
 from llmd.daemon.core.gpu_memory import activation_bytes, cuda_kv_cache_bytes
 from llmd.daemon.core.grammar import GrammarCompiler, GrammarState
-from llmd.daemon.core.input_processor import InputProcessor, ProcessedPrompt, Prompt
+from llmd.daemon.core.input_processor import InputProcessor, ProcessedPrompt, Prompt, model_context
 from llmd.daemon.core.kv_exchange import KVExchange
 from llmd.daemon.core.kv_size import (
     group_summary,
@@ -143,7 +143,7 @@ class Engine:
             check_triton_backend(cfg, kv_dtype, self.config.block_size, self.config.kv_cache_dtype)
         fmt = self.config.kv_format
         check_kv_layout(cfg, fmt, self.config.kv_rotation)
-        self.max_model_len = min(config.max_model_len or cfg.max_position, cfg.max_position)
+        self.max_model_len = model_context(config.max_model_len, cfg.max_position)
         self.bytes_per_token = kv_cache_bytes_per_token(cfg, fmt, kv_dtype)
         self.kv_cache_groups = make_kv_cache_groups(cfg.layer_windows,
                                                     hybrid=not self.config.disable_hybrid_kv_cache_manager)

@@ -31,6 +31,12 @@ MAX_CHARS_PER_TOKEN = 64
 Prompt = str | list[int] | list[dict]
 
 
+def model_context(max_model_len: int | None, max_position: int) -> int:
+    """The engine's context in tokens: ``--max-model-len`` (None: the model's) capped at the
+    model's ``max_position``."""
+    return min(max_model_len or max_position, max_position)
+
+
 def is_chat(prompt) -> bool:
     """Whether ``prompt`` is a list of chat messages (``{"role", "content"}`` dicts)."""
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)

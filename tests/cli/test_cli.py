@@ -64,9 +64,15 @@ def test_unsupported_architecture_is_one_line(tmp_path):
 
 
 def test_prompt_longer_than_max_model_len_is_one_line():
+    """Refused before the weights load (daemon/core/prompt_check.py): no "loading" line, and the
+    prompt + max_tokens rule as well."""
     prompt = "word " * 40
     result = run_cli(["generate", prompt, "--max-model-len", "16", "--kv-cache-memory", "8MiB"])
     assert_one_line_error(result, "but the context is 16 tokens")
+    assert "llmd: loading" not in result.output
+    result = run_cli(["generate", "word " * 10, "--chat", "--max-tokens", "40", "--max-model-len", "48"])
+    assert_one_line_error(result, "+ max_tokens (40) =")
+    assert "llmd: loading" not in result.output
 
 
 def test_bad_max_tokens_is_one_line():

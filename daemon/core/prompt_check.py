@@ -1,0 +1,45 @@
+"""A prompt's length rules before the weights load (``llmd generate``).
+
+A one-shot command that loads ~100 MB-1 GB of weights only to refuse its prompt wastes the
+load (3-30 s on a CPU): :func:`check_prompt_before_load` reads what the rules need — the GGUF
+header (cached, :mod:`llmd.models.header_cache`) and the tokenizer (cached,
+:mod:`llmd.models.tokenizer`), no weights — and applies the same
+:class:`~llmd.daemon.core.input_processor.InputProcessor` the engine's ``add_request`` applies.
+What depends on the KV pool (a request that can never fit in it) is still checked by the
+engine, after the load.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from llmd.daemon.core.config import EngineConfig
+from llmd.daemon.core.input_processor import InputProcessor, Prompt, model_context
+from llmd.daemon.core.request import SamplingParams
+
+
+def check_prompt_before_load(config: EngineConfig, prompt: Prompt, params: SamplingParams) -> None:
+    """Refuse ``prompt`` with ``params`` as the engine built from ``config`` would, without
+    loading the weights. ``params`` is not changed (the rules run on a copy). Random-weight
+    presets (``random:...``) have no GGUF and are left to the engine.
+
+    Raises:
+        RequestError: an empty prompt, one that leaves no room to generate, or prompt +
+            ``max_tokens`` beyond the context (:meth:`InputProcessor.process`).
+        LlmdError: unknown model, unreadable GGUF or unsupported architecture, chat messages for a
+            model without a template.
+    """
+    if config.model.startswith("random:"):
+        return
+    from llmd.models.header_cache import header_info
+    from llmd.models.registry import layer_tensors, resolve_model
+    from llmd.models.tokenizer import load_tokenizer
+
+    path = resolve_model(config.model)
+    info = header_info(path)
+    cfg = info.config
+    layer_tensors(cfg.architecture)  # an architecture llmd cannot run fails as the load would
+    tokenizer = load_tokenizer(path, cfg, info.data_offset)
+    processor = InputProcessor(tokenizer, cfg.vocab_size, model_context(config.max_model_len, cfg.max_position),
+                               config.context_overflow, config.keep, config.block_size)
+    processor.process(prompt, copy.copy(params))
