@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 from click.testing import CliRunner
+from daemon_harness import SESSION_WEIGHTS_CACHE
 from tiny_gguf import write_tiny_llama
 
 from llmd.daemon.cli.main import main
@@ -27,7 +28,7 @@ def test_generate_chat_answers_paris_without_transformers_modeling():
     """`llmd generate ... --chat` in a fresh process: the answer names Paris, and no
     transformers modeling module was imported (the tokens come from llmd's own model), nor
     bitsandbytes (imported only for a format that needs it)."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", **SESSION_WEIGHTS_CACHE)  # the first start: converts and writes it
     proc = subprocess.run([sys.executable, "-c", GENERATE_AND_LIST_MODULES], capture_output=True, text=True, env=env,
                           timeout=300, cwd="/")
     assert proc.returncode == 0, proc.stderr
