@@ -271,10 +271,10 @@ def test_autostart_spawned_one_daemon_under_the_lock(llmd_small_daemon):
     assert any(m.startswith("llmd: daemon ready after") for m in llmd_small_daemon.spawn_messages)
     log = llmd_small_daemon.log_text()
     assert "serving" in log
-    # the startup lines name the dtype, backend and threads the harness pinned (--dtype float32 --threads 1)
-    assert "; dtype float32, attention cpu (decodes: C kernel), 1 thread; KV cache:" in log, log[-2000:]
+    # the startup lines name the dtype, backend and threads the harness pinned (--dtype float32 --threads 2)
+    assert "; dtype float32, attention cpu (decodes: C kernel), 2 threads; KV cache:" in log, log[-2000:]
     assert "llmd: serving smollm2-135m on " in log, log[-2000:]
-    assert "; dtype float32, attention cpu (decodes: C kernel), 1 thread)" in log, log[-2000:]
+    assert "; dtype float32, attention cpu (decodes: C kernel), 2 threads)" in log, log[-2000:]
     assert llmd_small_daemon.client().models()["data"][0]["max_model_len"] == 2048
 
 
