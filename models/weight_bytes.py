@@ -61,8 +61,10 @@ def weight_bytes(tensors: dict, layer_tensors: dict, mode: str, elem_bytes: int,
         fused: ``gguf`` layers also hold the fused decode kernel's copy (:mod:`llmd.quant.native_packs`:
             4-bit codes with a float16 scale and min per 32, or Q8_0 int8 codes with a float16 scale).
     Returns:
-        Weight bytes (int4 packs: K/2 bytes per row and a (scale, zero) pair per 32; int8: K
-        bytes per row and one scale; nf4 / fp4: :func:`bnb_4bit_bytes`; dense: ``elem_bytes``
+        Weight bytes (int4 packs: K/2 bytes per row and a (scale, zero) pair per 32; ``int8``: K
+        bytes per row and one scale per 32 (bfloat16 rows in multiples of 32: the nibble-split
+        pack's two bfloat16 (scale, zero) pairs, 8 B, per 32); per-row int8 (``gguf``'s Q8_0 and
+        head): K bytes per row and one scale; nf4 / fp4: :func:`bnb_4bit_bytes`; dense: ``elem_bytes``
         per element), embedding table included.
     """
     groups: dict = {}
@@ -93,6 +95,9 @@ def weight_bytes(tensors: dict, layer_tensors: dict, mode: str, elem_bytes: int,
         elif mode == "gguf" and types <= INT4_TYPES and k % GROUP == 0 and n % 16 == 0:
             total += n * k // 2 + n * (k // GROUP) * 2 * elem_bytes + extra
             total += n * k // 2 + n * (k // GROUP) * 4 if fused else 0
+        elif mode == "int8" and k % GROUP == 0:  # llmd.quant.int8_groups.pack: codes + a scale per 32
+            per_group = 8 if elem_bytes == 2 and n % 32 == 0 else elem_bytes  # the nibble pack's 2 (scale, zero)
+            total += n * k + n * (k // GROUP) * per_group + extra
         elif mode == "int8" or types <= INT8_TYPES or head:
             total += n * k + n * elem_bytes + extra
             q8_copy = fused and mode == "gguf" and types <= INT8_TYPES and n % 16 == 0

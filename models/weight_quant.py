@@ -7,15 +7,18 @@ Modes (CPU; the packs are torch's CPU kernels, see :mod:`llmd.quant.packed_linea
   Q8_0 → int8 per output row (re-quantized: torch has no grouped int8 kernel). A fused
   projection is packed only when all its parts are of one family; anything else (Q5_0, Q6_K,
   F16, mixed parts) stays dense and is listed in the summary.
-* ``int8``: every linear re-quantized to symmetric per-row int8 from its float32 dequantization
-  (torch's kernel on a CPU; on CUDA bitsandbytes' LLM.int8(), :class:`~llmd.quant.bnb_linear.BnbLinear`).
+* ``int8``: every linear re-quantized to symmetric int8 with one scale per 32 input columns
+  (Q8_0's grid) from its float32 dequantization (on a CPU :mod:`llmd.quant.int8_groups`: the
+  nibble-split int4 kernel for bfloat16 steps of a few rows, dequantize + matmul otherwise; a
+  weight with K % 32 != 0 per-row int8 for ``_weight_int8pack_mm``); on CUDA bitsandbytes'
+  LLM.int8(), :class:`~llmd.quant.bnb_linear.BnbLinear`.
 * ``nf4`` / ``fp4``: every linear re-quantized by bitsandbytes to 4-bit NF4 / FP4 blocks of 64
   with a float32 absmax each (:mod:`llmd.quant.bnb_linear`; on an AVX512-BF16 CPU in bitsandbytes'
   CPU layout with bfloat16 absmax), on CPU and CUDA. The GGUF's 4-bit weights are quantized a
   second time, so the error compounds (README "Weights": the measured ΔNLL).
 
 The lm_head (tied to the embedding in SmolLM2 and Gemma 3) is packed too: int4 when its tensor
-is a 4-bit type, else per-row int8 (``nf4`` / ``fp4``: in that format); the embedding lookup keeps
+is a 4-bit type, else per-row int8 (``int8``, ``nf4`` / ``fp4``: in that format); the embedding lookup keeps
 the dense table. With
 ``keep_dense`` every packed layer also keeps its dense weight for batches of more than
 ``SMALL_BATCH`` rows (see the measurements there), costing the packs' bytes on top of the
@@ -32,7 +35,7 @@ from torch import nn
 
 from llmd.models.errors import GGUFLoadError
 from llmd.models.weight_bytes import weight_bytes  # noqa: F401  (re-exported: its home before)
-from llmd.quant import bnb_linear, native_packs
+from llmd.quant import bnb_linear, int8_groups, native_packs
 from llmd.quant.bnb_linear import BnbLinear
 from llmd.quant.gguf_packs import GROUP, INT4_TYPES, INT8_TYPES, int4_codes, int8_rows
 from llmd.quant.packed_linear import SMALL_BATCH, PackedLinear, pack_int4, pack_int8
@@ -67,6 +70,8 @@ class WeightQuantSummary:
             kind = "int8" if self.mode == "int8" else self.mode
             text = (f"weights {self.mode} (bitsandbytes, {'+'.join(self.layouts)} layout): {self.bnb} {kind} layers, "
                     f"{self.pack_bytes / 2**20:.0f} MiB")
+        elif self.mode == "int8":
+            text = f"weights int8 (groups of 32): {self.int8} int8 layers, {self.pack_bytes / 2**20:.0f} MiB"
         else:
             text = f"weights {self.mode}: {self.int4} int4 + {self.int8} int8 layers, {self.pack_bytes / 2**20:.0f} MiB"
         if self.dense_bytes:
@@ -109,9 +114,10 @@ def _q8_parts(model, parts, k: int):
 
 
 def _pack(model, parts, k: int, mode: str, dtype: torch.dtype, native: bool = False):
-    """``("int4" | "int8", packs, native)`` for the GGUF tensors ``parts`` of one layer, or None
-    (dense). ``native``: also the fused decode kernel's pack (:mod:`llmd.quant.native_packs`) of
-    the file's own blocks, when K allows it (``(kind, pack)``, else None)."""
+    """``("int4" | "int8" | "int8g", packs, native)`` for the GGUF tensors ``parts`` of one layer, or
+    None (dense). ``mode`` "int8rows": per-row int8 (the ``gguf`` head's fallback). ``native``:
+    also the fused decode kernel's pack (:mod:`llmd.quant.native_packs`) of the file's own
+    blocks, when K allows it (``(kind, pack)``, else None)."""
     types = {t.tensor_type for _, t, _ in parts}
     rows = sum(n for _, _, n in parts)
     if mode == "gguf" and types <= INT4_TYPES and k % GROUP == 0 and rows % 16 == 0:  # the pack needs N % 16
@@ -120,7 +126,11 @@ def _pack(model, parts, k: int, mode: str, dtype: torch.dtype, native: bool = Fa
         if native and k % 32 == 0:
             fused = native_packs.Q4, native_packs.q4_pack(codes.numpy(), scale.numpy(), zero.numpy())
         return "int4", pack_int4(codes, scale, zero, dtype), fused
-    if mode == "int8" or (mode == "gguf" and types <= INT8_TYPES):
+    if mode == "int8" and k % GROUP == 0:
+        w = np.concatenate([_dequantized(model, name, t) for name, t, _ in parts])
+        codes, scale = int8_groups.quantize(w, dtype)
+        return "int8g", int8_groups.pack(codes, scale, dtype), None
+    if mode in ("int8", "int8rows") or (mode == "gguf" and types <= INT8_TYPES):
         codes, scale = int8_rows(np.concatenate([_dequantized(model, name, t) for name, t, _ in parts]))
         fused = _q8_parts(model, parts, k) if native and types <= INT8_TYPES and rows % 16 == 0 else None
         return "int8", pack_int8(torch.from_numpy(codes), torch.from_numpy(scale), dtype), fused
@@ -204,7 +214,8 @@ def quantize_linears(model: nn.Module, tensors: dict, mode: str, *, keep_dense: 
                            dense=mod.weight.data if keep_dense else None, sizes=getattr(mod, "sizes", None),
                            native=fused, small_batch=small_batch)
         model.set_submodule(mod_name, new)
-        setattr(summary, kind, getattr(summary, kind) + 1)
+        summary.int4 += kind == "int4"
+        summary.int8 += kind != "int4"
     head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     w = model.embed_tokens.weight if model.lm_head is None else model.lm_head
     tied = model.lm_head is None  # a tied head's dense table stays anyway (the lookup): batches use it
@@ -214,11 +225,12 @@ def quantize_linears(model: nn.Module, tensors: dict, mode: str, *, keep_dense: 
         summary.bnb += 1
     else:
         kind, packs, fused = _pack(model, head_parts, w.shape[1], mode, dtype, native) or \
-            _pack(model, head_parts, w.shape[1], "int8", dtype, native)
+            _pack(model, head_parts, w.shape[1], "int8rows", dtype, native)
         model.logits_proj = PackedLinear(w.shape[1], w.shape[0], **{kind: packs},
                                          dense=w.data if keep_dense or tied else None, native=fused,
                                          small_batch=small_batch)
-        setattr(summary, kind, getattr(summary, kind) + 1)
+        summary.int4 += kind == "int4"
+        summary.int8 += kind != "int4"
     if not tied:
         model.lm_head = None  # the packs (and the dense copy, if kept) replace it
     for mod in model.modules():

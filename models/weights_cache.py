@@ -57,7 +57,7 @@ _QUANT = os.path.join(os.path.dirname(_MODELS), "quant")
 #: (this one's entry layout is :data:`FORMAT`), and the weight packs of llmd.quant (not its KV formats)
 _NOT_CONVERSION = ("assemble.py", "errors.py", "paths.py", "presets.py", "tokenizer.py", "fast_tokenizer.py",
                    "chat_template.py", "weights_cache.py", "__init__.py")
-_QUANT_SOURCES = ("gguf_packs.py", "packed_linear.py", "bnb_linear.py", "native_packs.py")
+_QUANT_SOURCES = ("gguf_packs.py", "packed_linear.py", "bnb_linear.py", "native_packs.py", "int8_groups.py")
 
 
 def enabled() -> bool:

@@ -28,14 +28,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmd.quant import int8_groups
+
 SMALL_BATCH = 4  # rows at most that use the packs when a dense copy is kept (measured crossover ~6)
 
 
 class PackedLinear(nn.Module):
     """``forward(x [..., in_features]) -> [..., out_features]`` in ``x``'s dtype.
 
-    Exactly one of ``int4`` / ``int8`` holds the packs: ``int4 = (packed [N, K/2] uint8,
-    scales_zeros [K/32, N, 2])``, ``int8 = (codes [N, K] int8, scales [N])``, scales in ``x``'s
+    Exactly one of ``int4`` / ``int8`` / ``int8g`` holds the packs: ``int4 = (packed [N, K/2]
+    uint8, scales_zeros [K/32, N, 2])``, ``int8 = (codes [N, K] int8, scales [N])``, ``int8g``:
+    int8 with one scale per 32 input columns, :func:`llmd.quant.int8_groups.pack`'s pair (its
+    ``small_batch`` rows or fewer take the bfloat16 nibble-split kernel); scales in ``x``'s
     dtype (the kernels require it). ``dense``: an optional ``[N, K]`` weight used for more than ``small_batch``
     rows. ``sizes``: the parts of a fused projection (``split`` as :class:`MergedLinear`'s).
     ``native``: optionally ``(kind, pack)``, the same weights in the fused single-stream decode
@@ -43,18 +47,18 @@ class PackedLinear(nn.Module):
     ``native_mins``), read only by that kernel (:mod:`llmd.kernels.cpu_fused`), never by ``forward``.
 
     Raises:
-        ValueError: neither or both packs given.
+        ValueError: not exactly one of the packs given.
     """
 
-    def __init__(self, in_features: int, out_features: int, *, int4=None, int8=None,
+    def __init__(self, in_features: int, out_features: int, *, int4=None, int8=None, int8g=None,
                  dense: torch.Tensor | None = None, small_batch: int = SMALL_BATCH, sizes: list[int] | None = None,
                  native: tuple[str, tuple[torch.Tensor, ...]] | None = None):
         super().__init__()
-        if (int4 is None) == (int8 is None):
-            raise ValueError("PackedLinear needs exactly one of int4 / int8 packs")
+        given = {kind: p for kind, p in (("int4", int4), ("int8", int8), ("int8g", int8g)) if p is not None}
+        if len(given) != 1:
+            raise ValueError("PackedLinear needs exactly one of int4 / int8 / int8g packs")
         self.in_features, self.out_features = in_features, out_features
-        self.kind = "int4" if int4 is not None else "int8"
-        packs = int4 if int4 is not None else int8
+        (self.kind, packs), = given.items()
         self.register_buffer("packed", packs[0], persistent=False)
         self.register_buffer("scales", packs[1], persistent=False)
         self.dense = None if dense is None else nn.Parameter(dense, requires_grad=False)
@@ -83,6 +87,8 @@ class PackedLinear(nn.Module):
             y = F.linear(x2, dense)
         elif self.kind == "int4":
             y = torch._weight_int4pack_mm_for_cpu(x2, self._buffers["packed"], 32, self._buffers["scales"])
+        elif self.kind == "int8g":
+            y = int8_groups.linear(x2, self._buffers["packed"], self._buffers["scales"], self.small_batch)
         else:
             y = torch._weight_int8pack_mm(x2, self._buffers["packed"], self._buffers["scales"])
         return y if flat else y.view(*x.shape[:-1], self.out_features)
