@@ -29,7 +29,9 @@ Covering set (every value of every dimension paired with every value of every ot
 ``LLMD_FULL_COMPILE_MATRIX=1`` compiles the full cross products instead (~6,000 variants, hours
 on 2 cores). Compiles run in 2 spawned processes with a fresh ``TRITON_CACHE_DIR``
 (Triton's on-disk cache could otherwise serve a kernel compiled earlier under other settings)
-and ``always_compile`` (so every variant runs ptxas and reports its registers).
+and ``always_compile`` (so every variant runs ptxas and reports its registers); they start beside
+the single-threaded interpreter tests, one at a time, and these tests run after those
+(``tests/kernels/conftest.py``).
 """
 
 from __future__ import annotations
@@ -37,12 +39,10 @@ from __future__ import annotations
 import contextlib
 import io
 import itertools
-import multiprocessing
 import os
 import re
 import time
 import warnings
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -202,16 +202,12 @@ def _init_worker(cache_dir: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def compiled(request, tmp_path_factory):
-    """case id → Future of :func:`compile_case`: the selected cases (``-k`` applies), submitted at
-    once to 2 spawned workers."""
-    params = [getattr(getattr(it, "callspec", None), "params", {}) for it in request.session.items
-              if getattr(it, "module", None) is request.module]
-    selected = [p["kernel_case"] for p in params if "kernel_case" in p]
-    cache_dir = str(tmp_path_factory.mktemp("triton-cache"))
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(2, mp_context=ctx, initializer=_init_worker, initargs=(cache_dir,)) as pool:
-        yield {_case_id(kc): pool.submit(compile_case, *kc) for kc in selected}
+def compiled(background_compiles):
+    """case id → Future of :func:`compile_case`: the selected cases (``-k`` applies) in 2 spawned
+    workers, started beside the interpreter tests (tests/kernels/conftest.py), both workers busy
+    from here on."""
+    background_compiles.widen()
+    return background_compiles.results
 
 
 def test_covering_set_covers_every_pair():
