@@ -18,7 +18,8 @@ sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() not in (R
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # engines and daemons in tests load cold (as before the cache) and never write the converted-weights
 # cache in ~/.cache/llmd, whose few entries would be evicted by tiny test GGUFs; tests/models/
-# test_weights_cache.py turns it on with its own cache dir. LLMD_WEIGHTS_CACHE=1 pytest ... opts in.
+# test_weights_cache.py turns it on with its own cache dir, and the real-model subprocesses share a
+# cache of the session's own (daemon_harness.SESSION_WEIGHTS_CACHE). LLMD_WEIGHTS_CACHE=1 pytest ... opts in.
 os.environ.setdefault("LLMD_WEIGHTS_CACHE", "0")
 
 import torch  # noqa: E402
