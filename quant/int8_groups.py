@@ -146,11 +146,14 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | N
 
 
 def _workspace(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A per-thread scratch buffer of at least ``numel`` elements (reused: no page faults per call)."""
+    """A per-thread scratch buffer of at least ``numel`` elements (reused: no page faults per call),
+    one per dtype and inference mode (a buffer made under ``torch.inference_mode`` cannot be
+    written outside it)."""
     bufs = _local.__dict__.setdefault("bufs", {})
-    buf = bufs.get(dtype)
+    key = dtype, torch.is_inference_mode_enabled()
+    buf = bufs.get(key)
     if buf is None or buf.numel() < numel:
-        buf = bufs[dtype] = torch.empty(numel, dtype=dtype)
+        buf = bufs[key] = torch.empty(numel, dtype=dtype)
     return buf[:numel]
 
 

@@ -49,6 +49,29 @@ def test_every_projection_is_packed_and_logits_match(tmp_path, qtype, kind):
     assert (logits_d - logits_p).abs().max() < (1e-4 if kind == "int4" else 3e-2) * logits_d.abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_is_groups_of_32_everywhere(tmp_path, dtype):
+    """``int8`` packs every projection and the tied head as int8 per 32 input columns; in float32
+    a layer computes exactly ``F.linear`` over ``codes · scale`` of the float32 weight."""
+    from llmd.quant import int8_groups
+
+    path = tmp_path / "m.gguf"
+    write_tiny_llama(path, layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, qtype=T.Q4_1)
+    dense, _ = load_model(str(path), torch.float32)
+    model, _ = load_model(str(path), dtype, weight_quant="int8")
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert _linears(model) == [] and len(layers) == 9 and {m.kind for m in layers} == {"int8g"}
+    s = model.weight_quant_summary
+    assert (s.int4, s.int8, s.dense) == (0, 9, []) and s.describe().startswith("weights int8 (groups of 32): 9 int8 ")
+    w = dense.layers[0].mlp.down_proj.weight.data
+    codes, scale = int8_groups.quantize(w, dtype)
+    h = torch.randn(3, w.shape[1])
+    got = model.layers[0].mlp.down_proj(h.to(dtype)).double()
+    want = h.double() @ (codes.double().view(w.shape[0], -1, 32) * scale.double()[..., None]).view(w.shape).t()
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert (got - want).abs().max() <= tol * want.abs().max()
+
+
 PROMPTS = [[5, 6, 7], [40, 41], [100, 3, 9, 27, 31, 2, 8]]
 
 
@@ -182,21 +205,37 @@ def test_bad_combinations_fail_before_loading(monkeypatch):
     assert (resolve(dtype="bfloat16", weight_quant="gguf").keep_dense) is False
 
 
-# teacher-forced ΔNLL vs the float32-dequantized model (dense) and top-1 agreement, bfloat16 packs.
-# nf4 re-quantizes the file's Q4_1 blocks (README "Weights": measured +29.7 % / 53.8 %): its bounds
-# are the measurement plus a margin, so a regression of the format's path fails
-QUALITY = {"gguf": (0.2, 0.955), "int8": (0.25, 0.93), "nf4": (32.0, 0.51)}
+# teacher-forced ΔNLL vs the float32-dequantized model (dense) and top-1 agreement, bfloat16 packs
+# on the first 1,000 tokens of the kv-quality text
+QUALITY = {"gguf": (0.2, 0.955)}
+
+
+def _text_ids(tokenizer, long: bool = False, tokens: int = 1000) -> list[int]:
+    from llmd.daemon.bench.kv_quality_text import LONG_QUALITY_TEXT, QUALITY_TEXT
+
+    return tokenizer.encode(LONG_QUALITY_TEXT) if long else tokenizer.encode(QUALITY_TEXT)[:tokens]
+
+
+def _base(smollm2, tokenizer, ids):
+    from llmd.daemon.bench.kv_quality import quality_row
+
+    kw = dict(device="cpu", kv_cache_memory=(64 if len(ids) <= 1000 else 256) * 2**20, attention_backend="torch",
+              threads=torch.get_num_threads())
+    return ids, quality_row(smollm2[0], tokenizer, ids, "auto", None, dtype="float32", **kw), kw
 
 
 @pytest.fixture(scope="module")
 def float32_base(smollm2, smollm2_tokenizer):
-    """The float32 dense model's teacher-forced row on the kv-quality text (every format's base)."""
-    from llmd.daemon.bench.kv_quality import quality_row
-    from llmd.daemon.bench.kv_quality_text import QUALITY_TEXT
+    """The float32 dense model's teacher-forced row on the kv-quality text (the base of gguf and
+    the fused decode)."""
+    return _base(smollm2, smollm2_tokenizer, _text_ids(smollm2_tokenizer))
 
-    ids = smollm2_tokenizer.encode(QUALITY_TEXT)[:1000]
-    kw = dict(device="cpu", kv_cache_memory=64 * 2**20, attention_backend="torch", threads=torch.get_num_threads())
-    return ids, quality_row(smollm2[0], smollm2_tokenizer, ids, "auto", None, dtype="float32", **kw), kw
+
+@pytest.fixture(scope="module")
+def float32_long_base(smollm2, smollm2_tokenizer):
+    """The same on the long kv-quality text (2,165 tokens): ΔNLL of 0.05 % needs it (README
+    "Weights": on 1,000 tokens int8 schemes scatter over ±0.2 %)."""
+    return _base(smollm2, smollm2_tokenizer, _text_ids(smollm2_tokenizer, long=True))
 
 
 @pytest.fixture(scope="module")
@@ -205,18 +244,64 @@ def smollm2_gguf(smollm2_path):
     return load_model(smollm2_path, torch.bfloat16, weight_quant="gguf", native=True)[0]
 
 
-@pytest.mark.parametrize("fmt", ["gguf", "int8", "nf4"])
-def test_smollm2_quality_per_format(float32_base, smollm2_path, smollm2_tokenizer, fmt, request):
+def test_smollm2_gguf_quality(float32_base, smollm2_gguf, smollm2_tokenizer):
     from llmd.daemon.bench.kv_quality import quality_row
 
     ids, base, kw = float32_base
-    model = request.getfixturevalue("smollm2_gguf") if fmt == "gguf" else \
-        load_model(smollm2_path, torch.bfloat16, weight_quant=fmt)[0]
-    row = quality_row(model, smollm2_tokenizer, ids, "auto", base, dtype="bfloat16", **kw)
-    max_dnll, min_top1 = QUALITY[fmt]
-    if fmt == "gguf" and not cpu_has_avx512_bf16():  # torch's int4 kernel on emulated bf16 (AVX2): measured
+    row = quality_row(smollm2_gguf, smollm2_tokenizer, ids, "auto", base, dtype="bfloat16", **kw)
+    max_dnll, min_top1 = QUALITY["gguf"]
+    if not cpu_has_avx512_bf16():  # torch's int4 kernel on emulated bf16 (AVX2): measured
         max_dnll = 0.3  # +0.275 % / 96.8 % on a Zen 3 (+0.080 % where the CPU has AVX512-BF16)
     assert row.delta_nll_pct <= max_dnll and row.top1 >= min_top1, (row.delta_nll_pct, row.top1)
+
+
+def test_smollm2_int8_quality_on_the_long_text(float32_long_base, smollm2_path, smollm2_tokenizer):
+    """float32 ``int8`` (one scale per 32 input columns) on the long text vs the float32 dense
+    model: measured ΔNLL +0.041 %, top-1 97.32 % (issue 18's bound ΔNLL ≤ 0.05 %; per-row int8
+    gave +0.075 % / 96.11 %), 2026-12-03. (bfloat16 there: +0.167 % / 95.38 %, the bfloat16
+    dense model alone −0.004 % / 96.72 %: bfloat16 arithmetic, not the codes, decides it.)"""
+    from llmd.daemon.bench.kv_quality import quality_row
+
+    ids, base, kw = float32_long_base
+    model = load_model(smollm2_path, torch.float32, weight_quant="int8")[0]
+    assert {m.kind for m in model.modules() if isinstance(m, PackedLinear)} == {"int8g"}
+    row = quality_row(model, smollm2_tokenizer, ids, "auto", base, dtype="float32", **kw)
+    assert row.delta_nll_pct <= 0.05 and row.top1 >= 0.965, (row.delta_nll_pct, row.top1)
+
+
+@pytest.fixture(scope="module")
+def float32_base_320(smollm2, smollm2_tokenizer):
+    """The float32 dense row on the text's first 320 tokens (coarse checks: nf4, bfloat16 int8)."""
+    return _base(smollm2, smollm2_tokenizer, _text_ids(smollm2_tokenizer, tokens=320))
+
+
+def test_smollm2_bfloat16_int8_kernel_quality(float32_base_320, smollm2_path, smollm2_tokenizer, monkeypatch):
+    """bfloat16 ``int8`` teacher-forced 4 tokens a step (every layer and the head through the
+    nibble-split int4 kernel) on 320 tokens: measured ΔNLL −0.102 %, top-1 95.61 % (the bfloat16
+    dense model the same way: −0.113 % / 95.61 %), 2026-12-03."""
+    from llmd.daemon.bench.kv_quality import quality_row
+
+    ids, base, kw = float32_base_320
+    model = load_model(smollm2_path, torch.bfloat16, weight_quant="int8")[0]
+    calls = []
+    real = torch._weight_int4pack_mm_for_cpu
+    monkeypatch.setattr(torch, "_weight_int4pack_mm_for_cpu", lambda *a: calls.append(1) or real(*a))
+    row = quality_row(model, smollm2_tokenizer, ids, "auto", base, chunk=4, dtype="bfloat16", **kw)
+    assert len(calls) >= len(ids) // 4 * (4 * 30 + 1)  # 4 linears per layer and the head, every step
+    assert abs(row.delta_nll_pct) <= 0.3 and row.top1 >= 0.94, (row.delta_nll_pct, row.top1)
+
+
+def test_smollm2_nf4_quality_on_320_tokens(float32_base_320, smollm2_path, smollm2_tokenizer):
+    """nf4 re-quantizes the file's Q4_1 blocks (README "Weights"); on the first 320 tokens of the
+    text (bfloat16, bitsandbytes' CPU layout here) measured ΔNLL +48.9 %, top-1 54.5 % (the
+    bfloat16 dense model: +0.42 % / 95.9 %), 2026-12-03. Two-sided bounds: a dense or a broken
+    format fails, and so does a +10 pp regression of the format's path."""
+    from llmd.daemon.bench.kv_quality import quality_row
+
+    ids, base, kw = float32_base_320
+    model = load_model(smollm2_path, torch.bfloat16, weight_quant="nf4")[0]
+    row = quality_row(model, smollm2_tokenizer, ids, "auto", base, dtype="bfloat16", **kw)
+    assert 20.0 <= row.delta_nll_pct <= 58.0 and 0.48 <= row.top1 <= 0.70, (row.delta_nll_pct, row.top1)
 
 
 def test_smollm2_fused_decode_quality(float32_base, smollm2_gguf, smollm2_tokenizer, monkeypatch):
@@ -251,6 +336,8 @@ def test_weight_bytes_from_metadata_equal_the_loaded_model(tmp_path, qtype):
         s = model.weight_quant_summary
         assert weight_bytes(tensors, LlamaForCausalLM.layer_tensors, mode, 2, keep, fused=fused) == \
             s.pack_bytes + s.dense_bytes + s.native_bytes
+    s = load_model(str(path), torch.float32, weight_quant="int8")[0].weight_quant_summary  # float32 scales
+    assert weight_bytes(tensors, LlamaForCausalLM.layer_tensors, "int8", 4) == s.pack_bytes + s.dense_bytes
     for dtype in (torch.bfloat16, torch.float32):  # nf4: bitsandbytes' CPU layout (bf16 absmax) or its plain one
         s = load_model(str(path), dtype, weight_quant="nf4")[0].weight_quant_summary
         cpu_layout = s.layouts == ["cpu"]
