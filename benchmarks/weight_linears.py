@@ -1,12 +1,14 @@
 """The 30 layers' linears of SmolLM2 (and its 49,152-row head) per weight format, side by side.
 
-    python benchmarks/weight_linears.py [--threads 2] [--rounds 7] [--batches 1,32]
+    python benchmarks/weight_linears.py [--threads 2] [--rounds 7] [--batches 1,32] [--only dense,torch]
 
 Shapes come from the GGUF header (qkv 960×576, o 576×576, gate_up 3072×576, down 576×1536 per
 layer; the head 49152×576), weights are random (these kernels' speed does not depend on the
 values), activations bfloat16. Formats: the dense bfloat16 weight (``F.linear``, oneDNN); torch's
-int4 packs (``_weight_int4pack_mm_for_cpu``, group 32: ``--weight-quant gguf``) and per-row int8
-(``_weight_int8pack_mm``: CPU ``--weight-quant int8``); bitsandbytes NF4 and FP4 in its CPU layout
+int4 packs (``_weight_int4pack_mm_for_cpu``, group 32: ``--weight-quant gguf``), per-row int8
+(``_weight_int8pack_mm``: ``gguf``'s Q8_0 tensors and head), int8 per 32 input columns
+(:mod:`llmd.quant.int8_groups`: CPU ``--weight-quant int8``; the nibble-split int4 kernel for
+M <= 4, dequantize + matmul above); bitsandbytes NF4 and FP4 in its CPU layout
 (``--weight-quant nf4 / fp4`` on an AVX512-BF16 CPU), NF4 in its plain layout (the CPU fallback:
 dequantize + ``F.linear``), and LLM.int8() (``Linear8bitLt``'s path: CUDA ``--weight-quant int8``,
 here on the CPU). Each round times every format once (best of 5 passes over the layers; the head
@@ -25,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from llmd.models.registry import resolve_model
+from llmd.quant import int8_groups
 from llmd.quant.bnb_linear import BnbLinear, layout_for, quantize_4bit, quantize_int8
 from llmd.quant.packed_linear import PackedLinear, pack_int4, pack_int8
 
@@ -54,23 +57,31 @@ def int8_layer(w: torch.Tensor) -> PackedLinear:
     return PackedLinear(w.shape[1], w.shape[0], int8=pack_int8(codes, scale, torch.bfloat16))
 
 
+def int8g_layer(w: torch.Tensor) -> PackedLinear:
+    """Int8 per 32 input columns, bfloat16 (``--weight-quant int8`` on a CPU)."""
+    return PackedLinear(w.shape[1], w.shape[0], int8g=int8_groups.pack(*int8_groups.quantize(w, torch.bfloat16),
+                                                                        torch.bfloat16))
+
+
 def bnb_4bit(w: torch.Tensor, kind: str, layout: str) -> BnbLinear:
     return BnbLinear(w.shape[1], w.shape[0], kind, *quantize_4bit(w, kind, layout), layout)
 
 
-def build(weights: list[torch.Tensor]) -> dict[str, list]:
-    """Format name → ``(in_features, layer)`` per weight."""
+def build(weights: list[torch.Tensor], only: list[str] | None = None) -> dict[str, list]:
+    """Format name → ``(in_features, layer)`` per weight (names starting with one of ``only``)."""
     cpu = "cpu" if all(layout_for(*w.shape, torch.bfloat16, "cpu") == "cpu" for w in weights) else "plain"
     makers = {
         "dense bf16": lambda w: (lambda x, d=w.bfloat16(): F.linear(x, d)),
         "torch int4 g32 (gguf)": int4_layer,
-        "torch int8 (cpu int8)": int8_layer,
+        "torch int8 rows": int8_layer,
+        "int8 g32 (cpu int8)": int8g_layer,
         f"bnb nf4 {cpu} (nf4)": lambda w: bnb_4bit(w, "nf4", cpu),
         f"bnb fp4 {cpu} (fp4)": lambda w: bnb_4bit(w, "fp4", cpu),
         "bnb nf4 plain": lambda w: bnb_4bit(w, "nf4", "plain"),
         "bnb LLM.int8()": lambda w: BnbLinear(w.shape[1], w.shape[0], "int8", *quantize_int8(w.numpy())),
     }
-    return {name: [(w.shape[1], make(w)) for w in weights] for name, make in makers.items()}
+    return {name: [(w.shape[1], make(w)) for w in weights] for name, make in makers.items()
+            if name == "dense bf16" or not only or any(name.startswith(o) for o in only)}
 
 
 def time_pass(layers: list, xs: dict[int, torch.Tensor], repeat: int = 1, best_of: int = 5) -> float:
@@ -90,13 +101,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--only", default="", help="format name prefixes to time beside dense (default: all)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     layer_shapes, head_shape = smollm2_shapes()
     g = torch.Generator().manual_seed(0)
     layer_w = [torch.randn(n, k, generator=g) * 0.02 for _ in range(30) for n, k in layer_shapes]  # 30 distinct layers
     head_w = [torch.randn(*head_shape, generator=g) * 0.02]
-    suites = {"30 layers' linears": (build(layer_w), 1), "lm_head": (build(head_w), 10)}  # the head: 10 calls a timing
+    only = [o for o in args.only.split(",") if o]
+    # the head: 10 calls a timing
+    suites = {"30 layers' linears": (build(layer_w, only), 1), "lm_head": (build(head_w, only), 10)}
     print(f"torch {torch.__version__}, {args.threads} threads, bfloat16 activations; median of {args.rounds} rounds")
     for m in [int(b) for b in args.batches.split(",")]:
         for title, (formats, repeat) in suites.items():

@@ -75,8 +75,9 @@ def engine_options(fn):
         click.option("--weight-quant", type=click.Choice(["auto", "none", "gguf", "int8", "nf4", "fp4"]),
                      default="auto", show_default=True,
                      help="Linear weights: gguf (CPU) = the file's 4-bit blocks as int4 packs (Q8_0 as int8), "
-                          "dense weights dropped; int8 = per-row int8 (CPU: torch's kernel, CUDA: bitsandbytes "
-                          "LLM.int8()); nf4 / fp4 = bitsandbytes 4-bit blocks of 64 (CPU and CUDA); auto = on a "
+                          "dense weights dropped; int8 = int8 with a scale per 32 input columns (CPU; CUDA: "
+                          "bitsandbytes LLM.int8()); nf4 / fp4 = bitsandbytes 4-bit blocks of 64 (CPU and "
+                          "CUDA); auto = on a "
                           "bfloat16 CPU model the gguf packs for steps of <= 4 tokens plus the dense weights for "
                           "larger steps, else none."),
         click.option("--threads", default=None, type=int,

@@ -86,7 +86,8 @@ class EngineConfig:
             importable (checked here, before any weights load; on CUDA they also set
             ``enforce_eager``: LLM.int8()'s outlier split reads its columns on the host, which a CUDA
             graph cannot capture, and the 4-bit kernels' capture has not run on a GPU here);
-            "gguf" and "auto"'s packs are CPU only; "int8" on a CPU is torch's kernel. "gguf" keeps
+            "gguf" and "auto"'s packs are CPU only; "int8" on a CPU is int8 per 32 columns
+            (``llmd.quant.int8_groups``). "gguf" keeps
             the file's 4-bit blocks as int4 packs (Q8_0 as per-row int8) and drops the dense
             weights; "auto" (the default) = on a bfloat16 CPU model the same packs for steps of
             at most 4 tokens plus the dense weights for larger ones (one stream decodes from ~4×
