@@ -47,11 +47,11 @@ none                     257      1791       9.95
 SMOLLM2_GGUF_ROWS = {True: """\
 auto                     439      1609       8.94
 gguf                     236      1812      10.06
-int8                     183      1865      10.36
+int8                     214      1834      10.19
 """, False: """\
 auto                     347      1701       9.45
 gguf                     144      1904      10.57
-int8                     183      1865      10.36
+int8                     214      1834      10.19
 """}
 # nf4: bitsandbytes' CPU layout keeps a bfloat16 absmax per 64 weights on an AVX512-BF16 CPU, float32 elsewhere
 SMOLLM2_NF4 = {True: "nf4                      122      1926      10.70",
