@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from llmd import kernels
-from llmd.kernels import AttentionMetadata
+from llmd.kernels import AttentionMetadata, cpu_glue, cpu_linear
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
 
@@ -84,6 +84,8 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, self.shape, w, self.eps)
         if x.dtype == torch.float64:
             return w * F.rms_norm(x.float(), self.shape, eps=self.eps).to(x.dtype)
+        if cpu_glue.active and (y := cpu_glue.rms_norm(x, w, self.eps)) is not None:
+            return y  # one C pass (kernels/cpu_glue.py): within 2 bfloat16 ulps, on ~6e-6 of elements
         if x.shape[0] <= FUSED_NORM_MAX_TOKENS and x.dtype in self._fused_dtypes:
             dim = self.shape[0]
             rows = x if x.dim() == 2 else x.reshape(-1, dim)
@@ -170,7 +172,15 @@ def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
     return x * cos + swapped * sin
 
 
-class MergedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """Bias-free ``nn.Linear`` whose weight may be prepacked for oneDNN on the CPU
+    (:func:`llmd.kernels.cpu_linear.prepack_model`, bfloat16). ``forward(x [..., in]) -> [..., out]``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_linear.linear(x, self._parameters["weight"])
+
+
+class MergedLinear(Linear):
     """Bias-free projections of one input fused into one matmul (vLLM's ``QKVParallelLinear`` /
     ``MergedColumnParallelLinear``).
 
@@ -193,9 +203,9 @@ class MergedLinear(nn.Linear):
         return y.split(self.sizes, dim=-1)
 
 
-def linear(in_features: int, out_features: int, dtype: torch.dtype) -> nn.Linear:
+def linear(in_features: int, out_features: int, dtype: torch.dtype) -> Linear:
     """Bias-free linear layer with uninitialised weights (the loader fills and checks them)."""
-    layer = nn.Linear(in_features, out_features, bias=False, dtype=dtype, device="meta")
+    layer = Linear(in_features, out_features, bias=False, dtype=dtype, device="meta")
     layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
     return layer
 
@@ -221,7 +231,10 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = self._modules
         gate_up = m["gate_up_proj"]
-        gate, up = gate_up.split(gate_up(x))
+        y = gate_up(x)
+        if self.act is F.silu and cpu_glue.active and (h := cpu_glue.silu_mul(y)) is not None:
+            return m["down_proj"](h)  # one C pass (kernels/cpu_glue.py)
+        gate, up = gate_up.split(y)
         return m["down_proj"](self.act(gate) * up)
 
 
@@ -276,7 +289,8 @@ class PagedAttention(nn.Module):
         qk, v = qk.view(t, h + kvh, d), v.view(t, kvh, d)
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
-        qk = apply_rope(qk, rope)
+        rotated = cpu_glue.rope(qk, *rope) if cpu_glue.active else None  # one C pass, the same bits
+        qk = apply_rope(qk, rope) if rotated is None else rotated
         q, k = qk[:, :h], qk[:, h:]
         kernels.store_kv(k, v, kv_cache, meta.slot_mapping, meta.attn_backend, meta.slots_padded)
         out = kernels.paged_attention(q, kv_cache, meta, self.scale, self.sliding_window)

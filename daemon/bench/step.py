@@ -42,7 +42,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from llmd import kernels
 from llmd.daemon.bench.step_report import format_table
@@ -50,6 +49,7 @@ from llmd.daemon.core.config import EngineConfig
 from llmd.daemon.core.errors import LlmdError
 from llmd.daemon.core.outputs import ScheduledRequest, SchedulerOutput
 from llmd.daemon.core.request import Request, SamplingParams
+from llmd.kernels import cpu_linear
 
 
 @dataclass
@@ -213,12 +213,12 @@ def measure(engine, batch: int, context: int, reps: int, bandwidth: float) -> St
 
     def forward(inputs):
         ids, pos, meta, _ = inputs
-        model(ids, pos, runner.layer_caches, meta)
+        runner.forward(ids, pos, meta)  # with the runner's choice of the C layer glue
 
     with torch.inference_mode():
         t = dict(
             prep=median_time(lambda: runner.prepare_inputs(out), reps, dev),
-            linears=median_time(lambda: [F.linear(acts[w.shape[1]], w) for w in weights], reps, dev),
+            linears=median_time(lambda: [cpu_linear.linear(acts[w.shape[1]], w) for w in weights], reps, dev),
             lm_head=median_time(lambda: model.compute_logits(hidden), reps, dev),
             attention=median_time(attention, reps, dev, setup=metas),
             forward=median_time(forward, reps, dev, setup=lambda: runner.prepare_inputs(out)),

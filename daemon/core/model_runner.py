@@ -23,9 +23,10 @@ from llmd.daemon.core.outputs import BlockShift, ResidualShift, ScheduledRequest
 from llmd.daemon.core.request import Request
 from llmd.daemon.core.sampler import Sampler, SamplerOutput
 from llmd.daemon.kv import KVCacheGroupSpec, layer_placement, make_kv_cache_groups
-from llmd.kernels import AttentionMetadata, cpu_native, shift_keys
+from llmd.kernels import AttentionMetadata, cpu_glue, cpu_linear, cpu_native, shift_keys
 from llmd.kernels.cpu_attention import compute_dtype_for
 from llmd.kernels.kv_shift import shift_residual
+from llmd.kernels.native import build
 from llmd.models.config import ModelConfig
 from llmd.quant.kv import PagedKVCache, get_format
 
@@ -81,6 +82,8 @@ class ModelRunner:
                  cascade_attn: bool = True, native_kernels: bool = True):
         self.model = model
         self.config: ModelConfig = model.config
+        # bfloat16 layer weights in oneDNN's blocked layout, once (kernels/cpu_linear.py; same bits)
+        self.prepacked_linears = cpu_linear.prepack_model(model) if torch.device(device).type == "cpu" else 0
         self.block_size = block_size
         self.device = torch.device(device)
         self.groups = kv_cache_groups or make_kv_cache_groups((None,) * self.config.num_layers)  # all global
@@ -105,6 +108,9 @@ class ModelRunner:
         self.native_decodes = attention_backend == "cpu" and native_kernels \
             and cpu_native.serves(fmt, compute_dtype_for(kv_dtype), block_size) \
             and cpu_native.prepare(self.config.head_dim, self.config.num_heads // self.config.num_kv_heads)
+        # a bfloat16 layer's norms / RoPE / SwiGLU in C (kernels/cpu_glue.py), set per forward
+        self.native_glue = attention_backend == "cpu" and native_kernels and self.device.type == "cpu" \
+            and kv_dtype == torch.bfloat16 and build.load_glue() is not None
         # batch-1 decode steps in one C call (kernels/cpu_fused.py), or why not (the startup line says)
         self.fused_decode, self.fused_why_not = None, "off (--disable-native-kernels or not the cpu backend)"
         if attention_backend == "cpu" and native_kernels and self.device.type == "cpu":
@@ -251,7 +257,7 @@ class ModelRunner:
             input_ids, positions, meta, logits_indices = self.prepare_inputs(out)
             if logits_indices == [0] and self._fused_serves(meta) and meta.query_lens_cpu == [1]:
                 return self._fused_step(input_ids, positions, meta)  # one decode token: the whole step in C
-            hidden = self.model(input_ids, positions, self.layer_caches, meta)
+            hidden = self.forward(input_ids, positions, meta)
         if not logits_indices:
             return torch.empty(0, self.config.vocab_size)
         first, last = logits_indices[0], logits_indices[-1]
@@ -280,8 +286,14 @@ class ModelRunner:
         input_ids, positions, meta, _ = self.prepare_inputs(step)
         if len(token_ids) == 1 and self._fused_serves(meta):  # as a decode step would run
             return self._fused_step(input_ids, positions, meta)
-        hidden = self.model(input_ids, positions, self.layer_caches, meta)
+        hidden = self.forward(input_ids, positions, meta)
         return self.model.compute_logits(hidden).float().cpu()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """The model over this runner's caches, ``[T, hidden]``, with this runner's choice of the C
+        layer glue (:data:`llmd.kernels.cpu_glue.active`; engines sharing a model may differ)."""
+        cpu_glue.active = self.native_glue
+        return self.model(input_ids, positions, self.layer_caches, meta)
 
     def _fused_serves(self, meta) -> bool:
         """The fused decoder is on and the one-token step has a single KV cache group's metadata."""

@@ -1,6 +1,7 @@
 """Compile and load llmd's C kernels for CPUs with the system C compiler: ``paged_decode.c`` (the
-cpu backend's decode attention, :func:`load`) and ``fused_decode.c`` (a whole batch-1 decode step,
-which includes the former for its attention; :func:`load_fused`).
+cpu backend's decode attention, :func:`load`), ``fused_decode.c`` (a whole batch-1 decode step,
+which includes the former for its attention; :func:`load_fused`) and ``layer_glue.c`` (a bfloat16
+layer's RMSNorm / RoPE / SwiGLU passes, :func:`load_glue`; one build for every shape).
 
 The source ships in the package; the shared object is built on first use on the machine that
 runs it (``-march=native``: the kernel uses whatever vector units this CPU has), once per model
@@ -35,7 +36,8 @@ import torch  # noqa: F401  (loads torch's libgomp before the kernel's NEEDED en
 log = logging.getLogger("llmd.kernels")
 SOURCE = Path(__file__).with_name("paged_decode.c")
 # fused_decode.c includes paged_decode.c (its attention)
-SOURCES = {"paged_decode": SOURCE, "fused_decode": Path(__file__).with_name("fused_decode.c")}
+SOURCES = {"paged_decode": SOURCE, "fused_decode": Path(__file__).with_name("fused_decode.c"),
+           "layer_glue": Path(__file__).with_name("layer_glue.c")}  # layer_glue.c includes paged_decode.c too
 HEADERS = [Path(__file__).with_name("fused_avx2.h")]  # included by fused_decode.c: part of every build's hash
 # no -ffast-math: with GCC < 13 linking a shared object with it adds crtfastmath.o, whose constructor
 # sets the FTZ/DAZ bits of the loading thread's MXCSR: every later float op of the process would flush
@@ -153,3 +155,36 @@ def load_fused(shape: tuple[int, int] | None) -> ctypes.CDLL | None:
 
 
 fused_why_not: str | None = None  # why load_fused() found no library
+
+
+def load_glue() -> ctypes.CDLL | None:
+    """The layer-glue library (``layer_glue.c``; no shape specialization), its three functions
+    typed, or None when unavailable (as :func:`load`: no compiler, a failed build,
+    ``LLMD_NATIVE_KERNELS=0``); says why once (``glue_why_not``)."""
+    global glue_why_not
+    if "glue" in _glue:
+        return _glue["glue"]
+    lib = None
+    if load() is None:  # the same compiler and switches; a failure there is reported there
+        glue_why_not = why_not
+    else:
+        try:
+            lib = ctypes.CDLL(str(_build(_compiler(), FLAGS, "layer_glue")))
+            c = ctypes
+            lib.llmd_rms_norm_bf16.argtypes = [c.c_void_p, c.c_int64, c.c_void_p, c.c_int64, c.c_int, c.c_float,
+                                               c.c_void_p, c.c_int]
+            lib.llmd_rope_bf16.argtypes = [c.c_void_p, c.c_int64, c.c_int64, c.c_int, c.c_int, c.c_void_p,
+                                           c.c_int64, c.c_void_p, c.c_int64, c.c_void_p, c.c_int]
+            lib.llmd_silu_mul_bf16.argtypes = [c.c_void_p, c.c_int64, c.c_int64, c.c_int, c.c_void_p, c.c_int]
+            for fn in (lib.llmd_rms_norm_bf16, lib.llmd_rope_bf16, lib.llmd_silu_mul_bf16):
+                fn.restype = None
+        except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
+            glue_why_not, lib = f"build failed: {e}", None
+    if lib is None:
+        log.warning("llmd: native layer glue unavailable (%s); using the torch ops", glue_why_not)
+    _glue["glue"] = lib
+    return lib
+
+
+_glue: dict[str, ctypes.CDLL | None] = {}
+glue_why_not: str | None = None  # why load_glue() found no library

@@ -1,0 +1,101 @@
+"""Dense bfloat16 linears on the CPU with their weights prepacked once for oneDNN.
+
+``F.linear`` on bfloat16 CPU tensors calls oneDNN's matmul with the weight in its plain
+``[out, in]`` layout (``ONEDNN_VERBOSE`` shows ``wei:bf16::blocked:ba``), so every call re-blocks
+the weight panels it multiplies. Reordered once into oneDNN's own blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight``, an opaque ``torch._mkldnn`` tensor of the same
+bytes) the product runs through ``torch.ops.mkldnn._linear_pointwise``, the op torch inductor's
+CPU backend emits for the same purpose (``torch/_inductor/fx_passes/mkldnn_fusion.py``); vLLM's
+CPU backend prepacks its oneDNN matmuls likewise. The result is the same brgemm with the same
+float32 accumulation: bit for bit equal to ``F.linear`` (``tests/kernels/test_cpu_linear.py``
+checks M = 1 … 600 and strided inputs).
+
+Measured (2026-12-03, the 2-core Xeon with AMX-BF16, SmolLM2's 120 layer matmuls, bfloat16, ms
+for all of them, median of 15, two runs): M = 8 30.7–30.8 → 24.4–24.7, M = 33 43.6–48.4 →
+27.3–29.0, M = 64 59.8–64.0 → 35.1–39.0, M = 128 81.0–97.6 → 64.9–71.9, M = 300 224 → 158–185,
+M = 512 283–287 → 206–294 (level). ``python benchmarks/prepacked_linear.py`` prints both side by
+side.
+
+Only bfloat16 weights of at most 2 dims on the CPU are packed (float32 goes through MKL's sgemm,
+where prepacking measured no consistent gain); the module's ``weight`` Parameter then holds the
+packed tensor (``is_mkldnn``; ``to_dense()`` gives the plain one back bit for bit), so the model
+keeps one copy of its weights. ``LLMD_ONEDNN_PREPACK=0`` turns it off (the runner's A/B switch).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BATCH_HINT = 64  # the packing's batch-size hint (the layout oneDNN picks; 64 and 512 measured alike)
+
+
+def enabled() -> bool:
+    """False when ``LLMD_ONEDNN_PREPACK=0`` (or oneDNN is not built into this torch)."""
+    return os.environ.get("LLMD_ONEDNN_PREPACK", "1") != "0" and torch.backends.mkldnn.is_available()
+
+
+def packable(w: torch.Tensor) -> bool:
+    """A plain 2-D bfloat16 CPU weight (the only kind :func:`prepack_model` converts)."""
+    return w.dim() == 2 and w.dtype == torch.bfloat16 and w.device.type == "cpu" and not w.is_mkldnn
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [..., in] @ w.T`` → ``[..., out]`` in x's dtype; ``w`` plain ``[out, in]`` or prepacked."""
+    if w.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    return F.linear(x, w)
+
+
+def _linear_params(model: nn.Module):
+    """(module, parameter name) of every layer weight a forward passes to :func:`linear`: the
+    decoder layers' ``nn.Linear`` / ``MergedLinear`` weights and ``PackedLinear.dense`` (the
+    embedding and the LM head are left alone: the tied head shares the embedding's table)."""
+    from llmd.quant.packed_linear import PackedLinear
+
+    for layer in getattr(model, "layers", []):
+        for mod in layer.modules():
+            if isinstance(mod, nn.Linear):
+                yield mod, "weight"
+            elif isinstance(mod, PackedLinear) and mod.dense is not None:
+                yield mod, "dense"
+
+
+def prepack_model(model: nn.Module) -> int:
+    """Replace every packable layer weight of ``model`` by its oneDNN-blocked copy, in place.
+
+    Idempotent (packed weights are skipped), so engines sharing one loaded model may each call
+    it. Returns the number of weights packed now (0 when :func:`enabled` is false). Takes ~0.1 s
+    for SmolLM2 (212 MB); the plain copy is freed (or, for a weights-cache mmap, unmapped).
+    """
+    if not enabled():
+        return 0
+    n = 0
+    for mod, name in _linear_params(model):
+        w = mod._parameters[name]
+        if packable(w):
+            mod._parameters[name] = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w.data, BATCH_HINT),
+                                                 requires_grad=False)
+            n += 1
+    return n
+
+
+def unpack_model(model: nn.Module) -> int:
+    """Undo :func:`prepack_model` (plain ``[out, in]`` weights again, bit for bit); returns the
+    number of weights converted. For benchmarks that compare both in one process, and for
+    anything that needs plain weights of a model an engine packed."""
+    n = 0
+    for mod, name in _linear_params(model):
+        w = mod._parameters[name]
+        if w.is_mkldnn:
+            mod._parameters[name] = nn.Parameter(w.data.to_dense(), requires_grad=False)
+            n += 1
+    return n
+
+
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a plain strided tensor (``to_dense()`` of a packed weight, else ``t`` itself)."""
+    return t.to_dense() if t.is_mkldnn else t

@@ -1,0 +1,145 @@
+/* The elementwise work between a bfloat16 layer's matmuls, one pass each: RMSNorm, NEOX RoPE of
+ * the Q and K heads, SwiGLU's silu(gate) * up.
+ *
+ * Why: in torch each of these is a chain of small kernels over the step's rows (F.rms_norm on a
+ * bfloat16 CPU tensor runs nine: to, pow, sum, div, add, rsqrt, mul, to, and the weight's mul;
+ * RoPE four, SwiGLU two), each a full pass with its own conversions; measured on the 2-core CPU at
+ * 512 rows of SmolLM2 they cost ~2 ms (norm), ~2.5 ms (RoPE) and ~1.2 ms (SwiGLU) per layer, about
+ * what the layer's matmuls cost. Here each is one pass over its rows in float32 registers.
+ *
+ * Numerics: the same roundings as torch's bfloat16 ops, in the same order (a bfloat16 mul or add
+ * is the float32 op of the widened values rounded once to nearest even):
+ *   rms_norm: y = bf16(x · r), out = bf16(w · y), r = 1 / sqrt(Σx² / dim + eps) in float32
+ *             (HF LlamaRMSNorm; only the order of Σx² differs from torch's reduction: r can move by
+ *             a float32 ulp, after the rounding to bfloat16 ~1e-5 of the outputs move by one ulp);
+ *   rope:     out = bf16(bf16(x · cos) + bf16(swap(x) · sin)), swap(x) = [x₂, x₁], sin's first half
+ *             negated by the caller's table (models/layers.py apply_rope): bit for bit;
+ *   silu_mul: out = bf16(bf16(g / (1 + exp(-g))) · u) with paged_decode.c's exp (1-2 float32 ulp;
+ *             torch uses Sleef's 1-ulp expf): equal but where the float32 silu lies within those
+ *             ulps of a bfloat16 rounding boundary; silu(g) for g < -87 is taken as 0 (it is below
+ *             1e-36; torch gives 0 from g < -88.7 on).
+ * Tested against the torch forms in tests/kernels/test_cpu_glue.py.
+ *
+ * Threads: rows split statically over an OpenMP team (torch's, build.py) when there are enough of
+ * them; small steps run on the calling thread.
+ */
+#include "paged_decode.c"
+
+#include <omp.h>
+
+#define PAR_MIN_ELEMS 32768  /* torch's grain size: fewer elements run on one thread */
+
+static inline vf bf16v(const uint16_t *p) { return loadv(p, 0, KV_BF16, 0); }
+
+/* VL float32 lanes -> VL bfloat16, round to nearest even (finite inputs). */
+static inline void store_bf16v(uint16_t *dst, vf v) {
+    vu u;
+    memcpy(&u, &v, sizeof u);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+#if defined(__AVX512F__)
+    _mm256_storeu_si256((__m256i *)dst, _mm512_cvtepi32_epi16((__m512i)u));
+#elif defined(__AVX2__)
+    const __m256i w = (__m256i)u;
+    const __m128i lo = _mm256_castsi256_si128(w), hi = _mm256_extracti128_si256(w, 1);
+    _mm_storeu_si128((__m128i *)dst, _mm_packus_epi32(lo, hi));
+#else
+    for (int k = 0; k < VL; k++) dst[k] = (uint16_t)u[k];
+#endif
+}
+
+static inline float rbf(float f) { return bf16_to_f32(f32_to_bf16(f)); }  /* round to bfloat16 and back */
+static inline vf rbfv(vf v) {
+    vu u;
+    memcpy(&u, &v, sizeof u);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+static int team(int64_t elems, int nthreads) { return elems >= PAR_MIN_ELEMS && nthreads > 1 ? nthreads : 1; }
+
+/* out[r, :] = w · rmsnorm(x[r, :]) for rows r < rows; x rows x_stride elements apart, out contiguous. */
+void llmd_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, int64_t rows, int dim, float eps,
+                        uint16_t *out, int nthreads) {
+    const int vec = dim - dim % VL;
+#pragma omp parallel for num_threads(team(rows * dim, nthreads)) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * x_stride;
+        uint16_t *o = out + r * (int64_t)dim;
+        /* x² is exact in float32 (bfloat16 x); summed in double (8 partial sums), so the float32 mean
+         * below is the correctly rounded one but in ties of ~1e-9 relative */
+        double acc[8] = {0};
+        int i = 0;
+        for (; i + 8 <= dim; i += 8)
+            for (int j = 0; j < 8; j++) {
+                const float v = bf16_to_f32(xr[i + j]);
+                acc[j] += (double)(v * v);
+            }
+        for (; i < dim; i++) {
+            const float v = bf16_to_f32(xr[i]);
+            acc[0] += (double)(v * v);
+        }
+        const double ss = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+        const float k = 1.0f / sqrtf((float)(ss / dim) + eps);
+        for (int i = 0; i < vec; i += VL) store_bf16v(o + i, rbfv(bf16v(xr + i) * k) * bf16v(w + i));
+        for (int i = vec; i < dim; i++) o[i] = f32_to_bf16(rbf(bf16_to_f32(xr[i]) * k) * bf16_to_f32(w[i]));
+    }
+}
+
+/* out[t, h, :] = rope(x[t, h, :]) for heads h < heads of rows t < rows; x rows x_stride elements
+ * apart (heads contiguous, D each), cos / sin rows of D contiguous, c_stride / s_stride apart, out
+ * [rows, heads, D] contiguous. */
+void llmd_rope_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, int heads, int D, const uint16_t *cs,
+                    int64_t c_stride, const uint16_t *sn, int64_t s_stride, uint16_t *out, int nthreads) {
+    const int h2 = D / 2, vec = h2 - h2 % VL;
+#pragma omp parallel for num_threads(team(rows * heads * D, nthreads)) schedule(static)
+    for (int64_t t = 0; t < rows; t++) {
+        const uint16_t *c = cs + t * c_stride, *s = sn + t * s_stride;
+        for (int h = 0; h < heads; h++) {
+            const uint16_t *a = x + t * x_stride + (int64_t)h * D;
+            uint16_t *o = out + (t * heads + h) * (int64_t)D;
+            for (int i = 0; i < vec; i += VL) {
+                const vf x1 = bf16v(a + i), x2 = bf16v(a + h2 + i);
+                store_bf16v(o + i, rbfv(x1 * bf16v(c + i)) + rbfv(x2 * bf16v(s + i)));
+                store_bf16v(o + h2 + i, rbfv(x2 * bf16v(c + h2 + i)) + rbfv(x1 * bf16v(s + h2 + i)));
+            }
+            for (int i = vec; i < h2; i++) {
+                const float x1 = bf16_to_f32(a[i]), x2 = bf16_to_f32(a[h2 + i]);
+                o[i] = f32_to_bf16(rbf(x1 * bf16_to_f32(c[i])) + rbf(x2 * bf16_to_f32(s[i])));
+                o[h2 + i] = f32_to_bf16(rbf(x2 * bf16_to_f32(c[h2 + i])) + rbf(x1 * bf16_to_f32(s[h2 + i])));
+            }
+        }
+    }
+}
+
+static inline float silu1(float g) {  /* g / (1 + exp(-g)), through exp(-|g|) as below */
+    if (g < -87.0f) return g * 0.0f;
+    const float e = expf(-fabsf(g));
+    return g >= 0.0f ? g / (1.0f + e) : g * e / (1.0f + e);
+}
+
+/* out[r, :] = silu(gu[r, :I]) · gu[r, I:2I]; gu rows stride elements apart, out [rows, I] contiguous. */
+void llmd_silu_mul_bf16(const uint16_t *gu, int64_t stride, int64_t rows, int I, uint16_t *out, int nthreads) {
+    const int vec = I - I % VL;
+#pragma omp parallel for num_threads(team(rows * I, nthreads)) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gu + r * stride, *u = g + I;
+        uint16_t *o = out + r * (int64_t)I;
+        for (int i = 0; i < vec; i += VL) {
+            const vf x = bf16v(g + i);
+            const vf ax = vmax(x, (vf){0} - x);
+            const vf e = expv((vf){0} - ax); /* exp(-|x|) in (0, 1]: no overflow */
+            const vf xe = x * e;
+            vi ge = (vi)(x >= 0.0f); /* lanes of all ones where x >= 0 */
+            vi pi, ni;
+            memcpy(&pi, &x, sizeof pi);
+            memcpy(&ni, &xe, sizeof ni);
+            ni &= (vi)(x >= -87.0f); /* below, exp(-|x|) is clamped: silu is x · exp(x) < 1e-36, take 0 */
+            vi si = (pi & ge) | (ni & ~ge);
+            vf num;
+            memcpy(&num, &si, sizeof num);
+            store_bf16v(o + i, rbfv(num / (1.0f + e)) * bf16v(u + i)); /* x / (1 + e), or x e / (1 + e) */
+        }
+        for (int i = vec; i < I; i++) o[i] = f32_to_bf16(rbf(silu1(bf16_to_f32(g[i]))) * bf16_to_f32(u[i]));
+    }
+}

@@ -1,0 +1,121 @@
+"""The C layer glue (kernels/cpu_glue.py, kernels/native/layer_glue.c) against torch's bfloat16 ops:
+RoPE bit for bit; RMSNorm and SwiGLU equal but for rare one-ulp differences (measured and bounded
+here), on many shapes, strided rows, small and large (threaded) row counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmd.kernels import cpu_glue
+from llmd.kernels.native import build
+from llmd.models.layers import apply_rope, rope_tables
+
+pytestmark = pytest.mark.skipif(build.load_glue() is None, reason="no C compiler for the native glue")
+
+ROWS = (1, 3, 32, 70, 600)  # 600 x 576 > the 32,768-element threshold: the threaded split
+
+
+@pytest.fixture(autouse=True)
+def glue_on(monkeypatch):
+    monkeypatch.setattr(cpu_glue, "active", True)
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in bfloat16 ulps of the larger magnitude (as int16 bit distance for same-sign values)."""
+    ai, bi = a.view(torch.int16).int(), b.view(torch.int16).int()
+    return (ai - bi).abs()
+
+
+@pytest.mark.parametrize("dim", [576, 64, 100, 7])
+def test_rms_norm_matches_torch_within_two_ulps(dim):
+    g = torch.Generator().manual_seed(dim)
+    w = (torch.rand(dim, generator=g) * 2).bfloat16()
+    eps = 1e-5
+    total = diff = 0
+    for rows in ROWS:
+        for scale in (1e-3, 1.0, 30.0):
+            x = (torch.randn(rows, dim, generator=g) * scale).bfloat16()
+            want = w * F.rms_norm(x, (dim,), eps=eps)
+            got = cpu_glue.rms_norm(x, w, eps)
+            assert got.shape == x.shape and got.dtype == torch.bfloat16
+            d = ulps(got, want)
+            assert int(d.max()) <= 2, (rows, scale)  # y one ulp off, then rounded again in w · y
+            total, diff = total + d.numel(), diff + int((d > 0).sum())
+    wide = torch.randn(5, 2 * dim, generator=g).bfloat16()[:, :dim]  # strided rows
+    assert int(ulps(cpu_glue.rms_norm(wide, w, eps), w * F.rms_norm(wide, (dim,), eps=eps)).max()) <= 2
+    x3 = torch.randn(4, 3, dim, generator=g).bfloat16()
+    assert cpu_glue.rms_norm(x3, w, eps).shape == (4, 3, dim)
+    print(f"rms_norm dim {dim}: {diff} of {total} differ")
+    assert diff / total < 1e-3  # the order of the sum of squares moves r by an ulp, rarely visible
+
+
+@pytest.mark.parametrize("heads,d", [(12, 64), (3, 128), (2, 18)])
+def test_rope_bit_for_bit(heads, d):
+    g = torch.Generator().manual_seed(heads * d)
+    for rows in ROWS:
+        pos = torch.randint(0, 5000, (rows,), generator=g)
+        cos, sin = rope_tables(pos, d, 10000.0, torch.bfloat16)
+        qkv = torch.randn(rows, heads + 4, d, generator=g).bfloat16()
+        x = qkv[:, :heads]  # rows strided, as a slice of the fused QKV output
+        got = cpu_glue.rope(x, cos, sin)
+        assert got.is_contiguous() and torch.equal(got, apply_rope(x, (cos, sin))), rows
+        both = torch.cat((cos, sin), 1)  # RopeCache's [T, 2, d] gather: tables with row stride 2d
+        assert torch.equal(cpu_glue.rope(x, both[:, :1], both[:, 1:]), apply_rope(x, (cos, sin)))
+
+
+@pytest.mark.parametrize("inter", [1536, 64, 40])
+def test_silu_mul_matches_torch_within_an_ulp(inter):
+    g = torch.Generator().manual_seed(inter)
+    total = diff = 0
+    for rows in ROWS:
+        for scale in (0.1, 3.0, 40.0):
+            gu = (torch.randn(rows, 2 * inter, generator=g) * scale).bfloat16()
+            want = F.silu(gu[:, :inter]) * gu[:, inter:]
+            got = cpu_glue.silu_mul(gu)
+            d = ulps(got, want)
+            d[(got.float().abs() < 1e-30) & (want.float().abs() < 1e-30)] = 0  # silu(g < -87) taken as 0
+            assert int(d.max()) <= 1, (rows, scale)
+            total, diff = total + d.numel(), diff + int((d > 0).sum())
+    print(f"silu_mul inter {inter}: {diff} of {total} differ")
+    assert diff / total < 1e-3
+
+
+def test_declines_what_it_does_not_serve(monkeypatch):
+    x = torch.randn(4, 64)
+    w = torch.ones(64)
+    assert cpu_glue.rms_norm(x, w, 1e-5) is None  # float32: torch's ops
+    assert cpu_glue.silu_mul(x) is None
+    xb = x.bfloat16()
+    assert cpu_glue.rms_norm(xb.t().contiguous().t(), w.bfloat16(), 1e-5) is None  # columns strided
+    monkeypatch.setattr(cpu_glue, "active", False)
+    assert cpu_glue.rms_norm(xb, w.bfloat16(), 1e-5) is None
+
+
+def test_engine_uses_glue_for_bfloat16_only(tmp_path):
+    """A bfloat16 engine on the cpu backend runs the glue (its runner says so and the forward
+    sets :data:`cpu_glue.active`); float32 and ``--disable-native-kernels`` do not. Teacher-forced
+    logits of a 40-token prompt with and without it agree to bfloat16 rounding."""
+    from tiny_engine import tiny_engine
+
+    from llmd.daemon.core.config import EngineConfig
+    from llmd.daemon.core.engine import Engine
+    from llmd.models.gguf_loader import load_model
+
+    base = tiny_engine(tmp_path / "t.gguf")
+    assert not base.runner.native_glue  # float32
+    model, _ = load_model(str(tmp_path / "t.gguf"), torch.bfloat16, "cpu")
+    kw = dict(model=str(tmp_path / "t.gguf"), device="cpu", dtype="bfloat16", attention_backend="cpu",
+              kv_cache_memory=4 << 20, max_model_len=256, weight_quant="none")
+    on = Engine(model, base.tokenizer, EngineConfig(**kw).resolve())
+    off = Engine(model, base.tokenizer, EngineConfig(**kw, disable_native_kernels=True).resolve())
+    assert on.runner.native_glue and not off.runner.native_glue
+    ids = list(range(3, 43))
+    tables = [[1, 2, 3]] * len(on.kv_cache_groups)
+    a = on.runner.prefill_logits("a", ids, 0, tables)
+    assert cpu_glue.active
+    b = off.runner.prefill_logits("b", ids, 0, tables)
+    assert not cpu_glue.active
+    assert (a - b).abs().max() <= 0.05 * b.abs().max()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9

@@ -1,0 +1,83 @@
+"""oneDNN-prepacked bfloat16 linears (kernels/cpu_linear.py): the same bits as ``F.linear``, in
+the layers, in ``PackedLinear``'s dense path and through an engine built on a loaded model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_engine import tiny_engine
+
+from llmd.daemon.core.config import EngineConfig
+from llmd.daemon.core.engine import Engine
+from llmd.daemon.core.kv_transfer import weights_digest
+from llmd.daemon.core.request import SamplingParams
+from llmd.kernels import cpu_linear
+from llmd.models.gguf_loader import load_model
+from llmd.quant.packed_linear import PackedLinear, pack_int8
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("out_f,in_f", [(960, 576), (576, 1536), (40, 24)])
+def test_prepacked_equals_f_linear_bit_for_bit(out_f, in_f):
+    g = torch.Generator().manual_seed(out_f + in_f)
+    w = torch.randn(out_f, in_f, generator=g).bfloat16()
+    p = torch.ops.mkldnn._reorder_linear_weight(w, cpu_linear.BATCH_HINT)
+    assert p.is_mkldnn and torch.equal(p.to_dense(), w)
+    for m in (1, 3, 5, 32, 65, 600):
+        x = torch.randn(m, in_f, generator=g).bfloat16()
+        assert torch.equal(cpu_linear.linear(x, p), F.linear(x, w)), m
+    wide = torch.randn(7, 2 * in_f, generator=g).bfloat16()[:, ::2]  # a strided view
+    assert torch.equal(cpu_linear.linear(wide, p), F.linear(wide, w))
+    x3 = torch.randn(2, 3, in_f, generator=g).bfloat16()
+    assert torch.equal(cpu_linear.linear(x3, p), F.linear(x3, w))
+    assert cpu_linear.linear(x3, w).shape == (2, 3, out_f)  # plain weights: F.linear
+
+
+def test_packed_linear_dense_path_prepacked():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 96, generator=g).bfloat16()
+    codes = torch.randint(-127, 128, (64, 96), generator=g, dtype=torch.int8)
+    layer = PackedLinear(96, 64, int8=pack_int8(codes, torch.rand(64, generator=g), torch.bfloat16), dense=w.clone(),
+                         small_batch=4)
+    layer.dense = torch.nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w, 64), requires_grad=False)
+    x = torch.randn(9, 96, generator=g).bfloat16()
+    assert torch.equal(layer(x), F.linear(x, w))  # 9 rows > small_batch: the (packed) dense weight
+    assert layer(x[:2]).shape == (2, 64)  # the int8 pack, untouched
+
+
+def _greedy(engine, prompts, n=6):
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    return [r["token_ids"] for r in engine.generate(prompts, params)]
+
+
+def test_engine_prepacks_bf16_model_same_tokens(tmp_path, monkeypatch):
+    """A bfloat16 engine on the CPU packs every layer weight of the loaded model once (a second
+    engine on it finds them packed); its greedy tokens and logits equal those of the plain
+    weights; the weights' digest (disaggregation's handshake) does not change; float32 is left
+    alone; ``LLMD_ONEDNN_PREPACK=0`` turns it off."""
+    base = tiny_engine(tmp_path / "t.gguf")  # writes the GGUF; float32: nothing packed
+    assert base.runner.prepacked_linears == 0
+    model, _ = load_model(str(tmp_path / "t.gguf"), torch.bfloat16, "cpu")
+    kw = dict(model=str(tmp_path / "t.gguf"), device="cpu", dtype="bfloat16", attention_backend="cpu",
+              kv_cache_memory=4 << 20, max_model_len=256, weight_quant="none")
+    digest = weights_digest(model)
+    prompts = [[1, 2, 3, 4, 5], list(range(10, 50)), [7] * 19]
+    monkeypatch.setenv("LLMD_ONEDNN_PREPACK", "0")
+    plain = Engine(model, base.tokenizer, EngineConfig(**kw).resolve())
+    assert plain.runner.prepacked_linears == 0
+    want = _greedy(plain, prompts)
+    hidden = torch.randn(3, model.config.hidden_size).bfloat16()
+    layer0 = model.layers[0]
+    want_mlp = layer0.mlp(hidden)
+    monkeypatch.delenv("LLMD_ONEDNN_PREPACK")
+    packed = Engine(model, base.tokenizer, EngineConfig(**kw).resolve())
+    assert packed.runner.prepacked_linears == 4 * model.config.num_layers  # qkv, o, gate_up, down
+    assert layer0.mlp.down_proj.weight.is_mkldnn and not model.embed_tokens.weight.is_mkldnn
+    assert torch.equal(layer0.mlp(hidden), want_mlp)
+    assert _greedy(packed, prompts) == want
+    assert Engine(model, base.tokenizer, EngineConfig(**kw).resolve()).runner.prepacked_linears == 0  # already
+    assert weights_digest(model) == digest
+    assert cpu_linear.unpack_model(model) == 4 * model.config.num_layers
+    assert not layer0.mlp.down_proj.weight.is_mkldnn and torch.equal(layer0.mlp(hidden), want_mlp)
