@@ -160,12 +160,14 @@ fused_why_not: str | None = None  # why load_fused() found no library
 def load_glue() -> ctypes.CDLL | None:
     """The layer-glue library (``layer_glue.c``; no shape specialization), its three functions
     typed, or None when unavailable (as :func:`load`: no compiler, a failed build,
-    ``LLMD_NATIVE_KERNELS=0``); says why once (``glue_why_not``)."""
+    ``LLMD_NATIVE_KERNELS=0``; or ``LLMD_LAYER_GLUE=0``); says why once (``glue_why_not``)."""
     global glue_why_not
     if "glue" in _glue:
         return _glue["glue"]
     lib = None
-    if load() is None:  # the same compiler and switches; a failure there is reported there
+    if os.environ.get("LLMD_LAYER_GLUE", "1") == "0":  # the A/B switch of this kernel alone
+        glue_why_not = "LLMD_LAYER_GLUE=0"
+    elif load() is None:  # the same compiler and switches; a failure there is reported there
         glue_why_not = why_not
     else:
         try:
