@@ -1,4 +1,4 @@
-"""Plain ``F.linear`` vs oneDNN-prepacked bfloat16 weights (:mod:`llmd.kernels.cpu_linear`), side
+"""Plain ``F.linear`` vs oneDNN-prepacked bfloat16 weights (:mod:`llmd.quant.prepacked`), side
 by side in one run: a model's layer matmuls (every 2-D weight of every decoder layer, fused
 Q/K/V and gate/up as the model holds them) at several batch sizes, alternating the two forms
 each round; ms for all of them, median of the rounds. Random bfloat16 weights of the chosen
@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from llmd.kernels import cpu_linear
+from llmd.quant import prepacked
 
 
 def shapes(hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int) -> list[tuple[int, int]]:
@@ -49,14 +49,14 @@ def main() -> None:
     plain = [torch.randn(o, i, generator=g).bfloat16()
              for _ in range(args.layers)
              for o, i in shapes(args.hidden, args.intermediate, args.heads, args.kv_heads, args.head_dim)]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, cpu_linear.BATCH_HINT) for w in plain]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, prepacked.BATCH_HINT) for w in plain]
     print(f"{len(plain)} bfloat16 weights ({sum(w.nbytes for w in plain) / 1e6:.0f} MB), {args.threads} threads; "
           f"ms for all of them, median of {args.rounds} alternating rounds")
     print(f"{'rows':>5} {'F.linear':>9} {'prepacked':>10} {'ratio':>6}")
     for m in map(int, args.rows.split(",")):
         xs = {i: torch.randn(m, i, generator=g).bfloat16() for i in {w.shape[1] for w in plain}}
         runs = {"plain": lambda: [F.linear(xs[w.shape[1]], w) for w in plain],
-                "packed": lambda: [cpu_linear.linear(xs[w.shape[1]], p) for w, p in zip(plain, packed)]}
+                "packed": lambda: [prepacked.linear(xs[w.shape[1]], p) for w, p in zip(plain, packed)]}
         for fn in runs.values():
             fn()
         t: dict[str, list[float]] = {k: [] for k in runs}

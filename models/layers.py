@@ -23,7 +23,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from llmd import kernels
-from llmd.kernels import AttentionMetadata, cpu_glue, cpu_linear
+from llmd.kernels import AttentionMetadata, cpu_glue
+from llmd.quant import prepacked
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
 
@@ -174,10 +175,10 @@ def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
 
 class Linear(nn.Linear):
     """Bias-free ``nn.Linear`` whose weight may be prepacked for oneDNN on the CPU
-    (:func:`llmd.kernels.cpu_linear.prepack_model`, bfloat16). ``forward(x [..., in]) -> [..., out]``."""
+    (:func:`llmd.quant.prepacked.prepack_model`, bfloat16). ``forward(x [..., in]) -> [..., out]``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_linear.linear(x, self._parameters["weight"])
+        return prepacked.linear(x, self._parameters["weight"])
 
 
 class MergedLinear(Linear):

@@ -27,8 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmd.kernels import cpu_linear
-from llmd.quant import int8_groups
+from llmd.quant import int8_groups, prepacked
 
 SMALL_BATCH = 4  # rows at most that use the packs when a dense copy is kept (measured crossover ~6)
 
@@ -84,7 +83,7 @@ class PackedLinear(nn.Module):
         x2 = x if flat else x.reshape(-1, self.in_features)
         dense = self._parameters.get("dense")
         if dense is not None and x2.shape[0] > self.small_batch:
-            y = cpu_linear.linear(x2, dense)  # plain or oneDNN-prepacked (kernels/cpu_linear.py)
+            y = prepacked.linear(x2, dense)  # plain or oneDNN-prepacked (quant/prepacked.py)
         elif self.kind == "int4":
             y = torch._weight_int4pack_mm_for_cpu(x2, self._buffers["packed"], 32, self._buffers["scales"])
         elif self.kind == "int8g":

@@ -49,7 +49,7 @@ from llmd.daemon.core.config import EngineConfig
 from llmd.daemon.core.errors import LlmdError
 from llmd.daemon.core.outputs import ScheduledRequest, SchedulerOutput
 from llmd.daemon.core.request import Request, SamplingParams
-from llmd.kernels import cpu_linear
+from llmd.quant import prepacked
 
 
 @dataclass
@@ -218,7 +218,7 @@ def measure(engine, batch: int, context: int, reps: int, bandwidth: float) -> St
     with torch.inference_mode():
         t = dict(
             prep=median_time(lambda: runner.prepare_inputs(out), reps, dev),
-            linears=median_time(lambda: [cpu_linear.linear(acts[w.shape[1]], w) for w in weights], reps, dev),
+            linears=median_time(lambda: [prepacked.linear(acts[w.shape[1]], w) for w in weights], reps, dev),
             lm_head=median_time(lambda: model.compute_logits(hidden), reps, dev),
             attention=median_time(attention, reps, dev, setup=metas),
             forward=median_time(forward, reps, dev, setup=lambda: runner.prepare_inputs(out)),

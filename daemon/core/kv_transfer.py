@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from llmd.kernels import cpu_linear
+from llmd.quant import prepacked
 
 
 @dataclass
@@ -86,7 +86,7 @@ def weights_digest(model: torch.nn.Module, sample: int = 64) -> str:
     architecture apart without reading all the weights (~10 ms for SmolLM2)."""
     h = hashlib.sha256()
     for name, t in sorted(model.state_dict().items()):
-        flat = cpu_linear.dense(t.detach()).reshape(-1)  # a oneDNN-prepacked weight: its plain values
+        flat = prepacked.dense(t.detach()).reshape(-1)  # a oneDNN-prepacked weight: its plain values
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         for part in (flat[:sample], flat[-sample:]):
             h.update(part.cpu().to(torch.float64).numpy().tobytes())

@@ -23,11 +23,12 @@ from llmd.daemon.core.outputs import BlockShift, ResidualShift, ScheduledRequest
 from llmd.daemon.core.request import Request
 from llmd.daemon.core.sampler import Sampler, SamplerOutput
 from llmd.daemon.kv import KVCacheGroupSpec, layer_placement, make_kv_cache_groups
-from llmd.kernels import AttentionMetadata, cpu_glue, cpu_linear, cpu_native, shift_keys
+from llmd.kernels import AttentionMetadata, cpu_glue, cpu_native, shift_keys
 from llmd.kernels.cpu_attention import compute_dtype_for
 from llmd.kernels.kv_shift import shift_residual
 from llmd.kernels.native import build
 from llmd.models.config import ModelConfig
+from llmd.quant import prepacked
 from llmd.quant.kv import PagedKVCache, get_format
 
 
@@ -82,8 +83,8 @@ class ModelRunner:
                  cascade_attn: bool = True, native_kernels: bool = True):
         self.model = model
         self.config: ModelConfig = model.config
-        # bfloat16 layer weights in oneDNN's blocked layout, once (kernels/cpu_linear.py; same bits)
-        self.prepacked_linears = cpu_linear.prepack_model(model) if torch.device(device).type == "cpu" else 0
+        # bfloat16 layer weights in oneDNN's blocked layout, once (quant/prepacked.py; same bits)
+        self.prepacked_linears = prepacked.prepack_model(model) if torch.device(device).type == "cpu" else 0
         self.block_size = block_size
         self.device = torch.device(device)
         self.groups = kv_cache_groups or make_kv_cache_groups((None,) * self.config.num_layers)  # all global

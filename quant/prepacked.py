@@ -7,7 +7,7 @@ the weight panels it multiplies. Reordered once into oneDNN's own blocked layout
 bytes) the product runs through ``torch.ops.mkldnn._linear_pointwise``, the op torch inductor's
 CPU backend emits for the same purpose (``torch/_inductor/fx_passes/mkldnn_fusion.py``); vLLM's
 CPU backend prepacks its oneDNN matmuls likewise. The result is the same brgemm with the same
-float32 accumulation: bit for bit equal to ``F.linear`` (``tests/kernels/test_cpu_linear.py``
+float32 accumulation: bit for bit equal to ``F.linear`` (``tests/quant/test_prepacked.py``
 checks M = 1 … 600 and strided inputs).
 
 Measured (2026-12-03, the 2-core Xeon with AMX-BF16, SmolLM2's 120 layer matmuls, bfloat16, ms

@@ -1,4 +1,4 @@
-"""oneDNN-prepacked bfloat16 linears (kernels/cpu_linear.py): the same bits as ``F.linear``, in
+"""oneDNN-prepacked bfloat16 linears (quant/prepacked.py): the same bits as ``F.linear``, in
 the layers, in ``PackedLinear``'s dense path and through an engine built on a loaded model."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from llmd.daemon.core.config import EngineConfig
 from llmd.daemon.core.engine import Engine
 from llmd.daemon.core.kv_transfer import weights_digest
 from llmd.daemon.core.request import SamplingParams
-from llmd.kernels import cpu_linear
 from llmd.models.gguf_loader import load_model
+from llmd.quant import prepacked
 from llmd.quant.packed_linear import PackedLinear, pack_int8
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -23,16 +23,16 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 def test_prepacked_equals_f_linear_bit_for_bit(out_f, in_f):
     g = torch.Generator().manual_seed(out_f + in_f)
     w = torch.randn(out_f, in_f, generator=g).bfloat16()
-    p = torch.ops.mkldnn._reorder_linear_weight(w, cpu_linear.BATCH_HINT)
+    p = torch.ops.mkldnn._reorder_linear_weight(w, prepacked.BATCH_HINT)
     assert p.is_mkldnn and torch.equal(p.to_dense(), w)
     for m in (1, 3, 5, 32, 65, 600):
         x = torch.randn(m, in_f, generator=g).bfloat16()
-        assert torch.equal(cpu_linear.linear(x, p), F.linear(x, w)), m
+        assert torch.equal(prepacked.linear(x, p), F.linear(x, w)), m
     wide = torch.randn(7, 2 * in_f, generator=g).bfloat16()[:, ::2]  # a strided view
-    assert torch.equal(cpu_linear.linear(wide, p), F.linear(wide, w))
+    assert torch.equal(prepacked.linear(wide, p), F.linear(wide, w))
     x3 = torch.randn(2, 3, in_f, generator=g).bfloat16()
-    assert torch.equal(cpu_linear.linear(x3, p), F.linear(x3, w))
-    assert cpu_linear.linear(x3, w).shape == (2, 3, out_f)  # plain weights: F.linear
+    assert torch.equal(prepacked.linear(x3, p), F.linear(x3, w))
+    assert prepacked.linear(x3, w).shape == (2, 3, out_f)  # plain weights: F.linear
 
 
 def test_packed_linear_dense_path_prepacked():
@@ -79,5 +79,5 @@ def test_engine_prepacks_bf16_model_same_tokens(tmp_path, monkeypatch):
     assert _greedy(packed, prompts) == want
     assert Engine(model, base.tokenizer, EngineConfig(**kw).resolve()).runner.prepacked_linears == 0  # already
     assert weights_digest(model) == digest
-    assert cpu_linear.unpack_model(model) == 4 * model.config.num_layers
+    assert prepacked.unpack_model(model) == 4 * model.config.num_layers
     assert not layer0.mlp.down_proj.weight.is_mkldnn and torch.equal(layer0.mlp(hidden), want_mlp)
