@@ -96,6 +96,11 @@ def unpack_model(model: nn.Module) -> int:
     return n
 
 
+def packed_count(model: nn.Module) -> int:
+    """How many of ``model``'s layer weights are prepacked now (the startup line names it)."""
+    return sum(1 for mod, name in _linear_params(model) if mod._parameters[name].is_mkldnn)
+
+
 def dense(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a plain strided tensor (``to_dense()`` of a packed weight, else ``t`` itself)."""
     return t.to_dense() if t.is_mkldnn else t

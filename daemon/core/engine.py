@@ -65,6 +65,7 @@ from llmd.daemon.kv import KVCacheManager, make_kv_cache_groups
 from llmd.kernels.launch import check_triton_config
 from llmd.models.config import ModelConfig
 from llmd.models.tokenizer import Tokenizer
+from llmd.quant import prepacked
 from llmd.quant.kv import KVCacheFormat, get_format
 from llmd.quant.rotation import check_rotation
 
@@ -283,8 +284,12 @@ class Engine:
                 attn += "; batch-1 steps: fused C kernel"
             elif c.weight_quant == "gguf":
                 attn += f"; batch-1 steps: torch ops, {self.runner.fused_why_not}"
+            if self.runner.native_glue:  # kernels/cpu_glue.py
+                attn += "; norms, RoPE, SwiGLU: C"
             attn += ")"
-        return f"dtype {c.dtype}{why}, attention {attn}, {threads}{weights}"
+        packed = prepacked.packed_count(self.runner.model)
+        linears = f", linears: {packed} bf16 weights prepacked for oneDNN" if packed else ""
+        return f"dtype {c.dtype}{why}, attention {attn}, {threads}{linears}{weights}"
 
     def _kv_dtype_label(self) -> str:
         c = self.config

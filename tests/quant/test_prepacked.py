@@ -77,7 +77,12 @@ def test_engine_prepacks_bf16_model_same_tokens(tmp_path, monkeypatch):
     assert layer0.mlp.down_proj.weight.is_mkldnn and not model.embed_tokens.weight.is_mkldnn
     assert torch.equal(layer0.mlp(hidden), want_mlp)
     assert _greedy(packed, prompts) == want
-    assert Engine(model, base.tokenizer, EngineConfig(**kw).resolve()).runner.prepacked_linears == 0  # already
+    again = Engine(model, base.tokenizer, EngineConfig(**kw).resolve())
+    assert again.runner.prepacked_linears == 0  # already packed
+    assert f"linears: {4 * model.config.num_layers} bf16 weights prepacked for oneDNN" in again.runtime_summary()
+    from llmd.kernels.native import build
+
+    assert ("norms, RoPE, SwiGLU: C" in again.runtime_summary()) == (build.load_glue() is not None)
     assert weights_digest(model) == digest
     assert prepacked.unpack_model(model) == 4 * model.config.num_layers
     assert not layer0.mlp.down_proj.weight.is_mkldnn and torch.equal(layer0.mlp(hidden), want_mlp)
