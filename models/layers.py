@@ -11,7 +11,10 @@ tables are built once per step and RoPE base by the decoder (:func:`rope_tables`
 are rotated together in four ops; the norms are ``torch.nn.functional.rms_norm``. The
 forwards read their submodules and parameters from the module's own dicts (``self._modules`` /
 ``self._parameters``): ``nn.Module.__getattr__`` costs ~1.4 µs per lookup on the 2-core CPU, ~15
-lookups per layer, 30 layers per batch-1 decode step (measured: README "Speed").
+lookups per layer, 30 layers per batch-1 decode step (measured: README "Speed"). On the CPU a
+bfloat16 model's linears may hold oneDNN-prepacked weights (:class:`Linear`,
+:mod:`llmd.quant.prepacked`) and its RMSNorm / RoPE / SwiGLU run one C pass each when the runner
+says so (:mod:`llmd.kernels.cpu_glue`).
 """
 
 from __future__ import annotations
@@ -66,6 +69,11 @@ class RMSNorm(nn.Module):
     µs before, 61 per step. Larger steps (prefill chunks, big decode batches) keep ``F.rms_norm``:
     nine kernels cost little there, and their numerics, and the teacher-forced quality figures
     measured through them, stay as they were.
+
+    **When the runner turns on the C layer glue** (bfloat16 on the ``cpu`` backend:
+    :data:`llmd.kernels.cpu_glue.active`), every 16-bit step of rows with a contiguous last dim
+    takes :func:`llmd.kernels.cpu_glue.rms_norm` instead: one pass, x² summed in double, the same
+    two bfloat16 roundings (7 of 1.2 M outputs differ from ``F.rms_norm``'s, by ≤ 2 ulps).
     """
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype):

@@ -83,10 +83,10 @@ class ModelRunner:
                  cascade_attn: bool = True, native_kernels: bool = True):
         self.model = model
         self.config: ModelConfig = model.config
-        # bfloat16 layer weights in oneDNN's blocked layout, once (quant/prepacked.py; same bits)
-        self.prepacked_linears = prepacked.prepack_model(model) if torch.device(device).type == "cpu" else 0
         self.block_size = block_size
         self.device = torch.device(device)
+        # bfloat16 layer weights in oneDNN's blocked layout, once (quant/prepacked.py; same bits)
+        self.prepacked_linears = prepacked.prepack_model(model) if self.device.type == "cpu" else 0
         self.groups = kv_cache_groups or make_kv_cache_groups((None,) * self.config.num_layers)  # all global
         group_size, placement = layer_placement(self.groups)
         self.layer_group = [placement[i][0] for i in range(self.config.num_layers)]
