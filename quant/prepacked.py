@@ -52,13 +52,15 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def _linear_params(model: nn.Module):
     """(module, parameter name) of every layer weight a forward passes to :func:`linear`: the
-    decoder layers' ``nn.Linear`` / ``MergedLinear`` weights and ``PackedLinear.dense`` (the
-    embedding and the LM head are left alone: the tied head shares the embedding's table)."""
+    decoder layers' ``Linear`` / ``MergedLinear`` weights (``nn.Linear`` subclasses with their own
+    forward; a plain ``nn.Linear`` would hand a packed weight to ``F.linear``, so it is left out)
+    and ``PackedLinear.dense`` (the embedding and the LM head are left alone: the tied head shares
+    the embedding's table)."""
     from llmd.quant.packed_linear import PackedLinear
 
     for layer in getattr(model, "layers", []):
         for mod in layer.modules():
-            if isinstance(mod, nn.Linear):
+            if isinstance(mod, nn.Linear) and type(mod).forward is not nn.Linear.forward:
                 yield mod, "weight"
             elif isinstance(mod, PackedLinear) and mod.dense is not None:
                 yield mod, "dense"

@@ -86,3 +86,19 @@ def test_engine_prepacks_bf16_model_same_tokens(tmp_path, monkeypatch):
     assert weights_digest(model) == digest
     assert prepacked.unpack_model(model) == 4 * model.config.num_layers
     assert not layer0.mlp.down_proj.weight.is_mkldnn and torch.equal(layer0.mlp(hidden), want_mlp)
+
+
+def test_plain_nn_linear_left_unpacked():
+    """Only layers whose forward calls :func:`prepacked.linear` are packed: a plain ``nn.Linear``
+    (whose forward is ``F.linear``) keeps its plain weight and still runs."""
+    from llmd.models.layers import linear
+
+    layer = torch.nn.Module()
+    layer.ours = linear(16, 8, torch.bfloat16)
+    layer.plain = torch.nn.Linear(16, 8, bias=False, dtype=torch.bfloat16)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([layer])
+    assert prepacked.prepack_model(model) == 1
+    assert layer.ours.weight.is_mkldnn and not layer.plain.weight.is_mkldnn
+    x = torch.randn(3, 16).bfloat16()
+    assert layer.plain(x).shape == layer.ours(x).shape == (3, 8)
