@@ -9,9 +9,10 @@ component, each called alone on the same step, so no profiler overhead enters:
   hold: separate or fused Q/K/V and gate/up) on ``[batch, in_features]`` random activations.
   This is also the first floor: the projections at this batch with nothing else around them;
 - ``lm_head``: ``model.compute_logits`` on ``[batch, hidden]`` (tied embedding or own head);
-- ``attention``: ``kernels.store_kv`` + ``kernels.paged_attention`` for every layer, with the
-  step's real metadata (rebuilt by ``prepare_inputs`` before each repetition, untimed, so
-  anything a backend builds once per step is counted) and random q/k/v of the model's shapes;
+- ``attention``: ``kernels.store_kv`` (told whether the step pads its slots, as the forward
+  does) + ``kernels.paged_attention`` for every layer, with the step's real metadata (rebuilt
+  by ``prepare_inputs`` before each repetition, untimed, so anything a backend builds once per
+  step is counted) and random q/k/v of the model's shapes;
 - ``rest``: the forward (``model(...)``) minus linears and attention: embedding, norms, RoPE,
   activations, residuals, and whatever the real projections cost beyond the replay;
 - ``sample``: ``runner.sampler`` on the step's logits (greedy).
@@ -19,7 +20,10 @@ component, each called alone on the same step, so no profiler overhead enters:
 The second floor is the KV-read floor: the K/V bytes the step must read (every layer's
 ``context + 1`` tokens, or its sliding window, of every sequence; scales included for int8/fp8
 caches) ÷ this machine's read bandwidth, measured in the same run as the best of several
-``x.sum()`` over a large float32 tensor.
+``x.sum()`` over a large float32 tensor: once at the start (the header line) and again just
+before each row, whose floor uses its own figure (the ``GB/s`` column). On a shared machine the
+bandwidth can swing ~2× within minutes (seen on 2026-12-03: 7.7 to 18.4 GB/s in one hour), and a
+floor measured minutes before its row would divide by another machine phase.
 
 The KV state is built without the scheduler or the KV manager (their state is untouched): each
 sequence gets distinct block ids drawn without replacement from a seeded shuffle of the pool
@@ -71,6 +75,7 @@ class StepTimes:
     kv_bytes: int
     kv_floor: float
     cpu_other: float
+    bandwidth: float = float("nan")  # bytes/s read just before this row (its floor's divisor)
 
     @property
     def rest(self) -> float:
@@ -208,7 +213,7 @@ def measure(engine, batch: int, context: int, reps: int, bandwidth: float) -> St
     def attention(meta):
         for i, cache in enumerate(runner.layer_caches):
             m = meta[i] if isinstance(meta, list) else meta
-            kernels.store_kv(k, v, cache, m.slot_mapping, m.attn_backend)
+            kernels.store_kv(k, v, cache, m.slot_mapping, m.attn_backend, m.slots_padded)
             kernels.paged_attention(q, cache, m, cfg.softmax_scale, cfg.layer_window(i))
 
     def forward(inputs):
@@ -228,7 +233,7 @@ def measure(engine, batch: int, context: int, reps: int, bandwidth: float) -> St
         t["step"] = median_time(lambda: runner.execute(out, reqs), reps, dev)
     nbytes = kv_read_bytes(engine, batch, context)
     return StepTimes(engine.config.dtype, engine.config.attention_backend, batch, context, **t,
-                     kv_bytes=nbytes, kv_floor=nbytes / bandwidth, cpu_other=meter.frac())
+                     kv_bytes=nbytes, kv_floor=nbytes / bandwidth, cpu_other=meter.frac(), bandwidth=bandwidth)
 
 
 def engine_for(model, config: EngineConfig, batch: int, context: int):
@@ -275,7 +280,8 @@ def run_step_bench(engine_kw: dict, dtypes: list[str], backends: list[str], batc
     load = open("/proc/loadavg").read().strip() if os.path.exists("/proc/loadavg") else "n/a"
     echo(f"llmd bench step: {os.path.basename(path)} on {dev}, {torch.get_num_threads()} threads; decode steps "
          f"(every sequence has `context` tokens cached, decodes 1); block size {base.block_size}, KV cache "
-         f"{base.kv_cache_dtype}; read bandwidth {bandwidth / 1e9:.1f} GB/s (best x.sum() of {bandwidth_mib} MiB); "
+         f"{base.kv_cache_dtype}; read bandwidth {bandwidth / 1e9:.1f} GB/s (best x.sum() of {bandwidth_mib} MiB; "
+         f"measured again before each row: GB/s); "
          f"median of {reps} reps; loadavg {load}")
     rows: list[StepTimes] = []
     for dname in dtypes:
@@ -292,7 +298,7 @@ def run_step_bench(engine_kw: dict, dtypes: list[str], backends: list[str], batc
             engine = engine_for(model, bcfg, max(batches), max(contexts))
             for b in batches:
                 for c in contexts:
-                    rows.append(measure(engine, b, c, reps, bandwidth))
+                    rows.append(measure(engine, b, c, reps, read_bandwidth(dev, bandwidth_mib)))
             del engine
             gc.collect()
         del model

@@ -22,15 +22,17 @@ def format_table(rows: list) -> list[str]:
     cols = ["prep", "linears", "lm_head", "attn", "rest", "sample", "step", "KV_MB", "KV_flr", "attn/KV", "step/flr",
             "f/r_step", "f/r_attn", "other%"]
     lines = ["ms per step; KV_flr = KV bytes read / read bandwidth; step/flr = step / (linears + lm_head + KV_flr); "
-             f"f/r = this backend / {REFERENCE}; other% = other processes' share of all cores",
-             f"{'dtype':<9}{'backend':<8}{'batch':>6}{'ctx':>6}" + "".join(f"{c:>9}" for c in cols)]
+             f"f/r = this backend / {REFERENCE}; other% = other processes' share of all cores; "
+             "GB/s = the read bandwidth measured just before the row (its KV_flr's divisor)",
+             f"{'dtype':<9}{'backend':<8}{'batch':>6}{'ctx':>6}" + "".join(f"{c:>9}" for c in cols) + f"{'GB/s':>7}"]
     for r in rows:
         base = ref.get((r.dtype, r.batch, r.context))
         vals = [1e3 * x for x in (r.prep, r.linears, r.lm_head, r.attention, r.rest, r.sample, r.step)]
         vals += [r.kv_bytes / 1e6, 1e3 * r.kv_floor, r.attention / r.kv_floor, r.step / r.floor]
         fr = [r.step / base.step, r.attention / base.attention] if base and r.backend != REFERENCE else None
         lines.append(f"{r.dtype:<9}{r.backend:<8}{r.batch:>6}{r.context:>6}" + "".join(num(v, 9) for v in vals)
-                     + ("".join(num(v, 9) for v in fr) if fr else f"{'-':>9}{'-':>9}") + f"{100 * r.cpu_other:>9.0f}")
+                     + ("".join(num(v, 9) for v in fr) if fr else f"{'-':>9}{'-':>9}") + f"{100 * r.cpu_other:>9.0f}"
+                     + f"{r.bandwidth / 1e9:>7.1f}")
     lines.append(f"targets (issue 13) at batch {TARGET_BATCH}, context {TARGET_CONTEXT}: attention <= {TARGET_ATTN}x "
                  f"its KV-read floor; step <= {TARGET_STEP}x (linears + lm_head + KV-read floor)")
     hits = [r for r in rows if (r.batch, r.context) == (TARGET_BATCH, TARGET_CONTEXT)]

@@ -36,5 +36,9 @@ def test_bench_step_tiny(tmp_path):
         parts = t["prep"] + t["linears"] + t["lm_head"] + t["attn"] + t["sample"]
         assert parts <= 2 * t["step"] + 20, (key, t)  # ms; the slack absorbs a preempted single repetition
     assert rows[("float32", "cpu", "2", "32")][15] != "-"  # fast / reference ratio printed
+    assert lines[head].split()[-1] == "GB/s"  # each row's own bandwidth, its KV_flr's divisor
+    for f in rows.values():
+        gbs = float(f[-1])
+        assert gbs > 0 and abs(float(f[12]) - float(f[11]) / gbs) <= 0.02 * float(f[12]) + 0.01  # KV_flr = MB / (GB/s)
     assert lines[head + 3].startswith("targets (issue 13) at batch 32, context 512")
     assert "no row at batch 32, context 512" in lines[head + 4]
