@@ -15,6 +15,13 @@ bfloat16), keys in position order per sequence, so a sequence's output is indepe
 batch it runs in (case S4 holds exactly on this path). Tested against the float64 reference in
 ``tests/kernels/test_cpu_native.py``.
 
+On CPUs with AMX (Intel Sapphire Rapids and later) the scores of bfloat16 queries over a
+bfloat16 cache run on the tile unit (``kernels/native/amx_decode.h``: one TDPBF16PS per 32
+channels of a 16-slot group's K rows, loaded as the cache stores them; float32 sums of exact
+bfloat16 products) while the softmax and ``probs · V`` stay as above; measured side by side
+(``benchmarks/native_decode.py``) 0.85-0.92x the vector kernel's time at batch 32 x 512 on the
+2-core machine. :func:`tile_scores` says when; ``LLMD_AMX_ATTENTION=0`` turns it off.
+
 Not served here (the torch path runs instead): float64 models (the oracle's own dtype), grouped
 scales (``--kv-scale-group-size``), int4 caches, block sizes over 32, head_dim over 256 or not a
 multiple of 16, more than 16 query heads per KV head, or when the kernel is unavailable (:func:`available`).
@@ -72,6 +79,29 @@ def supports(cache: PagedKVCache, cdt: torch.dtype, group: int) -> bool:
     return (serves(cache.fmt, cdt, data.shape[2]) and (data.dtype in _KV_CODES or data.dtype in _BYTE_DTYPES)
             and data.is_contiguous() and supports_shape(data.shape[4], group)
             and _lib(data.shape[4], group) is not None)
+
+
+def amx_available() -> bool:
+    """The kernel was built with AMX on this CPU, the OS granted the tile state and
+    ``LLMD_AMX_ATTENTION`` is not 0 (:func:`set_amx` may have turned it off since)."""
+    lib = build.load()
+    return lib is not None and lib.llmd_paged_decode_amx() == 1
+
+
+def set_amx(on: bool, head_dim: int | None = None, group: int | None = None) -> bool:
+    """Turn the tile-unit scores off or back on in the runtime-shape build and, with ``head_dim``
+    and ``group``, that shape's build (side-by-side measurements and tests); returns whether they
+    are on afterwards. Call between steps, never during one."""
+    libs = [build.load(), build.loaded((head_dim // 16, group)) if head_dim and group else None]
+    states = [lib.llmd_paged_decode_set_amx(int(on)) for lib in libs if lib is not None]
+    return bool(states) and all(states)
+
+
+def tile_scores(data_dtype: torch.dtype, cdt: torch.dtype, block_size: int, head_dim: int) -> bool:
+    """:func:`decode` scores on the tile unit for this cache dtype, compute dtype, block size and
+    head_dim: bfloat16 both, blocks a multiple of 16 slots, head_dim a multiple of 32, AMX on."""
+    return (data_dtype == torch.bfloat16 and cdt == torch.bfloat16 and block_size % 16 == 0 and head_dim % 32 == 0
+            and amx_available())
 
 
 def _lut(dtype: torch.dtype) -> torch.Tensor:

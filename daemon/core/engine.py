@@ -280,6 +280,8 @@ class Engine:
             reason = ("--disable-native-kernels" if c.disable_native_kernels else build.why_not
                       or "not for this model dtype, KV format, block size or shape")
             attn += " (decodes: C kernel" if self.runner.native_decodes else f" (decodes: torch ops, {reason}"
+            if self.runner.native_decodes and self.runner.amx_scores:
+                attn += ", scores on AMX tiles"
             if self.runner.fused_decode is not None:  # kernels/cpu_fused.py: the whole batch-1 step in C
                 attn += "; batch-1 steps: fused C kernel"
             elif c.weight_quant == "gguf":

@@ -109,6 +109,9 @@ class ModelRunner:
         self.native_decodes = attention_backend == "cpu" and native_kernels \
             and cpu_native.serves(fmt, compute_dtype_for(kv_dtype), block_size) \
             and cpu_native.prepare(self.config.head_dim, self.config.num_heads // self.config.num_kv_heads)
+        # the C kernel's scores on the tile unit (kernels/native/amx_decode.h), for the startup line
+        self.amx_scores = self.native_decodes and fmt.name == "auto" and cpu_native.tile_scores(
+            kv_dtype, compute_dtype_for(kv_dtype), block_size, self.config.head_dim)
         # a bfloat16 layer's norms / RoPE / SwiGLU in C (kernels/cpu_glue.py), set per forward
         self.native_glue = attention_backend == "cpu" and native_kernels and self.device.type == "cpu" \
             and kv_dtype == torch.bfloat16 and build.load_glue() is not None

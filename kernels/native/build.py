@@ -38,7 +38,8 @@ SOURCE = Path(__file__).with_name("paged_decode.c")
 # fused_decode.c includes paged_decode.c (its attention)
 SOURCES = {"paged_decode": SOURCE, "fused_decode": Path(__file__).with_name("fused_decode.c"),
            "layer_glue": Path(__file__).with_name("layer_glue.c")}  # layer_glue.c includes paged_decode.c too
-HEADERS = [Path(__file__).with_name("fused_avx2.h")]  # included by fused_decode.c: part of every build's hash
+# headers the sources include (fused_decode.c, paged_decode.c): part of every build's hash
+HEADERS = [Path(__file__).with_name("fused_avx2.h"), Path(__file__).with_name("amx_decode.h")]
 # no -ffast-math: with GCC < 13 linking a shared object with it adds crtfastmath.o, whose constructor
 # sets the FTZ/DAZ bits of the loading thread's MXCSR: every later float op of the process would flush
 # subnormals (hypothesis refuses to run then). The kernel's vector code is explicit, so it needs none of it.
@@ -114,6 +115,8 @@ def load(shape: tuple[int, int] | None = None) -> ctypes.CDLL | None:
                            c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_float, c.c_void_p, c.c_int,
                            c.c_void_p, c.c_int]
             fn.restype = c.c_int
+            lib.llmd_paged_decode_amx.argtypes, lib.llmd_paged_decode_amx.restype = [], c.c_int
+            lib.llmd_paged_decode_set_amx.argtypes, lib.llmd_paged_decode_set_amx.restype = [c.c_int], c.c_int
         except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
             why_not, lib = f"build failed: {e}", None
     if lib is None and not _cache:

@@ -385,6 +385,31 @@ static void run_task(const void *query, int q_dtype, int64_t q_row_stride, const
        h0, h1, scale, out, out_dtype, lse);
 }
 
+#include "amx_decode.h"
+
+/* 1 when llmd_paged_decode scores bfloat16 queries over bfloat16 caches on the tile unit
+ * (amx_decode.h: built with AMX here, granted by the OS, LLMD_AMX_ATTENTION not 0), else 0. */
+int llmd_paged_decode_amx(void) {
+#ifdef HAVE_AMX
+    return amx_ready();
+#else
+    return 0;
+#endif
+}
+
+/* Turn the tile path off (0) or back on (1, where granted), for side-by-side measurements and
+ * tests in one process; returns llmd_paged_decode_amx() after the change. Call it between
+ * kernel calls, not during one. */
+int llmd_paged_decode_set_amx(int on) {
+#ifdef HAVE_AMX
+    amx_state = -1;
+    if (!on) amx_state = 0;
+    return amx_ready();
+#else
+    (void)on;
+    return 0;
+#endif
+}
 
 /* Returns 0, or -1 when a size is past this kernel's fixed limits (the caller then falls back).
  * Work split: one task per decode and chunk of KV heads; a chunk is all of a sequence's KV heads
@@ -405,6 +430,21 @@ int llmd_paged_decode(const void *query, int q_dtype, int64_t q_row_stride,
     const int chunks = kv_heads / hc, tasks = num_decodes * chunks;
     const int64_t half = num_blocks * block_size * kv_heads * (int64_t)head_dim;  /* elements of K before V */
     const int64_t shalf = num_blocks * block_size * (int64_t)kv_heads;            /* scales of K before V */
+#ifdef HAVE_AMX
+    const int ha = kv_dtype == KV_BF16 && q_dtype == Q_BF16 && block_size % 16 == 0
+                   ? amx_heads_per_task(kv_heads, head_dim, G, hc) : 0;
+    if (ha && amx_ready()) {
+        const int achunks = kv_heads / ha;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+        for (int task = 0; task < num_decodes * achunks; task++) {
+            const int i = task / achunks, a0 = (task % achunks) * ha;
+            amx_run((const uint16_t *)query, q_row_stride, (const uint16_t *)kv, half, block_size, kv_heads,
+                    head_dim / 16, G, block_tables + table_rows[i] * bt_stride, token_idx[i], first[i], seq_lens[i],
+                    a0, a0 + ha, scale, out, out_dtype, lse);
+        }
+        return 0;
+    }
+#endif
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int task = 0; task < tasks; task++) {
         const int i = task / chunks, h0 = (task % chunks) * hc;
