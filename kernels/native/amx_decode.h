@@ -118,7 +118,8 @@ static inline __attribute__((always_inline)) void amx_task(
         const int hi = seq_len - gp < 16 ? (int)(seq_len - gp) : 16;
         const __mmask16 ok = (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1));
         const int64_t slot0 = (int64_t)table[gp / BS] * BS + gp % BS;
-        /* the next group's K and V rows of these heads, one row pair per key this group folds in */
+        /* K and V rows of the group two ahead (the next one is being scored already), one row pair
+         * per key this group folds in */
         const char *pf = 0;
         int pf_rows = 0, pf_done = 0;
         if (gp + 32 < seq_len) {
