@@ -110,7 +110,7 @@ static inline __attribute__((always_inline)) void amx_task(
         _tile_stored(0, cs[b], 64); \
     } while (0)
     const int64_t gfirst = first / 16 * 16;
-    SCORES(gfirst, 0);
+    if (gfirst < seq_len) SCORES(gfirst, 0);  /* no keys (first >= seq_len): no tile read */
     for (int64_t gp = gfirst; gp < seq_len; gp += 16) {
         const int cur = (int)((gp - gfirst) / 16) & 1;
         if (gp + 16 < seq_len) SCORES(gp + 16, cur ^ 1);

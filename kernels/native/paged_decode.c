@@ -402,8 +402,11 @@ int llmd_paged_decode_amx(void) {
  * kernel calls, not during one. */
 int llmd_paged_decode_set_amx(int on) {
 #ifdef HAVE_AMX
+    if (!on) {  /* one store: a reader never sees a state that would ask the OS again */
+        amx_state = 0;
+        return 0;
+    }
     amx_state = -1;
-    if (!on) amx_state = 0;
     return amx_ready();
 #else
     (void)on;
