@@ -167,20 +167,7 @@ static inline __attribute__((always_inline)) void amx_task(
         }
     }
     _tile_release();
-    for (int a = 0; a < H; a++) {
-        const float inv = l[a] > 0.0f ? 1.0f / l[a] : 0.0f;
-        const int64_t ooff = (t * num_heads + h0 * G + a) * (int64_t)D;
-        for (int c = 0; c < NC; c++) {
-            vf o = acc[a][c] * inv;
-            if (out_dtype == Q_F32) {
-                memcpy((float *)out + ooff + VL * c, &o, sizeof o);
-            } else {
-                uint16_t *dst = (uint16_t *)out + ooff + VL * c;
-                for (int k = 0; k < VL; k++) dst[k] = f32_to_bf16(o[k]);
-            }
-        }
-        if (lse) lse[t * num_heads + h0 * G + a] = l[a] > 0.0f ? m[a] + logf(l[a]) : -FLT_MAX;
-    }
+    write_outputs(acc, m, l, H, NC, D, t, num_heads, h0 * G, out, out_dtype, lse);
 }
 
 #define AMX_ARGS const uint16_t *query, int64_t q_row_stride, const uint16_t *kv, int64_t half, int BS, \

@@ -221,6 +221,26 @@ static inline vf reducev(const vf *x) {
 #define PF_DIST 1  /* blocks ahead to prefetch */
 #endif
 
+/* A task's results: rows a < H of acc / l (query head a0 + a of token t; D = NC · VL channels)
+ * into out (float32 or bfloat16), and log(l) + m into lse when given. */
+static inline void write_outputs(const vf (*acc)[NC_MAX], const float *m, const float *l, int H, int NC, int D,
+                                 int64_t t, int num_heads, int a0, void *out, int out_dtype, float *lse) {
+    for (int a = 0; a < H; a++) {
+        const float inv = l[a] > 0.0f ? 1.0f / l[a] : 0.0f;
+        const int64_t ooff = (t * num_heads + a0 + a) * (int64_t)D;
+        for (int c = 0; c < NC; c++) {
+            vf o = acc[a][c] * inv;
+            if (out_dtype == Q_F32) {
+                memcpy((float *)out + ooff + VL * c, &o, sizeof o);
+            } else {
+                uint16_t *dst = (uint16_t *)out + ooff + VL * c;
+                for (int k = 0; k < VL; k++) dst[k] = f32_to_bf16(o[k]);
+            }
+        }
+        if (lse) lse[t * num_heads + a0 + a] = l[a] > 0.0f ? m[a] + logf(l[a]) : -FLT_MAX;
+    }
+}
+
 /* The attention of query heads [h0 * G, h1 * G) of decode i (see the file comment). */
 static inline __attribute__((always_inline)) void decode_task(
         const void *query, int q_dtype, int64_t q_row_stride, const void *kv, const int kv_dtype, const float *lut,
@@ -336,20 +356,7 @@ static inline __attribute__((always_inline)) void decode_task(
         }
         pos += n;
     }
-    for (int a = 0; a < H; a++) {
-        const float inv = l[a] > 0.0f ? 1.0f / l[a] : 0.0f;
-        const int64_t ooff = (t * num_heads + h0 * G + a) * (int64_t)D;
-        for (int c = 0; c < NC; c++) {
-            vf o = acc[a][c] * inv;
-            if (out_dtype == Q_F32) {
-                memcpy((float *)out + ooff + VL * c, &o, sizeof o);
-            } else {
-                uint16_t *dst = (uint16_t *)out + ooff + VL * c;
-                for (int k = 0; k < VL; k++) dst[k] = f32_to_bf16(o[k]);
-            }
-        }
-        if (lse) lse[t * num_heads + h0 * G + a] = l[a] > 0.0f ? m[a] + logf(l[a]) : -FLT_MAX;
-    }
+    write_outputs(acc, m, l, H, NC, D, t, num_heads, h0 * G, out, out_dtype, lse);
 }
 
 /* decode_task compiled per K/V storage type, and with the model's (query heads per KV head G,
