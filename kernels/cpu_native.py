@@ -73,6 +73,24 @@ def serves(fmt: KVCacheFormat, cdt: torch.dtype, block_size: int) -> bool:
     return cdt in _Q_CODES and not fmt.group_size and not fmt.k_per_block and block_size <= MAX_BLOCK
 
 
+def unserved_reason(fmt: KVCacheFormat, cdt: torch.dtype, block_size: int, head_dim: int, group: int) -> str | None:
+    """Why the kernel does not serve this configuration (the first limit it fails, in words for
+    the startup line), or None when :func:`serves` and :func:`supports_shape` both hold."""
+    if cdt not in _Q_CODES:
+        return f"compute dtype {str(cdt).removeprefix('torch.')} (the kernel takes float32 and bfloat16)"
+    if fmt.group_size:
+        return "grouped KV scales (--kv-scale-group-size)"
+    if fmt.k_per_block:
+        return f"KV cache {fmt.name} (its own kernels)"
+    if block_size > MAX_BLOCK:
+        return f"block size {block_size} > {MAX_BLOCK}"
+    if head_dim % 16 or head_dim > MAX_HEAD_DIM:
+        return f"head_dim {head_dim} (a multiple of 16 up to {MAX_HEAD_DIM})"
+    if group > MAX_GROUP:
+        return f"{group} query heads per KV head > {MAX_GROUP}"
+    return None
+
+
 def supports(cache: PagedKVCache, cdt: torch.dtype, group: int) -> bool:
     """This kernel can serve the decodes of a step over ``cache`` in compute dtype ``cdt``."""
     data = cache.data

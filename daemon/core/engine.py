@@ -275,9 +275,14 @@ class Engine:
         weights = f", {wq.describe()}" if wq is not None and wq.mode != "none" else ""
         attn = c.attention_backend
         if attn == "cpu":  # who runs the decodes (kernels/cpu_native.py), and why not the C kernel
+            from llmd.kernels import cpu_native
+            from llmd.kernels.cpu_attention import compute_dtype_for
             from llmd.kernels.native import build
 
-            reason = ("--disable-native-kernels" if c.disable_native_kernels else build.why_not
+            mc = self.model_config
+            limit = cpu_native.unserved_reason(c.kv_format, compute_dtype_for(c.torch_dtype), c.block_size,
+                                               mc.head_dim, mc.num_heads // mc.num_kv_heads)
+            reason = ("--disable-native-kernels" if c.disable_native_kernels else build.why_not or limit
                       or "not for this model dtype, KV format, block size or shape")
             attn += " (decodes: C kernel" if self.runner.native_decodes else f" (decodes: torch ops, {reason}"
             if self.runner.native_decodes and self.runner.amx_scores:

@@ -215,3 +215,20 @@ def test_tile_scores_on_random_shapes():
             ref = torch.einsum("hgn,nhd->hgd", s.softmax(-1), v).reshape(kvh * group, hd)
             assert rel(out[b], ref) <= 1e-5, (it, kvh, group, hd, bs, lens[b], int(first[b]))
             assert torch.allclose(lse[b].double(), torch.logsumexp(s, -1).reshape(-1), atol=1e-4, rtol=0)
+
+
+def test_unserved_reason_names_the_limit():
+    """The startup line's reason when the decodes take the torch ops: the limit that failed,
+    and None exactly when serves() and supports_shape() both hold."""
+    from llmd.quant.kv import get_format
+
+    auto, int8 = get_format("auto"), get_format("int8")
+    assert cpu_native.unserved_reason(auto, torch.bfloat16, 48, 64, 3) == "block size 48 > 32"
+    assert cpu_native.unserved_reason(auto, torch.float64, 16, 64, 3).startswith("compute dtype float64")
+    assert cpu_native.unserved_reason(get_format("int8", 32), torch.float32, 16, 64, 3).startswith("grouped KV")
+    assert cpu_native.unserved_reason(auto, torch.float32, 16, 72, 3).startswith("head_dim 72")
+    assert cpu_native.unserved_reason(auto, torch.float32, 16, 64, 17) == "17 query heads per KV head > 16"
+    for fmt, cdt, bs, hd, g in [(auto, torch.bfloat16, 16, 64, 3), (int8, torch.float32, 32, 256, 16),
+                                (auto, torch.float32, 8, 128, 1)]:
+        assert cpu_native.unserved_reason(fmt, cdt, bs, hd, g) is None
+        assert cpu_native.serves(fmt, cdt, bs) and cpu_native.supports_shape(hd, g)
