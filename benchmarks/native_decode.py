@@ -4,8 +4,9 @@ A decode-only step of ``--batch`` sequences with ``--context`` cached tokens eac
 (3 KV heads, 9 query heads, head_dim 64, block 16) by default, over ``--layers`` separate caches on
 a shuffled block layout (so every layer reads from memory, as a real step does), bfloat16; the
 paths alternate for ``--rounds`` rounds and the medians and their ratios are printed. On a CPU with
-AMX the kernel runs twice per round, with its scores on the tile unit and with them off
-(``cpu_native.set_amx``), and the tile / vector ratio is printed too.
+AMX or AVX512-BF16 the kernel runs twice per round, with its bfloat16 path (scores on the tile
+unit, or by VDPBF16PS) and with it off (``cpu_native.set_amx`` / ``set_dot``: the generic vector
+kernel), and that ratio is printed too.
 
     python benchmarks/native_decode.py --batch 32 --context 512 [--kv-cache-dtype int8] [--threads 2]
 """
@@ -62,17 +63,22 @@ def main() -> None:
             cpu_attention.paged_attention(q, c, meta, a.head_dim**-0.5)
         return time.perf_counter() - t0
 
-    amx = cpu_native.amx_available() and cpu_native.tile_scores(torch.bfloat16, torch.bfloat16, 16, a.head_dim)
+    tile = cpu_native.tile_scores(torch.bfloat16, torch.bfloat16, 16, a.head_dim)
+    fast = "AMX tiles" if tile else "VDPBF16PS" if cpu_native.dot_scores(
+        torch.bfloat16, torch.bfloat16, 16, a.head_dim) else None
+    fast = fast if a.kv_cache_dtype == "auto" else None
     times = {True: [], False: [], "vector": []}
 
-    def vector_step() -> float:  # the C kernel with the tile-unit scores off
+    def vector_step() -> float:  # the C kernel with its bfloat16 paths off
         cpu_native.set_amx(False, a.head_dim, a.group)
+        cpu_native.set_dot(False, a.head_dim, a.group)
         try:
             return step(True)
         finally:
             cpu_native.set_amx(True, a.head_dim, a.group)
+            cpu_native.set_dot(True, a.head_dim, a.group)
 
-    paths = [(True, lambda: step(True)), (False, lambda: step(False))] + ([("vector", vector_step)] if amx else [])
+    paths = [(True, lambda: step(True)), (False, lambda: step(False))] + ([("vector", vector_step)] if fast else [])
     for _, run in paths:
         run()  # warm-up (plans, workspaces, first touch)
     for _ in range(a.rounds):
@@ -83,9 +89,10 @@ def main() -> None:
     print(f"native_decode: batch {a.batch} x {a.context} keys, {a.layers} layers, kv {a.kv_cache_dtype} "
           f"({kv_mb:.0f} MiB read), bfloat16, {a.threads} threads, median of {a.rounds} alternating rounds")
     print(f"  C kernel {on:.1f} ms   torch ops {off:.1f} ms   kernel / torch = {on / off:.2f}x")
-    if amx:
+    if fast:
         vec = statistics.median(times["vector"]) * 1e3
-        print(f"  scores on AMX tiles {on:.1f} ms   vector scores {vec:.1f} ms   tile / vector = {on / vec:.2f}x")
+        print(f"  scores by {fast} {on:.1f} ms   generic vector kernel {vec:.1f} ms   "
+              f"{fast} / vector = {on / vec:.2f}x")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,12 @@ bfloat16 cache run on the tile unit (``kernels/native/amx_decode.h``: one TDPBF1
 channels of a 16-slot group's K rows, loaded as the cache stores them; float32 sums of exact
 bfloat16 products) while the softmax and ``probs · V`` stay as above; measured side by side
 (``benchmarks/native_decode.py``) 0.85-0.92x the vector kernel's time at batch 32 x 512 on the
-2-core machine. :func:`tile_scores` says when; ``LLMD_AMX_ATTENTION=0`` turns it off.
+2-core machine. :func:`tile_scores` says when; ``LLMD_AMX_ATTENTION=0`` turns it off. On CPUs
+with AVX512-BF16 but no AMX (AMD Zen 4, Intel Cooper Lake) the same case runs through
+``kernels/native/bf16dp_decode.h``: scores by VDPBF16PS on the raw bfloat16 query and K rows
+(exact products, float32 sums, the scale applied to the sums) and the float32 ``probs · V`` over
+V widened by two bit operations; :func:`dot_scores` says when, ``LLMD_BF16_DOT=0`` turns it off.
+Both keep the position order per sequence, so S4 holds on them too.
 
 Not served here (the torch path runs instead): float64 models (the oracle's own dtype), grouped
 scales (``--kv-scale-group-size``), int4 caches, block sizes over 32, head_dim over 256 or not a
@@ -120,6 +125,29 @@ def tile_scores(data_dtype: torch.dtype, cdt: torch.dtype, block_size: int, head
     head_dim: bfloat16 both, blocks a multiple of 16 slots, head_dim a multiple of 32, AMX on."""
     return (data_dtype == torch.bfloat16 and cdt == torch.bfloat16 and block_size % 16 == 0 and head_dim % 32 == 0
             and amx_available())
+
+
+def dot_available() -> bool:
+    """The kernel was built with AVX512-BF16 (bf16dp_decode.h) and ``LLMD_BF16_DOT`` is not 0
+    (:func:`set_dot` may have turned it off since)."""
+    lib = build.load()
+    return lib is not None and lib.llmd_paged_decode_dot() == 1
+
+
+def set_dot(on: bool, head_dim: int | None = None, group: int | None = None) -> bool:
+    """Turn the AVX512-BF16 dot-product path off or back on, as :func:`set_amx`; returns whether
+    it is on afterwards in the runtime-shape build and, with ``head_dim`` and ``group``, that
+    shape's build. Call between steps, never during one."""
+    libs = [build.load(), build.loaded((head_dim // 16, group)) if head_dim and group else None]
+    states = [lib.llmd_paged_decode_set_dot(int(on)) for lib in libs if lib is not None]
+    return bool(states) and all(states)
+
+
+def dot_scores(data_dtype: torch.dtype, cdt: torch.dtype, block_size: int, head_dim: int) -> bool:
+    """:func:`decode` scores by VDPBF16PS (bf16dp_decode.h) for this configuration: bfloat16
+    cache and compute, head_dim a multiple of 32, the path on, and the tile path not taking it."""
+    return (data_dtype == torch.bfloat16 and cdt == torch.bfloat16 and head_dim % 32 == 0 and dot_available()
+            and not tile_scores(data_dtype, cdt, block_size, head_dim))
 
 
 def _lut(dtype: torch.dtype) -> torch.Tensor:

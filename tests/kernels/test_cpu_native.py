@@ -9,6 +9,7 @@ torch's OpenMP runtime. Tolerances as the backend's: float32 ≤ 1e-5 relative t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -145,30 +146,51 @@ def test_unavailable_kernel_says_why_and_attention_still_works(env, why, tmp_pat
 
 
 AMX = cpu_native.available() and cpu_native.amx_available()
+DOT = cpu_native.available() and cpu_native.dot_available()
 TILE_CASES = [("decode", 1, 16, 64, None), ("spread", 3, 32, 128, 40), ("few", 16, 16, 64, 40),
-              ("spread", 4, 16, 256, None), ("mixed", 8, 32, 32, 7), ("spread", 3, 16, 64, None)]
+              ("spread", 4, 16, 256, None), ("mixed", 8, 32, 32, 7), ("spread", 3, 16, 64, None),
+              ("spread", 4, 8, 64, None), ("mixed", 2, 24, 96, 9)]
+# the bfloat16 paths of the C kernel: its switch and whether it takes a configuration, skipped off this CPU
+NO_AMX = pytest.mark.skipif(not AMX, reason="no AMX tile unit on this CPU (or LLMD_AMX_ATTENTION=0)")
+NO_DOT = pytest.mark.skipif(not DOT, reason="no AVX512-BF16 on this CPU (or LLMD_BF16_DOT=0)")
+BF16_PATHS = {"amx": pytest.param(cpu_native.set_amx, cpu_native.tile_scores, marks=NO_AMX),
+              "dot": pytest.param(cpu_native.set_dot, cpu_native.dot_scores, marks=NO_DOT)}
 
 
-@pytest.mark.skipif(not AMX, reason="no AMX tile unit on this CPU (or LLMD_AMX_ATTENTION=0)")
+@contextlib.contextmanager
+def only_path(switch, head_dim: int, group: int):
+    """The tile path off while the dot path is under test (it goes first where both exist); both
+    back on afterwards."""
+    try:
+        if switch is cpu_native.set_dot:
+            cpu_native.set_amx(False, head_dim, group)
+        yield
+    finally:
+        cpu_native.set_amx(True, head_dim, group)
+        cpu_native.set_dot(True, head_dim, group)
+
+
+@pytest.mark.parametrize("switch,takes", BF16_PATHS.values(), ids=BF16_PATHS.keys())
 @pytest.mark.parametrize("values", TILE_CASES, ids=lambda v: "-".join(str(x) for x in v))
-def test_tile_scores_match_float64_and_the_vector_kernel(values):
-    """bfloat16 queries over a bfloat16 cache: scores on the AMX tile unit (amx_decode.h) against
-    the float64 reference and the same kernel with the tile path off, float32 outputs (so the
-    comparison is not hidden by the output's bfloat16 rounding): both within 1e-5 of float64
-    (measured <= 2.1e-7), and not bit-equal to each other (the tile path ran)."""
+def test_bf16_paths_match_float64_and_the_vector_kernel(values, switch, takes):
+    """bfloat16 queries over a bfloat16 cache: scores on the AMX tile unit (amx_decode.h) or by
+    VDPBF16PS (bf16dp_decode.h) against the float64 reference and the same kernel with that path
+    off, float32 outputs (so the comparison is not hidden by the output's bfloat16 rounding):
+    both within 1e-5 of float64 (measured <= 2.1e-7 on either path), and not bit-equal to
+    each other (the path ran)."""
     case = dict(zip(("kind", "group", "block_size", "head_dim", "window"), values), fmt="auto", dtype=torch.bfloat16)
+    if takes is cpu_native.tile_scores and case["block_size"] % 16:
+        pytest.skip("the tile path takes blocks of a multiple of 16 slots")
     meta, query, cache = make_step(case, seed=5)
     q, scale = query.to(torch.bfloat16), case["head_dim"] ** -0.5
     plan = cpu_attention.get_plan(meta, 2, case["window"], case["group"], native=True)
-    assert cpu_native.tile_scores(cache.data.dtype, q.dtype, case["block_size"], case["head_dim"])
     outs = {}
-    try:
+    with only_path(switch, case["head_dim"], case["group"]):
+        assert takes(cache.data.dtype, q.dtype, case["block_size"], case["head_dim"])
         for on in (True, False):
-            assert cpu_native.set_amx(on, case["head_dim"], case["group"]) == on
+            assert switch(on, case["head_dim"], case["group"]) == on
             outs[on] = torch.zeros(q.shape, dtype=torch.float32)
             cpu_native.decode(q, cache, plan.native, scale, outs[on])
-    finally:
-        cpu_native.set_amx(True, case["head_dim"], case["group"])
     ref = reference.paged_attention(q.double(), cache, meta, scale, case["window"], compute_dtype=torch.float64)
     rows = plan.native.tokens
     for on in (True, False):
@@ -176,28 +198,32 @@ def test_tile_scores_match_float64_and_the_vector_kernel(values):
     assert not torch.equal(outs[True][rows], outs[False][rows])
 
 
-def test_the_tile_path_switch():
-    """``LLMD_AMX_ATTENTION=0`` keeps the vector kernel (and a CPU without AMX reports none)."""
-    code = "from llmd.kernels import cpu_native; print(cpu_native.available(), cpu_native.amx_available())"
+@pytest.mark.parametrize("env,report", [("LLMD_AMX_ATTENTION", "amx_available"), ("LLMD_BF16_DOT", "dot_available")])
+def test_the_bf16_path_switches(env, report):
+    """``LLMD_AMX_ATTENTION=0`` / ``LLMD_BF16_DOT=0`` keep the vector kernel (and a CPU without
+    AMX / AVX512-BF16 reports none)."""
+    code = f"from llmd.kernels import cpu_native; print(cpu_native.available(), cpu_native.{report}())"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "LLMD_AMX_ATTENTION": "0"})
+                         env={**os.environ, env: "0"})
     assert res.returncode == 0 and res.stdout.split() == ["True", "False"], (res.stdout, res.stderr)
 
 
-@pytest.mark.skipif(not AMX, reason="no AMX tile unit on this CPU (or LLMD_AMX_ATTENTION=0)")
-def test_tile_scores_on_random_shapes():
-    """30 random steps through the tile path (KV heads 1-8, so the heads-per-task split varies;
-    G 1-16, head_dim 32-256, blocks 16/32, lengths 1-300, random window starts) against a float64
-    softmax(q Kᵀ) V and log-sum-exp computed here from the cache's rows (measured <= 5.6e-7)."""
+@pytest.mark.parametrize("switch,takes", BF16_PATHS.values(), ids=BF16_PATHS.keys())
+def test_bf16_paths_on_random_shapes(switch, takes):
+    """30 random steps through the tile or dot path (KV heads 1-8, so the heads-per-task split
+    varies; G 1-16, head_dim 32-256, blocks 16/32 (and 8/24 for the dot path), lengths 1-300,
+    random window starts) against a float64 softmax(q Kᵀ) V and log-sum-exp computed here from
+    the cache's rows (measured <= 5.6e-7 tile, <= 5.7e-7 dot)."""
     import random
 
     from llmd.kernels.bench import random_paged_layout
     from llmd.quant.kv import PagedKVCache, get_format
 
     rng = random.Random(1)
+    sizes = [16, 32] if takes is cpu_native.tile_scores else [8, 16, 24, 32]
     for it in range(30):
         kvh, group = rng.choice([1, 2, 3, 4, 8]), rng.choice([1, 2, 3, 4, 5, 8, 16])
-        hd, bs, batch = rng.choice([32, 64, 128, 256]), rng.choice([16, 32]), rng.randint(1, 12)
+        hd, bs, batch = rng.choice([32, 64, 128, 256]), rng.choice(sizes), rng.randint(1, 12)
         g = torch.Generator().manual_seed(it)
         lens = [rng.randint(1, 300) for _ in range(batch)]
         tables, slots, nb = random_paged_layout(lens, bs, g)
@@ -207,7 +233,9 @@ def test_tile_scores_on_random_shapes():
         q = torch.randn(batch, kvh * group, hd, generator=g).bfloat16()
         d = cpu_native.Decodes(torch.arange(batch), torch.arange(batch), first, torch.tensor(lens), tables)
         out, lse = torch.zeros(q.shape), torch.zeros(q.shape[:2])
-        cpu_native.decode(q, cache, d, hd**-0.5, out, lse)
+        with only_path(switch, hd, group):
+            assert takes(torch.bfloat16, torch.bfloat16, bs, hd)
+            cpu_native.decode(q, cache, d, hd**-0.5, out, lse)
         for b in range(batch):
             sl = slots[b][first[b] : lens[b]]
             k, v = (cache.data[i].reshape(-1, kvh, hd)[sl].double() for i in (0, 1))

@@ -1,0 +1,176 @@
+/* Decode attention for bfloat16 queries over a bfloat16 paged cache on CPUs with AVX512-BF16 and
+ * no AMX grant (AMD Zen 4 and later, Intel Cooper Lake; on Sapphire Rapids the tile path of
+ * amx_decode.h goes first). Included by paged_decode.c (uses its vf, reducev, expv, hmax, hsum,
+ * any_gt, write_outputs, KEYMAP, RESCALE, PF_DIST, PF_LOC and MAX_* limits); built only where
+ * -march=native enables AVX512-BF16 with 16-lane vectors.
+ *
+ * Same task split, key order and online softmax as decode_task (FlashAttention's running max and
+ * sum: Dao et al. 2022, Algorithm 1), two differences in the arithmetic:
+ *  - scores: VDPBF16PS (Intel SDM, "VDPBF16PS": per float32 lane, the sum of two exact products of
+ *    bfloat16 pairs; it ignores MXCSR and flushes subnormal inputs and results to zero) on the raw
+ *    bfloat16 query and K rows, 32 channels per instruction, no widening; the 16 lanes of a key
+ *    are then summed in float32 (reducev) and the softmax scale applied to the sum, as on the tile
+ *    path. Products are exact, so the scores differ from decode_task's only by float32 rounding
+ *    order;
+ *  - P·V: float32 as in decode_task, but each V row of 32 bfloat16 channels is widened by two bit
+ *    operations (even channels: << 16, odd channels: & 0xffff0000) instead of a shuffle, so the
+ *    accumulators hold channels in even/odd order until one permute per head at the end.
+ * Keys are read in position order per sequence, so a sequence's output does not depend on its
+ * batch (case S4). Measured on a 2-core AMD EPYC (Zen 4), SmolLM2's shapes, batch 32 x 512:
+ * compute ~13 % under decode_task's (L3-resident K/V); see README "The CPU fast path". Against float64:
+ * <= 2.1e-7 relative with float32 outputs on tests/kernels/test_cpu_native.py's cases, as decode_task.
+ * LLMD_BF16_DOT=0 (or llmd_paged_decode_set_dot(0)) turns it off for side-by-side measurement.
+ */
+#if defined(__AVX512BF16__) && VL == 16
+#define HAVE_BF16DP 1
+#define DP_MAX_Z (MAX_HEAD_DIM / 32)  /* 32-channel chunks per head */
+
+static int dp_state = -1;  /* -1: LLMD_BF16_DOT not read yet; 0: off; 1: on */
+
+static int dp_ready(void) {
+    if (dp_state < 0) {
+        const char *env = getenv("LLMD_BF16_DOT");
+        dp_state = !(env && env[0] == '0');
+    }
+    return dp_state;
+}
+
+/* One task: decode token t's query heads [h0 * G, h1 * G) over keys [first, seq_len) of its block
+ * table (NZ = head_dim / 32; arguments as decode_task's, the query and cache as raw bfloat16). */
+
+static inline __attribute__((always_inline)) void dp_task(
+        const uint16_t *query, int64_t q_row_stride, const uint16_t *kv, int64_t half, int BS, int kv_heads,
+        const int NZ, const int G, const int32_t *table, int64_t t, int64_t first, int64_t seq_len, int h0, int h1,
+        float scale, void *out, int out_dtype, float *lse) {
+    const int D = NZ * 32, H = (h1 - h0) * G, num_heads = kv_heads * G;
+    const int64_t row = (int64_t)kv_heads * D;
+    __m512bh q[MAX_TASK_HEADS][DP_MAX_Z];
+    vf acc[MAX_TASK_HEADS][NC_MAX];  /* channel order per 32: even channels, then odd */
+    float m[MAX_TASK_HEADS], l[MAX_TASK_HEADS];
+    float p[MAX_GROUP][VL] __attribute__((aligned(64)));
+    const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
+    for (int a = 0; a < H; a++) {
+        const uint16_t *qr = query + t * q_row_stride + (int64_t)(h0 * G + a) * D;
+        for (int z = 0; z < NZ; z++) {
+            q[a][z] = (__m512bh)_mm512_loadu_si512(qr + 32 * z);
+            acc[a][2 * z] = acc[a][2 * z + 1] = (vf){0};
+        }
+        m[a] = -FLT_MAX;
+        l[a] = 0.0f;
+    }
+    for (int64_t pos = first; pos < seq_len;) {
+        const int64_t blk = table[pos / BS];
+        const int off = (int)(pos % BS);
+        const int n = (int)((BS - off) < (seq_len - pos) ? (BS - off) : (seq_len - pos));
+        const int64_t slot0 = blk * BS + off;
+        const char *pf = 0;
+        int pf_rows = 0, pf_done = 0;
+        const int64_t pf_pos = (pos / BS + PF_DIST) * BS;
+        if (pf_pos < seq_len) {
+            const int64_t nslot = (int64_t)table[pf_pos / BS] * BS;
+            const int nn = (int)((seq_len - pf_pos) < BS ? (seq_len - pf_pos) : BS);
+            pf = (const char *)(kv + nslot * row + (int64_t)h0 * D);
+            pf_rows = nn * (h1 - h0);
+        }
+        const int hn = h1 - h0, row_bytes = D * 2;
+        const int64_t vbytes = half * 2;
+        for (int h = h0; h < h1; h++) {
+            const int a0 = (h - h0) * G;
+            __m512bh Q[MAX_GROUP][DP_MAX_Z];
+            vf A[MAX_GROUP][NC_MAX];
+            for (int g = 0; g < G; g++)
+                for (int z = 0; z < NZ; z++) {
+                    Q[g][z] = q[a0 + g][z];
+                    A[g][2 * z] = acc[a0 + g][2 * z];
+                    A[g][2 * z + 1] = acc[a0 + g][2 * z + 1];
+                }
+            for (int j0 = 0; j0 < n; j0 += VL) {
+                const int nt = n - j0 < VL ? n - j0 : VL;
+                vf part[MAX_GROUP][VL], lane_ok;
+                for (int k = 0; k < VL; k++) lane_ok[k] = k < nt ? 1.0f : 0.0f;
+                for (int k = 0; k < VL; k++) {
+                    const int j = KEYMAP[k];
+                    if (j >= nt) {
+                        for (int g = 0; g < G; g++) part[g][k] = (vf){0};
+                        continue;
+                    }
+                    if (pf_done < pf_rows) {
+                        const char *a = pf + ((int64_t)(pf_done / hn) * row + (pf_done % hn) * D) * 2;
+                        for (int b = 0; b < row_bytes; b += 64) {
+                            __builtin_prefetch(a + b, 0, PF_LOC);
+                            __builtin_prefetch(a + vbytes + b, 0, PF_LOC);
+                        }
+                        pf_done++;
+                    }
+                    const uint16_t *kr = kv + (slot0 + j0 + j) * row + (int64_t)h * D;
+                    __m512bh K[DP_MAX_Z];
+                    for (int z = 0; z < NZ; z++) K[z] = (__m512bh)_mm512_loadu_si512(kr + 32 * z);
+                    for (int g = 0; g < G; g++) {
+                        __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), Q[g][0], K[0]);
+                        for (int z = 1; z < NZ; z++) s = _mm512_dpbf16_ps(s, Q[g][z], K[z]);
+                        part[g][k] = (vf)s;
+                    }
+                }
+                for (int g = 0; g < G; g++) {
+                    const int a = a0 + g;
+                    vf sc = reducev(part[g]) * scale;
+                    if (nt < VL) sc = sc * lane_ok + (lane_ok - 1.0f) * FLT_MAX;
+                    if (any_gt(sc, m[a] + RESCALE)) {
+                        const float mx = hmax(sc) > m[a] ? hmax(sc) : m[a];
+                        const float corr = l[a] > 0.0f ? expf(m[a] - mx) : 0.0f;
+                        l[a] *= corr;
+                        for (int c = 0; c < 2 * NZ; c++) A[g][c] *= corr;
+                        m[a] = mx;
+                    }
+                    vf e = expv(sc - m[a]);
+                    if (nt < VL) e *= lane_ok;
+                    l[a] += hsum(e);
+                    memcpy(p[g], &e, sizeof e);
+                }
+                for (int j = 0; j < nt; j++) {
+                    const uint16_t *vr = kv + half + (slot0 + j0 + j) * row + (int64_t)h * D;
+                    for (int z = 0; z < NZ; z++) {
+                        const __m512i v = _mm512_loadu_si512(vr + 32 * z);
+                        const vf ve = (vf)_mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                        const vf vo = (vf)_mm512_castsi512_ps(_mm512_and_si512(v, hi_mask));
+                        for (int g = 0; g < G; g++) {
+                            A[g][2 * z] += p[g][j] * ve;
+                            A[g][2 * z + 1] += p[g][j] * vo;
+                        }
+                    }
+                }
+            }
+            for (int g = 0; g < G; g++)
+                for (int c = 0; c < 2 * NZ; c++) acc[a0 + g][c] = A[g][c];
+        }
+        pos += n;
+    }
+    /* even/odd back to channel order */
+    const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi_idx = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int a = 0; a < H; a++)
+        for (int z = 0; z < NZ; z++) {
+            const __m512 e = (__m512)acc[a][2 * z], o = (__m512)acc[a][2 * z + 1];
+            acc[a][2 * z] = (vf)_mm512_permutex2var_ps(e, lo_idx, o);
+            acc[a][2 * z + 1] = (vf)_mm512_permutex2var_ps(e, hi_idx, o);
+        }
+    write_outputs((const vf (*)[NC_MAX])acc, m, l, H, 2 * NZ, D, t, num_heads, h0 * G, out, out_dtype, lse);
+}
+
+/* dp_task with the shape of this build's -DSPEC_NV / -DSPEC_G as compile-time constants when it
+ * matches (fully unrolled channel and group loops), else with runtime NZ and G. */
+#define DP_ARGS const uint16_t *query, int64_t q_row_stride, const uint16_t *kv, int64_t half, int BS, int kv_heads, \
+    int NZ, int G, const int32_t *table, int64_t t, int64_t first, int64_t seq_len, int h0, int h1, float scale, \
+    void *out, int out_dtype, float *lse
+static void dp_run(DP_ARGS) {
+#if defined(SPEC_NV) && defined(SPEC_G) && SPEC_NV % 2 == 0
+    if (NZ == SPEC_NV / 2 && G == SPEC_G) {
+        dp_task(query, q_row_stride, kv, half, BS, kv_heads, SPEC_NV / 2, SPEC_G, table, t, first, seq_len, h0, h1,
+                scale, out, out_dtype, lse);
+        return;
+    }
+#endif
+    dp_task(query, q_row_stride, kv, half, BS, kv_heads, NZ, G, table, t, first, seq_len, h0, h1, scale, out,
+            out_dtype, lse);
+}
+#endif
