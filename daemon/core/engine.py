@@ -287,6 +287,8 @@ class Engine:
             attn += " (decodes: C kernel" if self.runner.native_decodes else f" (decodes: torch ops, {reason}"
             if self.runner.native_decodes and self.runner.amx_scores:
                 attn += ", scores on AMX tiles"
+            elif self.runner.native_decodes and self.runner.dot_scores:
+                attn += ", scores by VDPBF16PS"
             if self.runner.fused_decode is not None:  # kernels/cpu_fused.py: the whole batch-1 step in C
                 attn += "; batch-1 steps: fused C kernel"
             elif c.weight_quant == "gguf":

@@ -112,6 +112,9 @@ class ModelRunner:
         # the C kernel's scores on the tile unit (kernels/native/amx_decode.h), for the startup line
         self.amx_scores = self.native_decodes and fmt.name == "auto" and cpu_native.tile_scores(
             kv_dtype, compute_dtype_for(kv_dtype), block_size, self.config.head_dim)
+        # or by VDPBF16PS where the CPU has AVX512-BF16 and no AMX (kernels/native/bf16dp_decode.h)
+        self.dot_scores = self.native_decodes and fmt.name == "auto" and cpu_native.dot_scores(
+            kv_dtype, compute_dtype_for(kv_dtype), block_size, self.config.head_dim)
         # a bfloat16 layer's norms / RoPE / SwiGLU in C (kernels/cpu_glue.py), set per forward
         self.native_glue = attention_backend == "cpu" and native_kernels and self.device.type == "cpu" \
             and kv_dtype == torch.bfloat16 and build.load_glue() is not None

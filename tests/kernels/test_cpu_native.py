@@ -260,3 +260,26 @@ def test_unserved_reason_names_the_limit():
                                 (auto, torch.float32, 8, 128, 1)]:
         assert cpu_native.unserved_reason(fmt, cdt, bs, hd, g) is None
         assert cpu_native.serves(fmt, cdt, bs) and cpu_native.supports_shape(hd, g)
+
+
+def test_startup_line_names_the_bf16_path(tmp_path):
+    """A bfloat16 engine's startup line says which bfloat16 path scores its decodes: AMX tiles
+    where granted, else VDPBF16PS where the CPU has AVX512-BF16, else neither (the generic kernel)."""
+    from tiny_engine import ByteTokenizer
+    from tiny_gguf import write_tiny_llama
+
+    from llmd.daemon.core.config import EngineConfig
+    from llmd.daemon.core.engine import Engine
+    from llmd.models.gguf_loader import load_model
+
+    path = str(tmp_path / "m.gguf")
+    write_tiny_llama(path, vocab=256, hidden=192, heads=3, kv_heads=1, ffn=384)  # head_dim 64
+    model, _ = load_model(path, torch.bfloat16)
+    cfg = EngineConfig(model="tiny", device="cpu", dtype="bfloat16", attention_backend="cpu",
+                       kv_cache_memory=4 * 2**20, threads=1)
+    line = Engine(model, ByteTokenizer(), cfg).runtime_summary()
+    want = "scores on AMX tiles" if AMX else "scores by VDPBF16PS" if DOT else None
+    if want:
+        assert f"(decodes: C kernel, {want}" in line, line
+    else:
+        assert "(decodes: C kernel" in line and "scores" not in line, line
