@@ -13,7 +13,13 @@ Every step (Orca, Yu et al. OSDI'22; vLLM v1 ``vllm/v1/core/sched/scheduler.py``
    prefix-cache hits) and continues exactly where it stopped;
 3. if nothing was preempted, waiting requests join in priority order (FCFS among equals)
    while the budget, ``max_num_seqs`` and the pool allow; each is looked up in the prefix
-   cache when admitted.
+   cache when admitted. A waiting request whose next uncached block a running request is
+   computing right now (the same chain hash: chats arriving on one system prompt while the
+   first of them is still prefilling it) stays waiting, and those behind it may go ahead,
+   until that block is cached: it then starts from a longer hit instead of computing the same
+   prefix a second time (SGLang's in-batch prefix caching check makes the same call). On the
+   peers' shared-prefix workload over HTTP, the second chat arrived during the first's first
+   chunk and recomputed ~500 prompt tokens beside it (README "Prefix caching").
 
 Priorities count only under ``scheduling_policy="priority"`` (vLLM's ``--scheduling-policy``);
 under the default ``"fcfs"`` every request has priority 0, so the order above is arrival order
@@ -220,8 +226,10 @@ class Scheduler:
             else:
                 out.scheduled.append(self._scheduled(req, start, num_new))
                 budget -= num_new
-        while self.waiting and budget > 0 and not preempted:
-            req = self.waiting[0]
+        in_flight = self._blocks_in_flight() if self.waiting and budget > 0 and not preempted else set()
+        i = 0  # waiting[i] is next; the ones before it wait for a prefix being computed
+        while i < len(self.waiting) and budget > 0 and not preempted:
+            req = self.waiting[i]
             if len(self.running) + 1 + len(req.followers) > self.max_num_seqs:
                 break
             # look the prefix up now, when it is admitted (never a stale count); a resumed
@@ -234,6 +242,9 @@ class Scheduler:
             else:
                 num_cached, blocks = self.kv.get_computed_blocks(
                     req.request_id, req.all_token_ids, req.num_tokens, req.cache_salt)
+            if not imported and self.kv.next_block_hash(req.request_id, req.num_prompt_tokens, num_cached) in in_flight:
+                i += 1  # a running request is computing its next block: it waits for the hit
+                continue
             req.num_computed_tokens = num_cached
             num_new = self._num_new_tokens(req, budget)
             if imported:
@@ -250,11 +261,13 @@ class Scheduler:
                 req.num_cached_tokens = num_cached
                 if not imported:  # pulled KV is no prefix-cache hit
                     self.kv.record_prefix_lookup(req.num_prompt_tokens, num_cached)
-            self.waiting.popleft()
+            del self.waiting[i]
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(self._scheduled(req, num_cached, num_new))
             budget -= num_new
+            if not imported:  # its prompt blocks are in flight now for those behind it
+                in_flight.update(self.kv.uncomputed_block_hashes(req.request_id, num_cached))
         out.blocks_to_copy = self.kv.take_pending_copies()
         out.residual_copies = self.kv.take_pending_residual_copies()
         if self.pending_shifts:  # those of requests preempted or finished since are dropped
@@ -262,6 +275,16 @@ class Scheduler:
             out.blocks_to_shift = [op for op in live if isinstance(op, BlockShift)]
             out.residuals_to_shift = [op for op in live if isinstance(op, ResidualShift)]
             self.pending_shifts = []
+        return out
+
+    def _blocks_in_flight(self) -> set[bytes]:
+        """Chain hashes of the prompt blocks running requests are still to compute (their
+        prefill chunks, this step's included): a waiting request whose next block is one of
+        them waits for it to be cached (module docstring, 3.)."""
+        out: set[bytes] = set()
+        for r in self.running:
+            if r.num_computed_tokens < r.num_prompt_tokens:
+                out.update(self.kv.uncomputed_block_hashes(r.request_id, r.num_computed_tokens))
         return out
 
     def _preempt_waiting_beams(self) -> bool:

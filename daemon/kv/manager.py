@@ -319,6 +319,24 @@ class KVCacheManager:
         num_hit, blocks = find_longest_cache_hit(self.groups, eligible, bs, lookup)
         return num_hit, blocks
 
+    def uncomputed_block_hashes(self, request_id: str, num_computed_tokens: int) -> list[bytes]:
+        """Chain hashes of a running request's full blocks from position ``num_computed_tokens``
+        on that :meth:`get_computed_blocks` hashed at its admission (its prompt's): blocks it
+        is yet to compute and will then cache. Empty when caching is off."""
+        if not self.enable_caching:
+            return []
+        return self.req_block_hashes.get(request_id, [])[num_computed_tokens // self.block_size :]
+
+    def next_block_hash(self, request_id: str, num_prompt_tokens: int, num_cached_tokens: int) -> bytes | None:
+        """After :meth:`get_computed_blocks`: the chain hash of the first block a request would
+        compute itself (the one after its ``num_cached_tokens`` hit), or None when that block
+        could never be a hit (not full, or the last prompt token's) or caching is off."""
+        k = num_cached_tokens // self.block_size
+        if not self.enable_caching or k >= (num_prompt_tokens - 1) // self.block_size:
+            return None
+        hashes = self.req_block_hashes.get(request_id, [])
+        return hashes[k] if k < len(hashes) else None
+
     def record_prefix_lookup(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         """Count one admitted request's lookup in the query/hit counters (tokens)."""
         if self.enable_caching:
