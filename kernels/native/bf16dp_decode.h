@@ -1,7 +1,7 @@
 /* Decode attention for bfloat16 queries over a bfloat16 paged cache on CPUs with AVX512-BF16 and
  * no AMX grant (AMD Zen 4 and later, Intel Cooper Lake; on Sapphire Rapids the tile path of
  * amx_decode.h goes first). Included by paged_decode.c (uses its vf, reducev, expv, hmax, hsum,
- * any_gt, write_outputs, KEYMAP, RESCALE, PF_DIST, PF_LOC and MAX_* limits); built only where
+ * any_gt, write_outputs, kv_prefetch_plan / kv_prefetch_row, KEYMAP, RESCALE and MAX_* limits); built only where
  * -march=native enables AVX512-BF16 with 16-lane vectors.
  *
  * Same task split, key order and online softmax as decode_task (FlashAttention's running max and
@@ -63,17 +63,7 @@ static inline __attribute__((always_inline)) void dp_task(
         const int off = (int)(pos % BS);
         const int n = (int)((BS - off) < (seq_len - pos) ? (BS - off) : (seq_len - pos));
         const int64_t slot0 = blk * BS + off;
-        const char *pf = 0;
-        int pf_rows = 0, pf_done = 0;
-        const int64_t pf_pos = (pos / BS + PF_DIST) * BS;
-        if (pf_pos < seq_len) {
-            const int64_t nslot = (int64_t)table[pf_pos / BS] * BS;
-            const int nn = (int)((seq_len - pf_pos) < BS ? (seq_len - pf_pos) : BS);
-            pf = (const char *)(kv + nslot * row + (int64_t)h0 * D);
-            pf_rows = nn * (h1 - h0);
-        }
-        const int hn = h1 - h0, row_bytes = D * 2;
-        const int64_t vbytes = half * 2;
+        struct kv_prefetch pf = kv_prefetch_plan(kv, 2, half, table, pos, BS, seq_len, row, D, h0, h1);
         for (int h = h0; h < h1; h++) {
             const int a0 = (h - h0) * G;
             __m512bh Q[MAX_GROUP][DP_MAX_Z];
@@ -94,14 +84,7 @@ static inline __attribute__((always_inline)) void dp_task(
                         for (int g = 0; g < G; g++) part[g][k] = (vf){0};
                         continue;
                     }
-                    if (pf_done < pf_rows) {
-                        const char *a = pf + ((int64_t)(pf_done / hn) * row + (pf_done % hn) * D) * 2;
-                        for (int b = 0; b < row_bytes; b += 64) {
-                            __builtin_prefetch(a + b, 0, PF_LOC);
-                            __builtin_prefetch(a + vbytes + b, 0, PF_LOC);
-                        }
-                        pf_done++;
-                    }
+                    kv_prefetch_row(&pf);
                     const uint16_t *kr = kv + (slot0 + j0 + j) * row + (int64_t)h * D;
                     __m512bh K[DP_MAX_Z];
                     for (int z = 0; z < NZ; z++) K[z] = (__m512bh)_mm512_loadu_si512(kr + 32 * z);

@@ -229,6 +229,41 @@ static inline vf reducev(const vf *x) {
 #define PF_LOC 2
 #endif
 
+/* The next block's K and V rows of a task's heads [h0, h1), prefetched one row pair per key the
+ * current block scores (spread over the block's work, not a burst that would stall on the miss
+ * queue). kv_prefetch_plan finds the block PF_DIST ahead of position pos (none past seq_len);
+ * kv_prefetch_row issues the next row pair's lines, if any are left. */
+struct kv_prefetch {
+    const char *base;  /* the block's first row of head h0, K half */
+    int rows, done, hn, row_bytes;
+    int64_t row_stride, vbytes;  /* bytes between slots; bytes from K to V */
+};
+
+static inline struct kv_prefetch kv_prefetch_plan(const void *kv, int esize, int64_t half, const int32_t *table,
+                                                  int64_t pos, int BS, int64_t seq_len, int64_t row, int D,
+                                                  int h0, int h1) {
+    struct kv_prefetch f = {0, 0, 0, h1 - h0, D * esize, row * esize, half * esize};
+    const int64_t pf_pos = (pos / BS + PF_DIST) * BS;  /* first position of the block PF_DIST ahead */
+    if (pf_pos < seq_len) {
+        const int64_t nslot = (int64_t)table[pf_pos / BS] * BS;
+        const int nn = (int)((seq_len - pf_pos) < BS ? (seq_len - pf_pos) : BS);
+        f.base = (const char *)kv + (nslot * row + (int64_t)h0 * D) * esize;
+        f.rows = nn * (h1 - h0);
+    }
+    return f;
+}
+
+static inline void kv_prefetch_row(struct kv_prefetch *f) {
+    if (f->done < f->rows) {
+        const char *a = f->base + (int64_t)(f->done / f->hn) * f->row_stride + (int64_t)(f->done % f->hn) * f->row_bytes;
+        for (int b = 0; b < f->row_bytes; b += 64) {
+            __builtin_prefetch(a + b, 0, PF_LOC);
+            __builtin_prefetch(a + f->vbytes + b, 0, PF_LOC);
+        }
+        f->done++;
+    }
+}
+
 /* A task's results: rows a < H of acc / l (query head a0 + a of token t; D = NC · VL channels)
  * into out (float32 or bfloat16), and log(l) + m into lse when given. */
 static inline void write_outputs(const vf (*acc)[NC_MAX], const float *m, const float *l, int H, int NC, int D,
@@ -275,19 +310,7 @@ static inline __attribute__((always_inline)) void decode_task(
         const int off = (int)(pos % BS);
         const int n = (int)((BS - off) < (seq_len - pos) ? (BS - off) : (seq_len - pos));
         const int64_t slot0 = blk * BS + off;
-        /* the next block's K and V rows of these heads are prefetched one row pair per key this block
-         * scores (spread over the block's work, not a burst that would stall on the miss queue) */
-        const char *pf = 0;
-        int pf_rows = 0, pf_done = 0;
-        const int64_t pf_pos = (pos / BS + PF_DIST) * BS;  /* first position of the block PF_DIST ahead */
-        if (pf_pos < seq_len) {
-            const int64_t nslot = (int64_t)table[pf_pos / BS] * BS;
-            const int nn = (int)((seq_len - pf_pos) < BS ? (seq_len - pf_pos) : BS);
-            pf = (const char *)kv + (nslot * row + (int64_t)h0 * D) * esize;
-            pf_rows = nn * (h1 - h0);
-        }
-        const int hn = h1 - h0, row_bytes = D * esize;
-        const int64_t vbytes = half * esize;
+        struct kv_prefetch pf = kv_prefetch_plan(kv, esize, half, table, pos, BS, seq_len, row, D, h0, h1);
         for (int h = h0; h < h1; h++) {
             const int a0 = (h - h0) * G;
             vf Q[MAX_GROUP][NC_MAX], A[MAX_GROUP][NC_MAX];  /* this head's queries and sums */
@@ -306,14 +329,7 @@ static inline __attribute__((always_inline)) void decode_task(
                         for (int g = 0; g < G; g++) part[g][k] = (vf){0};
                         continue;
                     }
-                    if (pf_done < pf_rows) {
-                        const char *a = pf + ((int64_t)(pf_done / hn) * row + (pf_done % hn) * D) * esize;
-                        for (int b = 0; b < row_bytes; b += 64) {
-                            __builtin_prefetch(a + b, 0, PF_LOC);
-                            __builtin_prefetch(a + vbytes + b, 0, PF_LOC);
-                        }
-                        pf_done++;
-                    }
+                    kv_prefetch_row(&pf);
                     const int64_t r = (slot0 + j0 + j) * row + (int64_t)h * D;
                     vf kr[NC_MAX];
                     for (int c = 0; c < NC; c++) kr[c] = loadv(kv, r + VL * c, kv_dtype, lut);
