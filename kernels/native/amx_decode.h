@@ -1,6 +1,6 @@
 /* Decode attention scores on Intel AMX (Sapphire Rapids and later) for bfloat16 queries over a
  * bfloat16 paged cache; the softmax and P·V stay on the vector units as in decode_task. Included
- * by paged_decode.c (uses its vf, loadv, expv, hmax, hsum, any_gt, RESCALE, MAX_* limits); built
+ * by paged_decode.c (uses its vf, loadv, expv, hsum, lazy_rescale, MAX_* limits); built
  * only where -march=native enables AMX-TILE, AMX-BF16 and AVX-512, and used only after the kernel
  * granted the process the tile state (Linux arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
  * Intel's "Architecture Instruction Set Extensions Programming Reference", ch. 3, and the kernel's
@@ -136,13 +136,7 @@ static inline __attribute__((always_inline)) void amx_task(
                 const int a = a0 + g;
                 vf sc = (vf)_mm512_i32gather_ps(cols, &cs[cur][0][a], 4) * scale;
                 sc = (vf)_mm512_mask_blend_ps(ok, _mm512_set1_ps(-FLT_MAX), (__m512)sc);
-                if (any_gt(sc, m[a] + RESCALE)) {  /* lazy rescaling, as decode_task */
-                    const float mx = hmax(sc) > m[a] ? hmax(sc) : m[a];
-                    const float corr = l[a] > 0.0f ? expf(m[a] - mx) : 0.0f;
-                    l[a] *= corr;
-                    for (int c = 0; c < NC; c++) A[g][c] *= corr;
-                    m[a] = mx;
-                }
+                lazy_rescale(sc, &m[a], &l[a], A[g], NC);
                 const vf e = (vf)_mm512_maskz_mov_ps(ok, (__m512)expv(sc - m[a]));
                 l[a] += hsum(e);
                 memcpy(p[g], &e, sizeof e);

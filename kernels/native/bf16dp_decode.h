@@ -1,7 +1,7 @@
 /* Decode attention for bfloat16 queries over a bfloat16 paged cache on CPUs with AVX512-BF16 and
  * no AMX grant (AMD Zen 4 and later, Intel Cooper Lake; on Sapphire Rapids the tile path of
- * amx_decode.h goes first). Included by paged_decode.c (uses its vf, reducev, expv, hmax, hsum,
- * any_gt, write_outputs, kv_prefetch_plan / kv_prefetch_row, KEYMAP, RESCALE and MAX_* limits); built only where
+ * amx_decode.h goes first). Included by paged_decode.c (uses its vf, reducev, expv, hsum,
+ * write_outputs, lazy_rescale, kv_prefetch_plan / kv_prefetch_row, KEYMAP and MAX_* limits); built only where
  * -march=native enables AVX512-BF16 with 16-lane vectors.
  *
  * Same task split, key order and online softmax as decode_task (FlashAttention's running max and
@@ -98,13 +98,7 @@ static inline __attribute__((always_inline)) void dp_task(
                     const int a = a0 + g;
                     vf sc = reducev(part[g]) * scale;
                     if (nt < VL) sc = sc * lane_ok + (lane_ok - 1.0f) * FLT_MAX;
-                    if (any_gt(sc, m[a] + RESCALE)) {
-                        const float mx = hmax(sc) > m[a] ? hmax(sc) : m[a];
-                        const float corr = l[a] > 0.0f ? expf(m[a] - mx) : 0.0f;
-                        l[a] *= corr;
-                        for (int c = 0; c < 2 * NZ; c++) A[g][c] *= corr;
-                        m[a] = mx;
-                    }
+                    lazy_rescale(sc, &m[a], &l[a], A[g], 2 * NZ);
                     vf e = expv(sc - m[a]);
                     if (nt < VL) e *= lane_ok;
                     l[a] += hsum(e);

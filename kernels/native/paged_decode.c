@@ -229,6 +229,21 @@ static inline vf reducev(const vf *x) {
 #define PF_LOC 2
 #endif
 
+/* Lazy rescaling of one query row's online softmax (running max m, sum l, NA accumulators A) for a
+ * tile of scores sc: the reference point m moves only when a score passes it by more than RESCALE
+ * (then A and l are rescaled once); otherwise the exponentials are taken against a stale m and may
+ * reach e^RESCALE, which float32 holds easily. The quotient A / l is the same softmax; the running
+ * max's serial chain through every tile (hmax, expf, rescale) is gone from the common case. */
+static inline __attribute__((always_inline)) void lazy_rescale(vf sc, float *m, float *l, vf *A, int NA) {
+    if (any_gt(sc, *m + RESCALE)) {
+        const float mx = hmax(sc) > *m ? hmax(sc) : *m;
+        const float corr = *l > 0.0f ? expf(*m - mx) : 0.0f;
+        *l *= corr;
+        for (int c = 0; c < NA; c++) A[c] *= corr;
+        *m = mx;
+    }
+}
+
 /* The next block's K and V rows of a task's heads [h0, h1), prefetched one row pair per key the
  * current block scores (spread over the block's work, not a burst that would stall on the miss
  * queue). kv_prefetch_plan finds the block PF_DIST ahead of position pos (none past seq_len);
@@ -349,18 +364,7 @@ static inline __attribute__((always_inline)) void decode_task(
                     vf sc = reducev(part[g]);
                     if (scales) sc *= ksv;
                     if (nt < VL) sc = sc * lane_ok + (lane_ok - 1.0f) * FLT_MAX;  /* lanes >= nt: -FLT_MAX */
-                    /* lazy rescaling: the reference point m moves only when a score passes it by more
-                     * than RESCALE (then acc and l are rescaled once); otherwise the exponentials are
-                     * taken against a stale m and may reach e^RESCALE, which float32 holds easily. The
-                     * quotient acc / l is the same softmax; the running max's serial chain through
-                     * every tile (hmax, expf, rescale) is gone from the common case. */
-                    if (any_gt(sc, m[a] + RESCALE)) {
-                        const float mx = hmax(sc) > m[a] ? hmax(sc) : m[a];
-                        const float corr = l[a] > 0.0f ? expf(m[a] - mx) : 0.0f;
-                        l[a] *= corr;
-                        for (int c = 0; c < NC; c++) A[g][c] *= corr;
-                        m[a] = mx;
-                    }
+                    lazy_rescale(sc, &m[a], &l[a], A[g], NC);
                     vf e = expv(sc - m[a]);
                     if (nt < VL) e *= lane_ok;
                     l[a] += hsum(e);
