@@ -297,7 +297,9 @@ class Engine:
                 attn += "; norms, RoPE, SwiGLU: C"
             attn += ")"
         packed = prepacked.packed_count(self.runner.model)
-        linears = f", linears: {packed} bf16 weights prepacked for oneDNN" if packed else ""
+        copy = prepacked.head_copy_bytes(self.runner.model)
+        head = f" (the tied LM head's as a copy, +{copy / 2**20:.0f} MiB)" if copy else ""
+        linears = f", linears: {packed} bf16 weights prepacked for oneDNN{head}" if packed else ""
         return f"dtype {c.dtype}{why}, attention {attn}, {threads}{linears}{weights}"
 
     def _kv_dtype_label(self) -> str:

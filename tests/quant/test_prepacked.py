@@ -102,3 +102,29 @@ def test_plain_nn_linear_left_unpacked():
     assert layer.ours.weight.is_mkldnn and not layer.plain.weight.is_mkldnn
     x = torch.randn(3, 16).bfloat16()
     assert layer.plain(x).shape == layer.ours(x).shape == (3, 8)
+
+
+@pytest.mark.parametrize("cap", [prepacked.HEAD_COPY_MAX_BYTES, 0])
+def test_tied_lm_head_packed_as_a_copy_under_the_cap(tmp_path, monkeypatch, cap):
+    """Under ``--weight-quant gguf`` the LM head's dense weight (what batches of more than
+    ``small_batch`` rows multiply by) is the embedding's table; an engine packs a copy of it while
+    the copy stays under the cap (the table itself stays plain for the lookup) and says so on the
+    startup line; the logits of a batch are bit-identical to the plain head's and the weights'
+    digest is unchanged. Over the cap
+    (here 0) the head stays shared and plain."""
+    base = tiny_engine(tmp_path / "t.gguf")
+    model, _ = load_model(str(tmp_path / "t.gguf"), torch.bfloat16, "cpu", weight_quant="gguf", keep_dense=True)
+    head = model.logits_proj
+    assert head.dense.data_ptr() == model.embed_tokens.weight.data_ptr()  # tied: one table
+    hidden = torch.randn(head.small_batch + 5, model.config.hidden_size).bfloat16()
+    want, digest = model.compute_logits(hidden), weights_digest(model)
+    monkeypatch.setattr(prepacked, "HEAD_COPY_MAX_BYTES", cap)
+    engine = Engine(model, base.tokenizer, EngineConfig(model=str(tmp_path / "t.gguf"), device="cpu", dtype="bfloat16",
+                                                      attention_backend="cpu", kv_cache_memory=4 << 20,
+                                                      weight_quant="gguf").resolve())
+    line = engine.runtime_summary()
+    assert not model.embed_tokens.weight.is_mkldnn
+    assert head.dense.is_mkldnn == bool(cap)
+    assert ("the tied LM head's as a copy" in line) == bool(cap), line
+    assert torch.equal(model.compute_logits(hidden), want)
+    assert weights_digest(model) == digest  # disaggregation's handshake sees the same weights
