@@ -78,11 +78,13 @@ def _head_packable(model: nn.Module, dense: torch.Tensor) -> bool:
     """The LM head's dense weight is packed in place when it is its own tensor; when it is the
     embedding's table (a tied head), packing makes a second copy, so only while that copy stays
     under :data:`HEAD_COPY_MAX_BYTES`. A packed head stays packed (idempotence)."""
-    if dense.is_mkldnn:
-        return True
+    return dense.is_mkldnn or not _is_embedding(model, dense) or dense.nbytes <= HEAD_COPY_MAX_BYTES
+
+
+def _is_embedding(model: nn.Module, w: torch.Tensor) -> bool:
+    """``w`` is the model's embedding table itself (a tied LM head's weight)."""
     emb = getattr(getattr(model, "embed_tokens", None), "weight", None)
-    tied = emb is not None and emb.data_ptr() == dense.data_ptr()
-    return not tied or dense.nbytes <= HEAD_COPY_MAX_BYTES
+    return emb is not None and not w.is_mkldnn and emb.data_ptr() == w.data_ptr()
 
 
 def prepack_model(model: nn.Module) -> int:
@@ -95,11 +97,10 @@ def prepack_model(model: nn.Module) -> int:
     if not enabled():
         return 0
     n = 0
-    emb = getattr(getattr(model, "embed_tokens", None), "weight", None)
     for mod, name in _linear_params(model):
         w = mod._parameters[name]
         if packable(w):
-            if emb is not None and w.data_ptr() == emb.data_ptr():  # a tied head: the table stays too
+            if _is_embedding(model, w):  # a tied head: the table stays too
                 mod.packed_copy_bytes = w.nbytes
             mod._parameters[name] = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w.data, BATCH_HINT),
                                                  requires_grad=False)
@@ -108,8 +109,11 @@ def prepack_model(model: nn.Module) -> int:
 
 
 def head_copy_bytes(model: nn.Module) -> int:
-    """Bytes of the packed copy :func:`prepack_model` made of a tied LM head's table (0: none)."""
-    return getattr(getattr(model, "logits_proj", None), "packed_copy_bytes", 0)
+    """Bytes of the packed copy :func:`prepack_model` made of a tied LM head's table while the head
+    holds it (0: none, or :func:`unpack_model` has turned it plain since)."""
+    head = getattr(model, "logits_proj", None)
+    dense = getattr(head, "dense", None)
+    return getattr(head, "packed_copy_bytes", 0) if dense is not None and dense.is_mkldnn else 0
 
 
 def unpack_model(model: nn.Module) -> int:

@@ -128,3 +128,5 @@ def test_tied_lm_head_packed_as_a_copy_under_the_cap(tmp_path, monkeypatch, cap)
     assert ("the tied LM head's as a copy" in line) == bool(cap), line
     assert torch.equal(model.compute_logits(hidden), want)
     assert weights_digest(model) == digest  # disaggregation's handshake sees the same weights
+    prepacked.unpack_model(model)
+    assert prepacked.head_copy_bytes(model) == 0 and torch.equal(model.compute_logits(hidden), want)
