@@ -6,7 +6,9 @@ a shuffled block layout (so every layer reads from memory, as a real step does),
 paths alternate for ``--rounds`` rounds and the medians and their ratios are printed. On a CPU with
 AMX or AVX512-BF16 the kernel runs twice per round, with its bfloat16 path (scores on the tile
 unit, or by VDPBF16PS) and with it off (``cpu_native.set_amx`` / ``set_dot``: the generic vector
-kernel), and that ratio is printed too.
+kernel), and that ratio is printed too. The kernel also runs over the same caches with their V
+planes a whole number of 4 KiB pages after their K planes (the layout before quant/kv.py's
+``kv_planes`` skewed them by 2 KiB), and that ratio is printed.
 
     python benchmarks/native_decode.py --batch 32 --context 512 [--kv-cache-dtype int8] [--threads 2]
 """
@@ -14,6 +16,7 @@ kernel), and that ratio is printed too.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -53,13 +56,14 @@ def main() -> None:
             c.data.normal_(generator=g)
         caches.append(c)
     q = torch.randn(a.batch, a.kv_heads * a.group, a.head_dim, generator=g).to(torch.bfloat16)
+    aligned = [page_aligned(c) for c in caches]
 
-    def step(native: bool) -> float:
+    def step(native: bool, layers: list[PagedKVCache] = caches) -> float:
         qsl, sl = torch.arange(a.batch + 1, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
         meta = AttentionMetadata(torch.tensor([s[-1] for s in slots]), tables, qsl, sl, [1] * a.batch, lens, 16, "cpu",
                                  slots_padded=False, native_kernels=native)
         t0 = time.perf_counter()
-        for c in caches:
+        for c in layers:
             cpu_attention.paged_attention(q, c, meta, a.head_dim**-0.5)
         return time.perf_counter() - t0
 
@@ -67,7 +71,7 @@ def main() -> None:
     fast = "AMX tiles" if tile else "VDPBF16PS" if cpu_native.dot_scores(
         torch.bfloat16, torch.bfloat16, 16, a.head_dim) else None
     fast = fast if a.kv_cache_dtype == "auto" else None
-    times = {True: [], False: [], "vector": []}
+    times = {True: [], False: [], "vector": [], "aligned": []}
 
     def vector_step() -> float:  # the C kernel with its bfloat16 paths off
         cpu_native.set_amx(False, a.head_dim, a.group)
@@ -78,7 +82,8 @@ def main() -> None:
             cpu_native.set_amx(True, a.head_dim, a.group)
             cpu_native.set_dot(True, a.head_dim, a.group)
 
-    paths = [(True, lambda: step(True)), (False, lambda: step(False))] + ([("vector", vector_step)] if fast else [])
+    paths = [(True, lambda: step(True)), (False, lambda: step(False)), ("aligned", lambda: step(True, aligned))]
+    paths += [("vector", vector_step)] if fast else []
     for _, run in paths:
         run()  # warm-up (plans, workspaces, first touch)
     for _ in range(a.rounds):
@@ -89,10 +94,27 @@ def main() -> None:
     print(f"native_decode: batch {a.batch} x {a.context} keys, {a.layers} layers, kv {a.kv_cache_dtype} "
           f"({kv_mb:.0f} MiB read), bfloat16, {a.threads} threads, median of {a.rounds} alternating rounds")
     print(f"  C kernel {on:.1f} ms   torch ops {off:.1f} ms   kernel / torch = {on / off:.2f}x")
+    al = statistics.median(times["aligned"]) * 1e3
+    print(f"  V plane 2 KiB past a page multiple {on:.1f} ms   page-aligned {al:.1f} ms   skewed / aligned = "
+          f"{on / al:.2f}x")
     if fast:
         vec = statistics.median(times["vector"]) * 1e3
         print(f"  scores by {fast} {on:.1f} ms   generic vector kernel {vec:.1f} ms   "
               f"{fast} / vector = {on / vec:.2f}x")
+
+
+def page_aligned(cache: PagedKVCache) -> PagedKVCache:
+    """A copy of ``cache`` whose V planes (data and scales) start a whole number of 4 KiB pages
+    after the K planes: the smallest such gap after one plane."""
+    def copy(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        plane, size = t[0].numel(), t.element_size()
+        stride = -(-plane * size // 4096) * 4096 // size
+        out = torch.empty(stride + plane, dtype=t.dtype).as_strided(t.shape, (stride, *t[0].stride()))
+        return out.copy_(t)
+
+    return dataclasses.replace(cache, data=copy(cache.data), scales=copy(cache.scales))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from llmd.kernels.native import build
+from llmd.quant.kv import planes_contiguous
 
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # paged_decode.c's KV_F32 / KV_BF16
 _EMBED_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # Q_F32 / Q_BF16
@@ -33,7 +34,7 @@ class _Mat(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p), ("qkv", _Mat), ("o", _Mat),
-                ("gate_up", _Mat), ("down", _Mat), ("kv", ctypes.c_void_p), ("num_blocks", ctypes.c_int64),
+                ("gate_up", _Mat), ("down", _Mat), ("kv", ctypes.c_void_p), ("kv_plane", ctypes.c_int64),
                 ("window", ctypes.c_int)]
 
 
@@ -57,7 +58,7 @@ class FusedLayer:
             ``[hidden, heads · head_dim]``, ``[2 · inter, hidden]`` (gate rows, then up),
             ``[hidden, inter]``.
         kv: the layer's cache data ``[2, num_blocks, block_size, kv_heads, head_dim]``, float32
-            or bfloat16 (``auto``), contiguous.
+            or bfloat16 (``auto``), each plane contiguous (:func:`llmd.quant.kv.planes_contiguous`).
         window: sliding window in tokens, or None.
     """
 
@@ -83,7 +84,7 @@ def why_not(hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int, b
         return f"head_dim {head_dim} / {heads} heads over {kv_heads} KV heads past the kernel's limits"
     if block_size > 32:
         return f"block size {block_size} > 32"
-    if kv.dtype not in _KV_DTYPES or not kv.is_contiguous():
+    if kv.dtype not in _KV_DTYPES or not planes_contiguous(kv):
         return f"KV cache {str(kv.dtype).removeprefix('torch.')} (needs auto: float32 or bfloat16)"
     if any(m is None for m in mats):
         return "a layer without the GGUF 4/8-bit blocks (needs --weight-quant auto or gguf, Q4_0/Q4_1/Q4_K/Q8_0)"
@@ -138,7 +139,7 @@ class FusedDecoder:
             norms = [lay.attn_norm.detach().float().contiguous(), lay.ffn_norm.detach().float().contiguous()]
             keep += norms + [lay.kv]
             structs[i] = _Layer(norms[0].data_ptr(), norms[1].data_ptr(), _mat(lay.qkv, keep), _mat(lay.o, keep),
-                                _mat(lay.gate_up, keep), _mat(lay.down, keep), lay.kv.data_ptr(), lay.kv.shape[1],
+                                _mat(lay.gate_up, keep), _mat(lay.down, keep), lay.kv.data_ptr(), lay.kv.stride(0),
                                 lay.window or 0)
         self.model = _Model(self.hidden, heads, kv_heads, head_dim, inter, len(layers), block_size,
                             _KV_DTYPES[layers[0].kv.dtype] if layers else 0, eps, scale, act_levels,

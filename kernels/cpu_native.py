@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from llmd.kernels.native import build
-from llmd.quant.kv import PagedKVCache
+from llmd.quant.kv import PagedKVCache, planes_contiguous
 from llmd.quant.kv_format import KVCacheFormat
 
 _KV_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}  # paged_decode.c's KV_*
@@ -100,7 +100,7 @@ def supports(cache: PagedKVCache, cdt: torch.dtype, group: int) -> bool:
     """This kernel can serve the decodes of a step over ``cache`` in compute dtype ``cdt``."""
     data = cache.data
     return (serves(cache.fmt, cdt, data.shape[2]) and (data.dtype in _KV_CODES or data.dtype in _BYTE_DTYPES)
-            and data.is_contiguous() and supports_shape(data.shape[4], group)
+            and planes_contiguous(data) and supports_shape(data.shape[4], group)
             and _lib(data.shape[4], group) is not None)
 
 
@@ -194,7 +194,7 @@ def decode(query: torch.Tensor, cache: PagedKVCache, d: Decodes, scale: float, o
     """
     t, num_heads, head_dim = query.shape
     data = cache.data
-    _, num_blocks, block_size, kv_heads, _ = data.shape
+    _, _, block_size, kv_heads, _ = data.shape
     if query.stride(2) != 1 or query.stride(1) != head_dim or not out.is_contiguous() or out.shape != query.shape:
         raise ValueError("cpu_native.decode: query heads/channels and out must be contiguous, out shaped like query")
     if lse is not None and (lse.dtype != torch.float32 or not lse.is_contiguous()):
@@ -202,14 +202,14 @@ def decode(query: torch.Tensor, cache: PagedKVCache, d: Decodes, scale: float, o
     uses_lut = data.dtype in _BYTE_DTYPES and data.dtype != torch.int8  # int8 is widened directly
     lut = _lut(data.dtype) if uses_lut else None
     scales = cache.scales if cache.fmt.quantized else None
-    if scales is not None and not scales.is_contiguous():
-        raise ValueError("cpu_native.decode: the cache's scales must be contiguous")
+    if scales is not None and not planes_contiguous(scales):
+        raise ValueError("cpu_native.decode: each plane of the cache's scales must be contiguous")
     lib = _lib(head_dim, num_heads // kv_heads)
     rc = lib.llmd_paged_decode(
         query.data_ptr(), _Q_CODES[query.dtype], query.stride(0),
         data.data_ptr(), _KV_CODES.get(data.dtype, _KV_LUT), lut.data_ptr() if uses_lut else None,
         scales.data_ptr() if scales is not None else None,
-        num_blocks, block_size, kv_heads, head_dim, num_heads,
+        data.stride(0), scales.stride(0) if scales is not None else 0, block_size, kv_heads, head_dim, num_heads,
         d.block_tables.data_ptr(), d.block_tables.stride(0), d.table_rows.data_ptr(),
         d.tokens.data_ptr(), d.first.data_ptr(), d.seq_lens.data_ptr(), d.tokens.shape[0], scale,
         out.data_ptr(), _Q_CODES[out.dtype], lse.data_ptr() if lse is not None else None, torch.get_num_threads())

@@ -111,7 +111,7 @@ def load(shape: tuple[int, int] | None = None) -> ctypes.CDLL | None:
             fn = lib.llmd_paged_decode
             c = ctypes
             fn.argtypes = [c.c_void_p, c.c_int, c.c_int64, c.c_void_p, c.c_int, c.c_void_p, c.c_void_p,
-                           c.c_int64, c.c_int, c.c_int, c.c_int, c.c_int, c.c_void_p, c.c_int64, c.c_void_p,
+                           c.c_int64, c.c_int64, c.c_int, c.c_int, c.c_int, c.c_int, c.c_void_p, c.c_int64, c.c_void_p,
                            c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_float, c.c_void_p, c.c_int,
                            c.c_void_p, c.c_int]
             fn.restype = c.c_int

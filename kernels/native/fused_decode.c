@@ -52,7 +52,7 @@ typedef struct {
     const float *attn_norm, *ffn_norm;  /* [hidden] float32 */
     llmd_mat qkv, o, gate_up, down;     /* qkv rows: q heads, then k heads, then v heads; gate_up: gate, then up */
     void *kv;                           /* the layer's cache data [2, blocks, block_size, kv_heads, head_dim] */
-    int64_t num_blocks;
+    int64_t kv_plane;                   /* elements from the K plane to the V plane (the cache's stride(0)) */
     int window;                         /* sliding window (tokens), 0 = none */
 } llmd_layer;
 
@@ -278,7 +278,7 @@ int llmd_fused_decode(const llmd_model *m, const llmd_layer *layers, const void 
             rms_norm(x, L->attn_norm, H, m->eps, normed);
             quantize(normed, H, q, LVL);
             matvec(&L->qkv, q, qkv, 0, LVL);
-            const int64_t half = L->num_blocks * bs * row, first = L->window > 0 && seq_len > L->window
+            const int64_t half = L->kv_plane, first = L->window > 0 && seq_len > L->window
                                                                     ? seq_len - L->window : 0;
 #pragma omp for schedule(dynamic, 1)
             for (int h = 0; h < Hk; h++) {

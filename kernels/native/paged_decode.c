@@ -473,13 +473,17 @@ int llmd_paged_decode_set_amx(int on) {
 #endif
 }
 
-/* Returns 0, or -1 when a size is past this kernel's fixed limits (the caller then falls back).
+/* kv_plane: elements from a K row to the same slot's V row (the cache's stride between its K and
+ * V planes: on the CPU a plane plus a gap, llmd/quant/kv.py's kv_planes); scale_plane: the same
+ * for the scales of an 8-bit cache (unused otherwise).
+ * Returns 0, or -1 when a size is past this kernel's fixed limits (the caller then falls back).
  * Work split: one task per decode and chunk of KV heads; a chunk is all of a sequence's KV heads
  * (one contiguous read of each block) when there are enough decodes to keep every thread busy,
  * else one KV head (a batch-1 step still uses every thread). */
 int llmd_paged_decode(const void *query, int q_dtype, int64_t q_row_stride,
                       const void *kv, int kv_dtype, const float *lut, const float *scales,
-                      int64_t num_blocks, int block_size, int kv_heads, int head_dim, int num_heads,
+                      int64_t kv_plane, int64_t scale_plane, int block_size, int kv_heads, int head_dim,
+                      int num_heads,
                       const int32_t *block_tables, int64_t bt_stride, const int64_t *table_rows,
                       const int64_t *token_idx, const int64_t *first, const int64_t *seq_lens,
                       int num_decodes, float scale, void *out, int out_dtype, float *lse, int num_threads) {
@@ -490,8 +494,7 @@ int llmd_paged_decode(const void *query, int q_dtype, int64_t q_row_stride,
     while (hc > 1 && hc * G > MAX_TASK_HEADS) hc--;
     while (kv_heads % hc) hc--;
     const int chunks = kv_heads / hc, tasks = num_decodes * chunks;
-    const int64_t half = num_blocks * block_size * kv_heads * (int64_t)head_dim;  /* elements of K before V */
-    const int64_t shalf = num_blocks * block_size * (int64_t)kv_heads;            /* scales of K before V */
+    const int64_t half = kv_plane, shalf = scale_plane;
 #ifdef HAVE_AMX
     const int ha = kv_dtype == KV_BF16 && q_dtype == Q_BF16 && block_size % 16 == 0
                    ? amx_heads_per_task(kv_heads, head_dim, G, hc) : 0;

@@ -88,6 +88,32 @@ def test_a_sequence_gives_the_same_bits_in_any_batch():
         assert torch.equal(cpu_attention.paged_attention(q[pick], cache, sub, 0.125), whole[pick])
 
 
+@pytest.mark.parametrize("values", CASES[:4], ids=lambda v: "-".join(str(x) for x in v).replace("torch.", ""))
+def test_skewed_planes_read_like_a_contiguous_cache(values):
+    """A CPU cache's V plane (and 8-bit scales' V plane) starts 2 KiB past a page multiple from
+    its K plane (quant/kv.py ``kv_planes``); the kernel, told that distance, gives the same bits
+    as on a contiguous copy of the same cache."""
+    import dataclasses
+
+    from llmd.quant.kv import PLANE_SKEW_BYTES, planes_contiguous
+
+    case = dict(zip(KEYS, values))
+    meta, query, cache = make_step(case, seed=3)
+    for t in (cache.data, cache.scales):
+        if t is not None:
+            assert planes_contiguous(t)
+            assert t.stride(0) * t.element_size() % 4096 == PLANE_SKEW_BYTES
+    dense = dataclasses.replace(cache, data=cache.data.contiguous(),
+                                scales=None if cache.scales is None else cache.scales.contiguous())
+    assert dense.data.is_contiguous() and dense.data.stride(0) == dense.data[0].numel()
+    plan = cpu_attention.get_plan(meta, dense.data.shape[3], case["window"], case["group"], native=True)
+    q = query.to(case["dtype"])
+    skewed, flat = torch.zeros_like(q), torch.zeros_like(q)
+    cpu_native.decode(q, cache, plan.native, 0.125, skewed)
+    cpu_native.decode(q, dense, plan.native, 0.125, flat)
+    assert torch.equal(skewed, flat) and skewed.abs().sum() > 0
+
+
 def test_not_served_here_falls_back_to_torch():
     """Grouped scales, head_dim not a multiple of 16, float64: the torch path (plans with buckets)."""
     for case in ({"fmt": "int8", "scale_group": 32, "head_dim": 64, "dtype": torch.float32},
