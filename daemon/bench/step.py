@@ -20,10 +20,14 @@ component, each called alone on the same step, so no profiler overhead enters:
 The second floor is the KV-read floor: the K/V bytes the step must read (every layer's
 ``context + 1`` tokens, or its sliding window, of every sequence; scales included for int8/fp8
 caches) ÷ this machine's read bandwidth, measured in the same run as the best of several
-``x.sum()`` over a large float32 tensor: once at the start (the header line) and again just
-before each row, whose floor uses its own figure (the ``GB/s`` column). On a shared machine the
-bandwidth can swing ~2× within minutes (seen on 2026-12-03: 7.7 to 18.4 GB/s in one hour), and a
-floor measured minutes before its row would divide by another machine phase.
+``x.sum()`` over a large float32 tensor: once at the start (the header line), and in each row
+just before every repetition of its attention (best of two sums): the row's ``GB/s`` is the
+median of those, its ``KV_flr`` the bytes ÷ that median, and its ``attn/KV`` the median over the
+repetitions of each attention time ÷ the floor of the bandwidth read just before it. On a shared
+machine the bandwidth can swing ~2× within minutes (seen on 2026-12-03: 7.7 to 18.4 GB/s in one
+hour; on 2026-12-06, with ``x.sum()`` steady, attention alone took 16 or 22 ms a few minutes
+apart), so only a probe taken back to back with each timed attention divides by the same machine
+phase.
 
 The KV state is built without the scheduler or the KV manager (their state is untouched): each
 sequence gets distinct block ids drawn without replacement from a seeded shuffle of the pool
@@ -75,7 +79,8 @@ class StepTimes:
     kv_bytes: int
     kv_floor: float
     cpu_other: float
-    bandwidth: float = float("nan")  # bytes/s read just before this row (its floor's divisor)
+    bandwidth: float = float("nan")  # bytes/s: median of the probes before each attention (the floor's divisor)
+    attn_ratio: float = float("nan")  # median over repetitions of attention / (kv_bytes / the probe just before it)
 
     @property
     def rest(self) -> float:
@@ -114,12 +119,19 @@ class CpuOther:
         return max(0.0, other / (wall * (os.cpu_count() or 1)))
 
 
-def read_bandwidth(device: torch.device, mib: int = 512, tries: int = 5) -> float:
-    """Best of ``tries`` ``x.sum()`` over a ``mib``-MiB float32 tensor (filled first); bytes/s."""
-    x = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device=device)
-    x.sum()
-    best = min(timed(lambda: x.sum(), device) for _ in range(tries))
-    return x.numel() * 4 / best
+class BandwidthProbe:
+    """Read bandwidth of ``device``: ``x.sum()`` over a ``mib``-MiB float32 tensor, allocated
+    and filled once (:meth:`read` reuses it)."""
+
+    def __init__(self, device: torch.device, mib: int = 512):
+        self.device = device
+        self.x = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device=device)
+        self.x.sum()
+
+    def read(self, tries: int = 2) -> float:
+        """Best of ``tries`` sums; bytes/s."""
+        best = min(timed(lambda: self.x.sum(), self.device) for _ in range(tries))
+        return self.x.numel() * 4 / best
 
 
 def timed(fn: Callable[[], object], device: torch.device) -> float:
@@ -192,8 +204,24 @@ def kv_read_bytes(engine, batch: int, context: int) -> int:
     return int(batch * tokens * per_layer_token)
 
 
-def measure(engine, batch: int, context: int, reps: int, bandwidth: float) -> StepTimes:
-    """Time one decode step of ``batch`` sequences × ``context`` cached tokens, by component."""
+def paired_attention(attention: Callable, setup: Callable, reps: int, probe: BandwidthProbe,
+                     device: torch.device) -> tuple[float, float, list[tuple[float, float]]]:
+    """``attention(setup())`` timed ``reps`` times after one warm-up, each right after a bandwidth
+    read (:meth:`BandwidthProbe.read`, untimed, as is ``setup``). Returns (median seconds, median
+    bytes/s, the (seconds, bytes/s) pairs)."""
+    pairs = []
+    for i in range(reps + 1):
+        arg = setup()
+        bw = probe.read()
+        t = timed(lambda: attention(arg), device)
+        if i:
+            pairs.append((t, bw))
+    return statistics.median(t for t, _ in pairs), statistics.median(b for _, b in pairs), pairs
+
+
+def measure(engine, batch: int, context: int, reps: int, probe: BandwidthProbe) -> StepTimes:
+    """Time one decode step of ``batch`` sequences × ``context`` cached tokens, by component
+    (the attention paired with bandwidth reads: :func:`paired_attention`)."""
     runner, model, cfg = engine.runner, engine.runner.model, engine.model_config
     dev, dtype = runner.device, next(model.parameters()).dtype
     out, reqs = decode_step(engine, batch, context)
@@ -225,15 +253,16 @@ def measure(engine, batch: int, context: int, reps: int, bandwidth: float) -> St
             prep=median_time(lambda: runner.prepare_inputs(out), reps, dev),
             linears=median_time(lambda: [prepacked.linear(acts[w.shape[1]], w) for w in weights], reps, dev),
             lm_head=median_time(lambda: model.compute_logits(hidden), reps, dev),
-            attention=median_time(attention, reps, dev, setup=metas),
             forward=median_time(forward, reps, dev, setup=lambda: runner.prepare_inputs(out)),
         )
+        t["attention"], bandwidth, pairs = paired_attention(attention, metas, reps, probe, dev)
         logits = runner.compute_logits(out)
         t["sample"] = median_time(lambda: runner.sampler(logits, reqs), reps, dev)
         t["step"] = median_time(lambda: runner.execute(out, reqs), reps, dev)
     nbytes = kv_read_bytes(engine, batch, context)
     return StepTimes(engine.config.dtype, engine.config.attention_backend, batch, context, **t,
-                     kv_bytes=nbytes, kv_floor=nbytes / bandwidth, cpu_other=meter.frac(), bandwidth=bandwidth)
+                     kv_bytes=nbytes, kv_floor=nbytes / bandwidth, cpu_other=meter.frac(), bandwidth=bandwidth,
+                     attn_ratio=statistics.median(a * b / nbytes for a, b in pairs))
 
 
 def engine_for(model, config: EngineConfig, batch: int, context: int):
@@ -276,12 +305,13 @@ def run_step_bench(engine_kw: dict, dtypes: list[str], backends: list[str], batc
     if max(contexts) + 1 > min(base.max_model_len or model_cfg.max_position, model_cfg.max_position):
         raise LlmdError(f"--context {max(contexts)} + 1 decoded token exceeds the model's context of "
                         f"{model_cfg.max_position} tokens")
-    bandwidth = read_bandwidth(dev, bandwidth_mib)
+    probe = BandwidthProbe(dev, bandwidth_mib)
+    bandwidth = probe.read(5)
     load = open("/proc/loadavg").read().strip() if os.path.exists("/proc/loadavg") else "n/a"
     echo(f"llmd bench step: {os.path.basename(path)} on {dev}, {torch.get_num_threads()} threads; decode steps "
          f"(every sequence has `context` tokens cached, decodes 1); block size {base.block_size}, KV cache "
          f"{base.kv_cache_dtype}; read bandwidth {bandwidth / 1e9:.1f} GB/s (best x.sum() of {bandwidth_mib} MiB; "
-         f"measured again before each row: GB/s); "
+         f"and before each repetition of a row's attention: GB/s, their median); "
          f"median of {reps} reps; loadavg {load}")
     rows: list[StepTimes] = []
     for dname in dtypes:
@@ -298,7 +328,7 @@ def run_step_bench(engine_kw: dict, dtypes: list[str], backends: list[str], batc
             engine = engine_for(model, bcfg, max(batches), max(contexts))
             for b in batches:
                 for c in contexts:
-                    rows.append(measure(engine, b, c, reps, read_bandwidth(dev, bandwidth_mib)))
+                    rows.append(measure(engine, b, c, reps, probe))
             del engine
             gc.collect()
         del model

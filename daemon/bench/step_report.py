@@ -15,20 +15,27 @@ def num(x: float, width: int) -> str:
     return f"{x:>{width}.{0 if abs(x) >= 100 else 1 if abs(x) >= 10 else 2 if abs(x) >= 0.1 else 4}f}"
 
 
+def attn_ratio(r) -> float:
+    """Attention / KV-read floor: the row's paired median, else attention / KV_flr."""
+    paired = getattr(r, "attn_ratio", float("nan"))
+    return paired if paired == paired else r.attention / r.kv_floor
+
+
 def format_table(rows: list) -> list[str]:
     """Lines of the table for :class:`llmd.daemon.bench.step.StepTimes` rows (times in seconds
     there, printed in ms), the ratios, and the targets."""
     ref = {(r.dtype, r.batch, r.context): r for r in rows if r.backend == REFERENCE}
     cols = ["prep", "linears", "lm_head", "attn", "rest", "sample", "step", "KV_MB", "KV_flr", "attn/KV", "step/flr",
             "f/r_step", "f/r_attn", "other%"]
-    lines = ["ms per step; KV_flr = KV bytes read / read bandwidth; step/flr = step / (linears + lm_head + KV_flr); "
+    lines = ["ms per step; KV_flr = KV bytes read / read bandwidth; attn/KV = median over repetitions of attn / "
+             "the KV_flr of the bandwidth read just before it; step/flr = step / (linears + lm_head + KV_flr); "
              f"f/r = this backend / {REFERENCE}; other% = other processes' share of all cores; "
-             "GB/s = the read bandwidth measured just before the row (its KV_flr's divisor)",
+             "GB/s = median of the read bandwidths measured before each attention repetition (KV_flr's divisor)",
              f"{'dtype':<9}{'backend':<8}{'batch':>6}{'ctx':>6}" + "".join(f"{c:>9}" for c in cols) + f"{'GB/s':>7}"]
     for r in rows:
         base = ref.get((r.dtype, r.batch, r.context))
         vals = [1e3 * x for x in (r.prep, r.linears, r.lm_head, r.attention, r.rest, r.sample, r.step)]
-        vals += [r.kv_bytes / 1e6, 1e3 * r.kv_floor, r.attention / r.kv_floor, r.step / r.floor]
+        vals += [r.kv_bytes / 1e6, 1e3 * r.kv_floor, attn_ratio(r), r.step / r.floor]
         fr = [r.step / base.step, r.attention / base.attention] if base and r.backend != REFERENCE else None
         lines.append(f"{r.dtype:<9}{r.backend:<8}{r.batch:>6}{r.context:>6}" + "".join(num(v, 9) for v in vals)
                      + ("".join(num(v, 9) for v in fr) if fr else f"{'-':>9}{'-':>9}") + f"{100 * r.cpu_other:>9.0f}"
@@ -37,7 +44,7 @@ def format_table(rows: list) -> list[str]:
                  f"its KV-read floor; step <= {TARGET_STEP}x (linears + lm_head + KV-read floor)")
     hits = [r for r in rows if (r.batch, r.context) == (TARGET_BATCH, TARGET_CONTEXT)]
     for r in hits:
-        a, s = r.attention / r.kv_floor, r.step / r.floor
+        a, s = attn_ratio(r), r.step / r.floor
         lines.append(f"  {r.dtype} {r.backend}: attention {a:.2f}x ({'met' if a <= TARGET_ATTN else 'not met'}), "
                      f"step {s:.2f}x ({'met' if s <= TARGET_STEP else 'not met'})")
     if not hits:

@@ -42,3 +42,33 @@ def test_bench_step_tiny(tmp_path):
         assert gbs > 0 and abs(float(f[12]) - float(f[11]) / gbs) <= 0.02 * float(f[12]) + 0.01  # KV_flr = MB / (GB/s)
     assert lines[head + 3].startswith("targets (issue 13) at batch 32, context 512")
     assert "no row at batch 32, context 512" in lines[head + 4]
+
+
+def test_each_attention_repetition_pairs_with_the_bandwidth_read_just_before_it():
+    """paired_attention: a probe read (after setup) precedes every timed attention, the warm-up
+    pair is dropped, and the table's attn/KV is the median of the per-pair ratios, not the ratio
+    of the medians."""
+    import dataclasses
+
+    from llmd.daemon.bench.step import StepTimes, paired_attention
+    from llmd.daemon.bench.step_report import attn_ratio, format_table
+
+    calls = []
+
+    class Probe:
+        n = 0
+
+        def read(self):
+            self.n += 1
+            calls.append(("probe", self.n))
+            return float(self.n)
+
+    t, bw, pairs = paired_attention(lambda arg: calls.append(("attn", arg)), lambda: len(calls), 3, Probe(),
+                                    torch.device("cpu"))
+    kinds = [c[0] for c in calls]
+    assert kinds == ["probe", "attn"] * 4 and [b for _, b in pairs] == [2.0, 3.0, 4.0] and bw == 3.0
+    assert all(c[1] == i - 1 for i, c in enumerate(calls) if c[0] == "attn")  # setup ran before the probe
+    row = StepTimes("float32", "cpu", 32, 512, prep=0, linears=0.02, lm_head=0.005, attention=0.03, forward=0.05,
+                    sample=0, step=0.06, kv_bytes=10**8, kv_floor=0.02, cpu_other=0, bandwidth=5e9, attn_ratio=1.25)
+    assert attn_ratio(row) == 1.25 and attn_ratio(dataclasses.replace(row, attn_ratio=float("nan"))) == 1.5
+    assert "attention 1.25x (met)" in "\n".join(format_table([row]))
