@@ -35,7 +35,9 @@ looped per sequence:
   few chunks at most under the token budget), with the same gather and a ``[Q, L]`` mask.
 
 Compute dtype: float32 for float32 (and float16) models, float64 for float64 models, bfloat16
-for bfloat16 models except the scores: K is gathered into float32 and ``q·K`` runs in float32
+for bfloat16 models except the scores, which are float32: by VDPBF16PS on the bfloat16 q and K
+where the CPU has AVX512-BF16 (:mod:`llmd.kernels.cpu_scores`), else K is gathered into float32
+and ``q·K`` runs in float32
 (a bfloat16 score, rounded to 8 bits before the softmax, cost the kv-quality text's teacher-forced
 ΔNLL vs float32 +0.128 % instead of +0.060 %: measured 2026-12-02, SmolLM2, chunks of 64), the
 softmax in float32, probabilities cast to bfloat16 for ``probs @ V`` (oneDNN's bfloat16 matmul),
@@ -50,7 +52,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmd.kernels import cpu_cascade, cpu_decode_one, cpu_native
+from llmd.kernels import cpu_cascade, cpu_decode_one, cpu_native, cpu_scores
 from llmd.kernels.metadata import AttentionMetadata, workspace_buffer
 from llmd.quant.kv import SCALE_FLOOR, PagedKVCache
 
@@ -268,7 +270,9 @@ def _gather_kv(plan: StepPlan, role: str, cache: PagedKVCache, rows: torch.Tenso
 
     Returns:
         ``(k, v, k_scales, v_scales)``: K and V ``[N * kv_heads, length, head_dim]`` in ``dtype``
-        (K in float32 when ``dtype`` is bfloat16: the scores are float32; int8/fp8 codes converted
+        (K in float32 when ``dtype`` is bfloat16, so that the scores are float32, unless
+        :func:`bf16_keys` holds: then K stays bfloat16 for :mod:`llmd.kernels.cpu_scores`, whose
+        scores are float32 too; int8/fp8 codes converted
         exactly: every code is representable in bfloat16 and float32), and for int8/fp8 their
         scales ``[N * kv_heads, 1, length]`` float32 (float64 for float64 compute), else None.
         With grouped scales (``--kv-scale-group-size``) the gathered codes are dequantized in
@@ -281,8 +285,9 @@ def _gather_kv(plan: StepPlan, role: str, cache: PagedKVCache, rows: torch.Tenso
     head_dim = data.shape[-1]
     shape = (rows.shape[0] // length, length, head_dim)
     kv = []
+    f32_keys = dtype == torch.bfloat16 and not bf16_keys(cache, head_dim)
     for i in (0, 1):
-        want = torch.float32 if i == 0 and dtype == torch.bfloat16 else dtype
+        want = torch.float32 if i == 0 and f32_keys else dtype
         raw = plan.buffer(f"{role}{i}", (rows.shape[0], head_dim), data.dtype)
         torch.index_select(data[i].view(-1, head_dim), 0, rows, out=raw)
         if data.dtype != want:
@@ -303,21 +308,51 @@ def _gather_kv(plan: StepPlan, role: str, cache: PagedKVCache, rows: torch.Tenso
     return kv[0], kv[1], ks.clamp_min_(SCALE_FLOOR), vs
 
 
+def bf16_keys(cache: PagedKVCache, head_dim: int) -> bool:
+    """A bfloat16 step's K may stay bfloat16: :mod:`llmd.kernels.cpu_scores` is available and
+    takes this head_dim, and the codes need no in-place dequantization (grouped scales would
+    round ``code × scale`` to bfloat16)."""
+    return head_dim % 2 == 0 and head_dim <= 256 and not cache.fmt.group_size and cpu_scores.available()
+
+
+def _scores(plan: StepPlan, role: str, q: torch.Tensor, k: torch.Tensor, g: _Gather | None, scale: float,
+            rows: int, gq: int, length: int) -> torch.Tensor:
+    """``scale · q kᵀ + mask`` into the plan's workspace: float32 from bfloat16 ``q`` and ``k``
+    by :func:`llmd.kernels.cpu_scores.scores`, else in K's dtype by ``baddbmm`` (``q`` converted)."""
+    if k.dtype == torch.bfloat16:
+        out = plan.buffer(role + "s", (rows, gq, length), torch.float32)
+        bias = None if g is None else g.bias[:, 0]  # [N, Q, L], unexpanded: row m of entry n·kv_heads + h is m % Q
+        if cpu_scores.scores(q.to(torch.bfloat16), k, scale, bias, out, g.kv_heads if g is not None else 1):
+            return out
+        k = k.float()  # the kernel was switched off since the gather
+    if q.dtype != k.dtype:  # a bfloat16 model's query, for float32 scores
+        q = q.to(k.dtype)
+    scores = plan.buffer(role + "s", (rows, gq, length), k.dtype)
+    if g is None:  # beta = 0: the buffer's old contents are ignored (no NaN carried over)
+        scores.baddbmm_(q, k.transpose(1, 2), beta=0.0, alpha=scale)
+    else:
+        torch.baddbmm(g.scores_bias(k.dtype), q, k.transpose(1, 2), alpha=scale, out=scores)
+    return scores
+
+
 def _attend(plan: StepPlan, role: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: _Gather | None,
             scale: float, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None, with_lse: bool = False):
     """``softmax(scale · q (k·ks)^T + bias) (v·vs)`` per (sequence, KV head).
 
-    The scale and the mask ride in one ``baddbmm``; ``× ks`` after it leaves the mask as it is
+    The scale and the mask ride in one ``baddbmm`` (or the :mod:`llmd.kernels.cpu_scores` call:
+    :func:`_scores`); ``× ks`` after it leaves the mask as it is
     (0 · s = 0, -inf · s = -inf for s > 0; gathered K scales are clamped to ``SCALE_FLOOR`` so
     masked, never-written slots cannot give -inf · 0). The softmax upcasts bfloat16 scores to float32.
     The log-sum-exp, when asked for, comes from the softmax itself: ``lse = max(s) - log(max(p))``
     (the largest probability is ``exp(max(s) - lse)``), two small reductions instead of a second
-    pass of exponentials over the scores. The scores are in K's dtype (float32 for a bfloat16
-    model: :func:`_gather_kv`), ``q`` converted to it.
+    pass of exponentials over the scores. The scores are float32 for a bfloat16 model (K
+    bfloat16 through :mod:`llmd.kernels.cpu_scores`, or K float32 and ``q`` converted:
+    :func:`_gather_kv`), else in the compute dtype.
 
     Args:
         q: ``[N * kv_heads, group * Q, head_dim]`` unscaled queries, compute dtype.
-        k, v: ``[N * kv_heads, L, head_dim]`` compute dtype, K float32 for bfloat16 (codes for int8/fp8).
+        k, v: ``[N * kv_heads, L, head_dim]`` compute dtype (K float32 for bfloat16 unless
+            :func:`bf16_keys`; codes for int8/fp8).
         g: the gather (its mask, laid out like the scores), or None when every query sees every
             key (a cascade's shared prefix).
         k_scales, v_scales: ``[N * kv_heads, 1, L]`` float32/float64 or None.
@@ -328,13 +363,7 @@ def _attend(plan: StepPlan, role: str, q: torch.Tensor, k: torch.Tensor, v: torc
     """
     rows, gq, length = q.shape[0], q.shape[1], k.shape[1]
     sdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if q.dtype != k.dtype:  # a bfloat16 model's query, for float32 scores
-        q = q.to(k.dtype)
-    scores = plan.buffer(role + "s", (rows, gq, length), k.dtype)
-    if g is None:  # beta = 0: the buffer's old contents are ignored (no NaN carried over)
-        scores.baddbmm_(q, k.transpose(1, 2), beta=0.0, alpha=scale)
-    else:
-        torch.baddbmm(g.scores_bias(k.dtype), q, k.transpose(1, 2), alpha=scale, out=scores)
+    scores = _scores(plan, role, q, k, g, scale, rows, gq, length)
     if k_scales is not None:
         scores.mul_(k_scales)
     top = scores.amax(-1) if with_lse else None

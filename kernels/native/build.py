@@ -1,7 +1,8 @@
 """Compile and load llmd's C kernels for CPUs with the system C compiler: ``paged_decode.c`` (the
 cpu backend's decode attention, :func:`load`), ``fused_decode.c`` (a whole batch-1 decode step,
-which includes the former for its attention; :func:`load_fused`) and ``layer_glue.c`` (a bfloat16
-layer's RMSNorm / RoPE / SwiGLU passes, :func:`load_glue`; one build for every shape).
+which includes the former for its attention; :func:`load_fused`), ``layer_glue.c`` (a bfloat16
+layer's RMSNorm / RoPE / SwiGLU passes, :func:`load_glue`; one build for every shape) and
+``bf16_scores.c`` (float32 attention scores of bfloat16 queries and keys, :func:`load_scores`).
 
 The source ships in the package; the shared object is built on first use on the machine that
 runs it (``-march=native``: the kernel uses whatever vector units this CPU has), once per model
@@ -37,7 +38,8 @@ log = logging.getLogger("llmd.kernels")
 SOURCE = Path(__file__).with_name("paged_decode.c")
 # fused_decode.c includes paged_decode.c (its attention)
 SOURCES = {"paged_decode": SOURCE, "fused_decode": Path(__file__).with_name("fused_decode.c"),
-           "layer_glue": Path(__file__).with_name("layer_glue.c")}  # layer_glue.c includes paged_decode.c too
+           "layer_glue": Path(__file__).with_name("layer_glue.c"),  # layer_glue.c includes paged_decode.c too
+           "bf16_scores": Path(__file__).with_name("bf16_scores.c")}
 # headers the sources include (fused_decode.c, paged_decode.c): part of every build's hash
 HEADERS = [Path(__file__).with_name(h) for h in ("fused_avx2.h", "amx_decode.h", "bf16dp_decode.h")]
 # no -ffast-math: with GCC < 13 linking a shared object with it adds crtfastmath.o, whose constructor
@@ -195,3 +197,36 @@ def load_glue() -> ctypes.CDLL | None:
 
 _glue: dict[str, ctypes.CDLL | None] = {}
 glue_why_not: str | None = None  # why load_glue() found no library
+
+
+def load_scores() -> ctypes.CDLL | None:
+    """The bfloat16-scores library (``bf16_scores.c``), ``llmd_bf16_scores`` typed, or None when
+    unavailable: as :func:`load`, or this CPU has no AVX512-BF16 (the build then reports
+    ``llmd_bf16_scores_supported() == 0``); says why once (``scores_why_not``)."""
+    global scores_why_not
+    if "scores" in _scores:
+        return _scores["scores"]
+    lib = None
+    if load() is None:  # the same compiler and switches; a failure there is reported there
+        scores_why_not = why_not
+    else:
+        try:
+            lib = ctypes.CDLL(str(_build(_compiler(), FLAGS, "bf16_scores")))
+            if lib.llmd_bf16_scores_supported() != 1:
+                scores_why_not, lib = "this CPU has no AVX512-BF16", None
+            else:
+                c = ctypes
+                lib.llmd_bf16_scores.argtypes = [c.c_void_p, c.c_int64, c.c_int64, c.c_void_p, c.c_int64, c.c_int64,
+                                                 c.c_void_p, c.c_int64, c.c_int64, c.c_int, c.c_int, c.c_void_p,
+                                                 c.c_int64, c.c_int64, c.c_int, c.c_int, c.c_int, c.c_int, c.c_float,
+                                                 c.c_int]
+                lib.llmd_bf16_scores.restype = c.c_int
+        except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
+            scores_why_not, lib = f"build failed: {e}", None
+    _scores["scores"] = lib
+    return lib
+
+
+_scores: dict[str, ctypes.CDLL | None] = {}
+scores_why_not: str | None = None  # why load_scores() found no library
+
