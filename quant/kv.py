@@ -33,8 +33,9 @@ On the CPU the two planes of ``data`` (and of 8-bit ``scales``) do not touch: th
 as a whole is not (``data.stride(0)`` ≥ one plane's elements; the C kernels take it as the K-to-V
 distance). With the planes a whole number of pages apart, a slot's K and V rows, read one after
 the other by the decode kernel, fall in the same L1/L2 cache sets: the batch-32 × 512 decode
-attention (SmolLM2, bfloat16) took 1.17–1.25× longer on a 2-core AMD EPYC (Zen 4), measured
-side by side (``benchmarks/native_decode.py`` prints that ratio).
+attention (SmolLM2) took 1.09–1.26× longer in bfloat16 and 1.31× in int8 on a 2-core AMD EPYC
+(Zen 4), measured side by side (``benchmarks/native_decode.py`` prints that ratio). int4 caches
+(KIVI) keep one contiguous tensor.
 
 Value = stored code × scale (in float32). Scales are *dynamic* by default, computed when K/V
 are written: ``scale = max(amax(|x|) / qmax, SCALE_FLOOR)`` over the head_dim values of one
@@ -114,10 +115,7 @@ class PagedKVCache:
         this head_dim."""
         fmt.check_head_dim(shape[-1])
         data_shape = (*shape[:-1], fmt.code_dim(shape[-1]))
-        if fmt.k_per_block:
-            data = zeros(data_shape, fmt.storage_dtype(model_dtype), device)
-        else:
-            data = kv_planes(data_shape, fmt.storage_dtype(model_dtype), device)
+        data = (zeros if fmt.k_per_block else kv_planes)(data_shape, fmt.storage_dtype(model_dtype), device)
         if fmt.k_per_block:
             _, n, bs, heads, d = shape
             scales = zeros((1, n, fmt.block_scale_elems(d, heads, bs)), fmt.scale_dtype, device)
