@@ -1,11 +1,12 @@
-"""Prefill with the bfloat16-scores kernel (kernels/cpu_scores.py) on vs off, side by side.
+"""Prefill with the bfloat16-scores kernels (kernels/cpu_scores.py) on vs off, side by side.
 
     python benchmarks/prefill_scores.py [--model smollm2-135m] [--prompts 512,2000] [--rounds 5]
 
 One engine in this process (the model's defaults: bfloat16 where the CPU has native bf16, the cpu
 attention backend); each round prefills a prompt of each length (random token ids, one output
-token, the prefix cache reset first) with ``cpu_scores.set_enabled(True)`` and then ``False``
-(K converted to float32 and a float32 ``baddbmm``), so both see the same machine phase. Prints
+token, the prefix cache reset first) with ``cpu_scores.set_enabled(True)`` (scores, mask and
+softmax in one C call for an ``auto`` cache) and then ``False`` (K converted to float32, a float32
+``baddbmm``, torch's softmax, a bfloat16 copy), so both see the same machine phase. Prints
 the median wall time of each and their ratio. Needs a CPU with AVX512-BF16 (else the kernel is
 unavailable and the script says so).
 """
@@ -60,7 +61,7 @@ def main() -> None:
           f"{cfg.max_num_batched_tokens}, median of {a.rounds} alternating rounds")
     for n in lengths:
         on, off = (statistics.median(times[(n, x)]) for x in (True, False))
-        print(f"  {n:>5} tokens: bf16 scores {on * 1e3:7.1f} ms   float32 baddbmm {off * 1e3:7.1f} ms   "
+        print(f"  {n:>5} tokens: C scores {on * 1e3:7.1f} ms   float32 baddbmm {off * 1e3:7.1f} ms   "
               f"on / off = {on / off:.2f}x")
 
 

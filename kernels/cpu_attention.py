@@ -339,8 +339,12 @@ def _attend(plan: StepPlan, role: str, q: torch.Tensor, k: torch.Tensor, v: torc
             scale: float, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None, with_lse: bool = False):
     """``softmax(scale · q (k·ks)^T + bias) (v·vs)`` per (sequence, KV head).
 
-    The scale and the mask ride in one ``baddbmm`` (or the :mod:`llmd.kernels.cpu_scores` call:
-    :func:`_scores`); ``× ks`` after it leaves the mask as it is
+    With bfloat16 K and V and no scales (an ``auto`` cache of a bfloat16 model, where
+    :mod:`llmd.kernels.cpu_scores` is available) scores, mask and softmax are one C call
+    (:func:`llmd.kernels.cpu_scores.probs`: the float32 scores stay in a few rows of scratch,
+    the bfloat16 probabilities come out), then ``probs @ V``. Otherwise the scale and the mask
+    ride in one ``baddbmm`` (or the :func:`llmd.kernels.cpu_scores.scores` call: :func:`_scores`);
+    ``× ks`` after it leaves the mask as it is
     (0 · s = 0, -inf · s = -inf for s > 0; gathered K scales are clamped to ``SCALE_FLOOR`` so
     masked, never-written slots cannot give -inf · 0). The softmax upcasts bfloat16 scores to float32.
     The log-sum-exp, when asked for, comes from the softmax itself: ``lse = max(s) - log(max(p))``
@@ -362,6 +366,12 @@ def _attend(plan: StepPlan, role: str, q: torch.Tensor, k: torch.Tensor, v: torc
         ``with_lse`` the pair ``(out, lse [N * kv_heads, group * Q] float32/float64)``.
     """
     rows, gq, length = q.shape[0], q.shape[1], k.shape[1]
+    if k.dtype == torch.bfloat16 and v.dtype == torch.bfloat16 and k_scales is None and v_scales is None:
+        probs = plan.buffer(role + "p16", (rows, gq, length), torch.bfloat16)
+        lse = torch.empty(rows, gq) if with_lse else None
+        bias = None if g is None else g.bias[:, 0]  # unexpanded, as in _scores
+        if cpu_scores.probs(q.to(torch.bfloat16), k, scale, bias, probs, g.kv_heads if g is not None else 1, lse):
+            return (torch.bmm(probs, v), lse) if with_lse else torch.bmm(probs, v)
     sdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     scores = _scores(plan, role, q, k, g, scale, rows, gq, length)
     if k_scales is not None:

@@ -75,3 +75,44 @@ def scores(q: torch.Tensor, k: torch.Tensor, scale: float, bias: torch.Tensor | 
     if rc == -2:
         raise RuntimeError("cpu_scores: could not allocate the packed keys")
     return rc == 0
+
+
+def probs(q: torch.Tensor, k: torch.Tensor, scale: float, bias: torch.Tensor | None, out: torch.Tensor,
+          bias_batch_div: int = 1, lse: torch.Tensor | None = None) -> bool:
+    """``out = softmax(scale · q kᵀ + bias)`` as bfloat16, the float32 scores kept in a per-thread
+    scratch of a few rows (never a ``[B, M, N]`` tensor), or False (nothing written) when the
+    kernel is unavailable or a layout does not fit.
+
+    Args:
+        q, k, scale, bias, bias_batch_div: as :func:`scores`.
+        out: ``[B, M, N]`` bfloat16, keys contiguous: the probabilities, torch's float32 softmax
+            (max, ``exp(s - max)``, sum, ``× 1/sum``; the exponential within 1-2 float32 ulp of
+            torch's) rounded to nearest even bfloat16; a row of only -inf scores gives zeros.
+        lse: None, or ``[B, M]`` float32 contiguous: each row's log-sum-exp (``max + log(sum)``,
+            -inf for a row of only -inf).
+    Returns:
+        True when ``out`` (and ``lse``) hold the result.
+    Raises:
+        RuntimeError: a workspace could not be allocated.
+    """
+    b, m, d = q.shape
+    n = k.shape[1]
+    if not (available() and _rows_ok(q, torch.bfloat16) and _rows_ok(k, torch.bfloat16)
+            and _rows_ok(out, torch.bfloat16) and k.shape[0] == b and k.shape[2] == d and tuple(out.shape) == (b, m, n)
+            and d % 2 == 0 and d <= 256):
+        return False
+    if bias is not None and not (_rows_ok(bias, torch.float32) and bias.shape[2] == n and bias.shape[1] >= 1
+                                 and m % bias.shape[1] == 0 and bias_batch_div >= 1
+                                 and bias.shape[0] * bias_batch_div == b):
+        return False
+    if lse is not None and not (lse.dtype == torch.float32 and tuple(lse.shape) == (b, m) and lse.stride(1) == 1):
+        return False
+    rc = build.load_scores().llmd_bf16_attn_probs(
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+        bias.data_ptr() if bias is not None else None, bias.stride(0) if bias is not None else 0,
+        bias.stride(1) if bias is not None else 0, bias_batch_div, bias.shape[1] if bias is not None else 1,
+        out.data_ptr(), out.stride(0), out.stride(1), lse.data_ptr() if lse is not None else None,
+        lse.stride(0) if lse is not None else 0, b, m, n, d, scale, torch.get_num_threads())
+    if rc == -2:
+        raise RuntimeError("cpu_scores: could not allocate the packed keys or a row scratch")
+    return rc == 0

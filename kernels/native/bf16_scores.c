@@ -22,9 +22,7 @@
  * Threads: the packing and the (batch entry, row block) tasks are split over an OpenMP team
  * (torch's libgomp, as the other kernels: build.py).
  */
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "paged_decode.c"  /* vf, expv (its exp), hsum, hmax; OpenMP */
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -54,7 +52,7 @@ static void pack_keys(const uint16_t *k, int64_t kn, int N, int D, uint16_t *dst
 /* rows [m0, m0 + mr) of batch entry b against every key tile (mr <= MR). */
 static inline __attribute__((always_inline)) void row_block(
         const uint16_t *q, int64_t qm, const uint16_t *kp, int N, int D, float alpha, const float *bias,
-        int64_t bm, int brows, float *out, int64_t om, int m0, const int mr) {
+        int64_t bm, int brows, float *out, int64_t om, int m0, const int mr) {  /* q, out: at row m0 */
     const int tiles = (N + 15) / 16, P = D / 2;
     const __m512 va = _mm512_set1_ps(alpha);
     for (int t = 0; t < tiles; t += 2) {
@@ -68,7 +66,7 @@ static inline __attribute__((always_inline)) void row_block(
             for (int r = 0; r < MR; r++) {
                 if (r >= mr) break;
                 int32_t pair;
-                memcpy(&pair, q + (int64_t)(m0 + r) * qm + 2 * p, 4);
+                memcpy(&pair, q + (int64_t)r * qm + 2 * p, 4);
                 const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
                 acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, a);
                 acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, c);
@@ -80,12 +78,101 @@ static inline __attribute__((always_inline)) void row_block(
                 const __mmask16 keep = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
                 __m512 s = _mm512_mul_ps(acc[r][h], va);
                 if (bias) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(keep, bias + (int64_t)((m0 + r) % brows) * bm + n0));
-                _mm512_mask_storeu_ps(out + (int64_t)(m0 + r) * om + n0, keep, s);
+                _mm512_mask_storeu_ps(out + (int64_t)r * om + n0, keep, s);
             }
         }
     }
 }
 #endif
+
+#ifdef HAVE_SCORES
+/* Row r of a block's scores (N keys at s) -> bfloat16 probabilities softmax(s) at p, and its
+ * log-sum-exp into *lse when lse is not NULL. As torch's float32 softmax: m = max, e = exp(s - m)
+ * (paged_decode.c's expv: 1-2 float32 ulp; -inf scores give exactly 0), l = Σe, p = e · (1 / l),
+ * then rounded to nearest even bfloat16 (VCVTNEPS2BF16, as torch's cast). A row with every score
+ * -inf gets zeros and lse -inf. */
+static void softmax_row(float *s, int N, uint16_t *p, float *lse) {
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    __m512 mx = ninf;
+    for (int n0 = 0; n0 < N; n0 += 16) {
+        const __mmask16 keep = N - n0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1u);
+        mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(ninf, keep, s + n0));
+    }
+    const float m = _mm512_reduce_max_ps(mx);
+    if (m == -INFINITY) {
+        for (int n = 0; n < N; n++) p[n] = 0;
+        if (lse) *lse = -INFINITY;
+        return;
+    }
+    __m512 sum = _mm512_setzero_ps();
+    for (int n0 = 0; n0 < N; n0 += 16) {
+        const __mmask16 keep = N - n0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1u);
+        const __m512 x = _mm512_mask_loadu_ps(ninf, keep, s + n0);
+        const __mmask16 live = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
+        const __m512 e = _mm512_maskz_mov_ps(live, (__m512)expv((vf)_mm512_sub_ps(x, _mm512_set1_ps(m))));
+        _mm512_mask_storeu_ps(s + n0, keep, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    const float l = _mm512_reduce_add_ps(sum), inv = 1.0f / l;
+    for (int n0 = 0; n0 < N; n0 += 16) {
+        const __mmask16 keep = N - n0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1u);
+        const __m512 e = _mm512_maskz_loadu_ps(keep, s + n0);
+        _mm256_mask_storeu_epi16(p + n0, keep, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(e, _mm512_set1_ps(inv))));
+    }
+    if (lse) *lse = m + logf(l);
+}
+#endif
+
+/* P = softmax(alpha · Q Kᵀ + bias) as bfloat16 [B, M, N] (keys contiguous; strides pb, pm), the
+ * scores never written to memory: each task scores MR rows into a per-thread float32 scratch and
+ * normalizes them there (softmax_row). Arguments as llmd_bf16_scores; lse NULL or float32 [B, M]
+ * (batch stride lb, rows contiguous): each row's log-sum-exp. Returns as llmd_bf16_scores. */
+int llmd_bf16_attn_probs(const uint16_t *q, int64_t qb, int64_t qm, const uint16_t *k, int64_t kb, int64_t kn,
+                         const float *bias, int64_t bb, int64_t bm, int bdiv, int brows, uint16_t *probs,
+                         int64_t pb, int64_t pm, float *lse, int64_t lb, int B, int M, int N, int D, float alpha,
+                         int num_threads) {
+#ifdef HAVE_SCORES
+    if (D % 2 || D > MAX_D || B < 0 || M < 0 || N < 0 || (bias && (bdiv < 1 || brows < 1))) return -1;
+    if (B == 0 || M == 0 || N == 0) return 0;
+    const int tiles = (N + 15) / 16;
+    const int64_t per = (int64_t)tiles * 16 * D, spad = (int64_t)tiles * 16;
+    uint16_t *packed = NULL;
+    if (posix_memalign((void **)&packed, 64, (size_t)(B * per) * sizeof(uint16_t))) return -2;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int b = 0; b < B; b++) pack_keys(k + b * kb, kn, N, D, packed + b * per);
+    const int blocks = (M + MR - 1) / MR;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *s = NULL;
+        if (posix_memalign((void **)&s, 64, (size_t)(MR * spad) * sizeof(float))) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int task = 0; task < B * blocks; task++) {
+            if (!s) continue;
+            const int b = task / blocks, m0 = (task % blocks) * MR, mr = M - m0 < MR ? M - m0 : MR;
+            const float *bias_b = bias ? bias + (b / bdiv) * bb : NULL;
+            const uint16_t *qr = q + b * qb + m0 * qm;
+            if (mr == MR)
+                row_block(qr, qm, packed + b * per, N, D, alpha, bias_b, bm, brows, s, spad, m0, MR);
+            else
+                row_block(qr, qm, packed + b * per, N, D, alpha, bias_b, bm, brows, s, spad, m0, mr);
+            for (int r = 0; r < mr; r++)
+                softmax_row(s + r * spad, N, probs + b * pb + (m0 + r) * pm, lse ? lse + b * lb + m0 + r : NULL);
+        }
+        free(s);
+    }
+    free(packed);
+    return failed ? -2 : 0;
+#else
+    (void)q; (void)qb; (void)qm; (void)k; (void)kb; (void)kn; (void)bias; (void)bb; (void)bm; (void)bdiv;
+    (void)brows; (void)probs; (void)pb; (void)pm; (void)lse; (void)lb; (void)B; (void)M; (void)N; (void)D;
+    (void)alpha; (void)num_threads;
+    return -1;
+#endif
+}
 
 /* 1 when this build has the kernel (AVX512-BF16 under -march=native), else 0. */
 int llmd_bf16_scores_supported(void) {
@@ -119,10 +206,12 @@ int llmd_bf16_scores(const uint16_t *q, int64_t qb, int64_t qm, const uint16_t *
     for (int task = 0; task < B * blocks; task++) {
         const int b = task / blocks, m0 = (task % blocks) * MR, mr = M - m0 < MR ? M - m0 : MR;
         const float *bias_b = bias ? bias + (b / bdiv) * bb : NULL;
+        const uint16_t *qr = q + b * qb + m0 * qm;
+        float *o = out + b * ob + m0 * om;
         if (mr == MR)  /* the common block, its row loop unrolled */
-            row_block(q + b * qb, qm, packed + b * per, N, D, alpha, bias_b, bm, brows, out + b * ob, om, m0, MR);
+            row_block(qr, qm, packed + b * per, N, D, alpha, bias_b, bm, brows, o, om, m0, MR);
         else
-            row_block(q + b * qb, qm, packed + b * per, N, D, alpha, bias_b, bm, brows, out + b * ob, om, m0, mr);
+            row_block(qr, qm, packed + b * per, N, D, alpha, bias_b, bm, brows, o, om, m0, mr);
     }
     free(packed);
     return 0;

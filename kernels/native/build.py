@@ -221,6 +221,11 @@ def load_scores() -> ctypes.CDLL | None:
                                                  c.c_int64, c.c_int64, c.c_int, c.c_int, c.c_int, c.c_int, c.c_float,
                                                  c.c_int]
                 lib.llmd_bf16_scores.restype = c.c_int
+                lib.llmd_bf16_attn_probs.argtypes = [c.c_void_p, c.c_int64, c.c_int64, c.c_void_p, c.c_int64,
+                                                     c.c_int64, c.c_void_p, c.c_int64, c.c_int64, c.c_int, c.c_int,
+                                                     c.c_void_p, c.c_int64, c.c_int64, c.c_void_p, c.c_int64, c.c_int,
+                                                     c.c_int, c.c_int, c.c_int, c.c_float, c.c_int]
+                lib.llmd_bf16_attn_probs.restype = c.c_int
         except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
             scores_why_not, lib = f"build failed: {e}", None
     _scores["scores"] = lib
