@@ -1,5 +1,7 @@
-"""Float32 attention scores of bfloat16 queries and keys on the CPU, by VDPBF16PS
-(``kernels/native/bf16_scores.c``, which documents the packing and the numerics).
+"""Float32 attention scores of bfloat16 queries and keys on the CPU, by VDPBF16PS, alone
+(:func:`scores`) or followed in the same call by the softmax (:func:`probs`: bfloat16
+probabilities out, the float32 scores never a tensor); ``kernels/native/bf16_scores.c`` documents
+the packing and the numerics.
 
 The cpu backend's prefill chunks, cascade prefixes and chunk tails of a bfloat16 model score
 ``q · K`` in float32 (see :mod:`llmd.kernels.cpu_attention`). torch's CPU ``bmm`` of two bfloat16

@@ -19,6 +19,10 @@
  * against float64 (tests/kernels/test_cpu_scores.py). Keys past N in the last tile are zeros and
  * never stored.
  *
+ * llmd_bf16_attn_probs goes on to the softmax inside each task (softmax_row): the block's rows are
+ * scored into a per-thread float32 scratch and leave as bfloat16 probabilities, so the [B, M, N]
+ * float32 scores, torch's softmax pass over them and the bfloat16 copy for probs @ V are gone.
+ *
  * Threads: the packing and the (batch entry, row block) tasks are split over an OpenMP team
  * (torch's libgomp, as the other kernels: build.py).
  */
