@@ -315,14 +315,20 @@ def bf16_keys(cache: PagedKVCache, head_dim: int) -> bool:
     return head_dim % 2 == 0 and head_dim <= 256 and not cache.fmt.group_size and cpu_scores.available()
 
 
+def _kernel_mask(g: _Gather | None) -> tuple[torch.Tensor | None, int]:
+    """The mask as :mod:`llmd.kernels.cpu_scores` takes it: ``[N, Q, L]`` unexpanded (row ``m`` of
+    entry ``n · kv_heads + h`` is ``m % Q``) and its batch divisor ``kv_heads``; None and 1 without one."""
+    return (None, 1) if g is None else (g.bias[:, 0], g.kv_heads)
+
+
 def _scores(plan: StepPlan, role: str, q: torch.Tensor, k: torch.Tensor, g: _Gather | None, scale: float,
             rows: int, gq: int, length: int) -> torch.Tensor:
     """``scale · q kᵀ + mask`` into the plan's workspace: float32 from bfloat16 ``q`` and ``k``
     by :func:`llmd.kernels.cpu_scores.scores`, else in K's dtype by ``baddbmm`` (``q`` converted)."""
     if k.dtype == torch.bfloat16:
         out = plan.buffer(role + "s", (rows, gq, length), torch.float32)
-        bias = None if g is None else g.bias[:, 0]  # [N, Q, L], unexpanded: row m of entry n·kv_heads + h is m % Q
-        if cpu_scores.scores(q.to(torch.bfloat16), k, scale, bias, out, g.kv_heads if g is not None else 1):
+        bias, div = _kernel_mask(g)
+        if cpu_scores.scores(q.to(torch.bfloat16), k, scale, bias, out, div):
             return out
         k = k.float()  # the kernel was switched off since the gather
     if q.dtype != k.dtype:  # a bfloat16 model's query, for float32 scores
@@ -369,8 +375,8 @@ def _attend(plan: StepPlan, role: str, q: torch.Tensor, k: torch.Tensor, v: torc
     if k.dtype == torch.bfloat16 and v.dtype == torch.bfloat16 and k_scales is None and v_scales is None:
         probs = plan.buffer(role + "p16", (rows, gq, length), torch.bfloat16)
         lse = torch.empty(rows, gq) if with_lse else None
-        bias = None if g is None else g.bias[:, 0]  # unexpanded, as in _scores
-        if cpu_scores.probs(q.to(torch.bfloat16), k, scale, bias, probs, g.kv_heads if g is not None else 1, lse):
+        bias, div = _kernel_mask(g)
+        if cpu_scores.probs(q.to(torch.bfloat16), k, scale, bias, probs, div, lse):
             return (torch.bmm(probs, v), lse) if with_lse else torch.bmm(probs, v)
     sdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     scores = _scores(plan, role, q, k, g, scale, rows, gq, length)

@@ -41,6 +41,25 @@ def _rows_ok(t: torch.Tensor, dtype: torch.dtype) -> bool:
     return t.device.type == "cpu" and t.dtype == dtype and t.dim() == 3 and t.stride(-1) == 1
 
 
+def _fits(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, out_dtype: torch.dtype,
+          bias_batch_div: int) -> bool:
+    """The kernel is available and takes these layouts (see :func:`scores`)."""
+    b, m, d = q.shape
+    n = k.shape[1]
+    if not (available() and _rows_ok(q, torch.bfloat16) and _rows_ok(k, torch.bfloat16) and _rows_ok(out, out_dtype)
+            and k.shape[0] == b and k.shape[2] == d and tuple(out.shape) == (b, m, n) and d % 2 == 0 and d <= 256):
+        return False
+    return bias is None or (_rows_ok(bias, torch.float32) and bias.shape[2] == n and bias.shape[1] >= 1
+                            and m % bias.shape[1] == 0 and bias_batch_div >= 1 and bias.shape[0] * bias_batch_div == b)
+
+
+def _operands(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None, bias_batch_div: int) -> tuple:
+    """The C functions' leading arguments: q, k and the mask with their strides."""
+    mask = (bias.data_ptr(), bias.stride(0), bias.stride(1), bias_batch_div, bias.shape[1]) if bias is not None \
+        else (None, 0, 0, bias_batch_div, 1)
+    return (q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), *mask)
+
+
 def scores(q: torch.Tensor, k: torch.Tensor, scale: float, bias: torch.Tensor | None, out: torch.Tensor,
            bias_batch_div: int = 1) -> bool:
     """``out = scale · q kᵀ + bias`` per batch entry, or False (``out`` untouched) when the kernel
@@ -60,20 +79,11 @@ def scores(q: torch.Tensor, k: torch.Tensor, scale: float, bias: torch.Tensor | 
     Raises:
         RuntimeError: the packing buffer could not be allocated.
     """
-    b, m, d = q.shape
-    n = k.shape[1]
-    if not (available() and _rows_ok(q, torch.bfloat16) and _rows_ok(k, torch.bfloat16) and _rows_ok(out, torch.float32)
-            and k.shape[0] == b and k.shape[2] == d and tuple(out.shape) == (b, m, n) and d % 2 == 0 and d <= 256):
-        return False
-    if bias is not None and not (_rows_ok(bias, torch.float32) and bias.shape[2] == n and bias.shape[1] >= 1
-                                 and m % bias.shape[1] == 0 and bias_batch_div >= 1
-                                 and bias.shape[0] * bias_batch_div == b):
+    if not _fits(q, k, bias, out, torch.float32, bias_batch_div):
         return False
     rc = build.load_scores().llmd_bf16_scores(
-        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
-        bias.data_ptr() if bias is not None else None, bias.stride(0) if bias is not None else 0,
-        bias.stride(1) if bias is not None else 0, bias_batch_div, bias.shape[1] if bias is not None else 1,
-        out.data_ptr(), out.stride(0), out.stride(1), b, m, n, d, scale, torch.get_num_threads())
+        *_operands(q, k, bias, bias_batch_div), out.data_ptr(), out.stride(0), out.stride(1),
+        *q.shape[:2], k.shape[1], q.shape[2], scale, torch.get_num_threads())
     if rc == -2:
         raise RuntimeError("cpu_scores: could not allocate the packed keys")
     return rc == 0
@@ -97,24 +107,15 @@ def probs(q: torch.Tensor, k: torch.Tensor, scale: float, bias: torch.Tensor | N
     Raises:
         RuntimeError: a workspace could not be allocated.
     """
-    b, m, d = q.shape
-    n = k.shape[1]
-    if not (available() and _rows_ok(q, torch.bfloat16) and _rows_ok(k, torch.bfloat16)
-            and _rows_ok(out, torch.bfloat16) and k.shape[0] == b and k.shape[2] == d and tuple(out.shape) == (b, m, n)
-            and d % 2 == 0 and d <= 256):
+    if not _fits(q, k, bias, out, torch.bfloat16, bias_batch_div):
         return False
-    if bias is not None and not (_rows_ok(bias, torch.float32) and bias.shape[2] == n and bias.shape[1] >= 1
-                                 and m % bias.shape[1] == 0 and bias_batch_div >= 1
-                                 and bias.shape[0] * bias_batch_div == b):
-        return False
-    if lse is not None and not (lse.dtype == torch.float32 and tuple(lse.shape) == (b, m) and lse.stride(1) == 1):
+    if lse is not None and not (lse.dtype == torch.float32 and tuple(lse.shape) == tuple(q.shape[:2])
+                                and lse.stride(1) == 1):
         return False
     rc = build.load_scores().llmd_bf16_attn_probs(
-        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
-        bias.data_ptr() if bias is not None else None, bias.stride(0) if bias is not None else 0,
-        bias.stride(1) if bias is not None else 0, bias_batch_div, bias.shape[1] if bias is not None else 1,
-        out.data_ptr(), out.stride(0), out.stride(1), lse.data_ptr() if lse is not None else None,
-        lse.stride(0) if lse is not None else 0, b, m, n, d, scale, torch.get_num_threads())
+        *_operands(q, k, bias, bias_batch_div), out.data_ptr(), out.stride(0), out.stride(1),
+        lse.data_ptr() if lse is not None else None, lse.stride(0) if lse is not None else 0,
+        *q.shape[:2], k.shape[1], q.shape[2], scale, torch.get_num_threads())
     if rc == -2:
         raise RuntimeError("cpu_scores: could not allocate the packed keys or a row scratch")
     return rc == 0

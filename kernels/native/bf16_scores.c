@@ -36,6 +36,9 @@
 #endif
 #define MAX_D 256   /* head_dim limit (pairs per row: MAX_D / 2) */
 
+/* Lanes of a 16-key tile that hold keys when `left` keys remain. */
+static inline __mmask16 tail_mask(int left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u); }
+
 /* K[b] [N, D] (row stride kn) -> dst [tiles][D / 2][16 keys][2], keys past N zero. */
 static void pack_keys(const uint16_t *k, int64_t kn, int N, int D, uint16_t *dst) {
     const int tiles = (N + 15) / 16, P = D / 2;
@@ -78,14 +81,41 @@ static inline __attribute__((always_inline)) void row_block(
         }
         for (int r = 0; r < mr; r++) {
             for (int h = 0; h < 1 + two; h++) {
-                const int n0 = (t + h) * 16, left = N - n0;
-                const __mmask16 keep = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+                const int n0 = (t + h) * 16;
+                const __mmask16 keep = tail_mask(N - n0);
                 __m512 s = _mm512_mul_ps(acc[r][h], va);
                 if (bias) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(keep, bias + (int64_t)((m0 + r) % brows) * bm + n0));
                 _mm512_mask_storeu_ps(out + (int64_t)r * om + n0, keep, s);
             }
         }
     }
+}
+
+/* row_block for rows [m0, m0 + mr) of entry b, the full block (mr == MR) with its row loop unrolled. */
+static inline __attribute__((always_inline)) void rows_of_entry(
+        const uint16_t *q, int64_t qm, const uint16_t *kp, int N, int D, float alpha, const float *bias,
+        int64_t bm, int brows, float *out, int64_t om, int m0, int mr) {
+    if (mr == MR)
+        row_block(q, qm, kp, N, D, alpha, bias, bm, brows, out, om, m0, MR);
+    else
+        row_block(q, qm, kp, N, D, alpha, bias, bm, brows, out, om, m0, mr);
+}
+
+/* Every entry's keys packed (pack_keys) into one 64-byte aligned buffer of B · *per elements
+ * (the caller frees it), or NULL when it cannot be allocated. */
+static uint16_t *pack_all(const uint16_t *k, int64_t kb, int64_t kn, int B, int N, int D, int num_threads,
+                          int64_t *per) {
+    *per = (int64_t)((N + 15) / 16) * 16 * D;
+    uint16_t *packed = NULL;
+    if (posix_memalign((void **)&packed, 64, (size_t)(B * *per) * sizeof(uint16_t))) return NULL;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int b = 0; b < B; b++) pack_keys(k + b * kb, kn, N, D, packed + b * *per);
+    return packed;
+}
+
+/* Sizes both entry points refuse (-1) or accept. */
+static inline int sizes_ok(int B, int M, int N, int D, const float *bias, int bdiv, int brows) {
+    return !(D % 2 || D > MAX_D || B < 0 || M < 0 || N < 0 || (bias && (bdiv < 1 || brows < 1)));
 }
 #endif
 
@@ -99,7 +129,7 @@ static void softmax_row(float *s, int N, uint16_t *p, float *lse) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     __m512 mx = ninf;
     for (int n0 = 0; n0 < N; n0 += 16) {
-        const __mmask16 keep = N - n0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1u);
+        const __mmask16 keep = tail_mask(N - n0);
         mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(ninf, keep, s + n0));
     }
     const float m = _mm512_reduce_max_ps(mx);
@@ -110,7 +140,7 @@ static void softmax_row(float *s, int N, uint16_t *p, float *lse) {
     }
     __m512 sum = _mm512_setzero_ps();
     for (int n0 = 0; n0 < N; n0 += 16) {
-        const __mmask16 keep = N - n0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1u);
+        const __mmask16 keep = tail_mask(N - n0);
         const __m512 x = _mm512_mask_loadu_ps(ninf, keep, s + n0);
         const __mmask16 live = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
         const __m512 e = _mm512_maskz_mov_ps(live, (__m512)expv((vf)_mm512_sub_ps(x, _mm512_set1_ps(m))));
@@ -119,7 +149,7 @@ static void softmax_row(float *s, int N, uint16_t *p, float *lse) {
     }
     const float l = _mm512_reduce_add_ps(sum), inv = 1.0f / l;
     for (int n0 = 0; n0 < N; n0 += 16) {
-        const __mmask16 keep = N - n0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1u);
+        const __mmask16 keep = tail_mask(N - n0);
         const __m512 e = _mm512_maskz_loadu_ps(keep, s + n0);
         _mm256_mask_storeu_epi16(p + n0, keep, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(e, _mm512_set1_ps(inv))));
     }
@@ -136,14 +166,12 @@ int llmd_bf16_attn_probs(const uint16_t *q, int64_t qb, int64_t qm, const uint16
                          int64_t pb, int64_t pm, float *lse, int64_t lb, int B, int M, int N, int D, float alpha,
                          int num_threads) {
 #ifdef HAVE_SCORES
-    if (D % 2 || D > MAX_D || B < 0 || M < 0 || N < 0 || (bias && (bdiv < 1 || brows < 1))) return -1;
+    if (!sizes_ok(B, M, N, D, bias, bdiv, brows)) return -1;
     if (B == 0 || M == 0 || N == 0) return 0;
-    const int tiles = (N + 15) / 16;
-    const int64_t per = (int64_t)tiles * 16 * D, spad = (int64_t)tiles * 16;
-    uint16_t *packed = NULL;
-    if (posix_memalign((void **)&packed, 64, (size_t)(B * per) * sizeof(uint16_t))) return -2;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int b = 0; b < B; b++) pack_keys(k + b * kb, kn, N, D, packed + b * per);
+    const int64_t spad = (int64_t)((N + 15) / 16) * 16;  /* scratch floats per row */
+    int64_t per;
+    uint16_t *packed = pack_all(k, kb, kn, B, N, D, num_threads, &per);
+    if (!packed) return -2;
     const int blocks = (M + MR - 1) / MR;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
@@ -158,11 +186,7 @@ int llmd_bf16_attn_probs(const uint16_t *q, int64_t qb, int64_t qm, const uint16
             if (!s) continue;
             const int b = task / blocks, m0 = (task % blocks) * MR, mr = M - m0 < MR ? M - m0 : MR;
             const float *bias_b = bias ? bias + (b / bdiv) * bb : NULL;
-            const uint16_t *qr = q + b * qb + m0 * qm;
-            if (mr == MR)
-                row_block(qr, qm, packed + b * per, N, D, alpha, bias_b, bm, brows, s, spad, m0, MR);
-            else
-                row_block(qr, qm, packed + b * per, N, D, alpha, bias_b, bm, brows, s, spad, m0, mr);
+            rows_of_entry(q + b * qb + m0 * qm, qm, packed + b * per, N, D, alpha, bias_b, bm, brows, s, spad, m0, mr);
             for (int r = 0; r < mr; r++)
                 softmax_row(s + r * spad, N, probs + b * pb + (m0 + r) * pm, lse ? lse + b * lb + m0 + r : NULL);
         }
@@ -198,24 +222,17 @@ int llmd_bf16_scores(const uint16_t *q, int64_t qb, int64_t qm, const uint16_t *
                      const float *bias, int64_t bb, int64_t bm, int bdiv, int brows, float *out, int64_t ob, int64_t om,
                      int B, int M, int N, int D, float alpha, int num_threads) {
 #ifdef HAVE_SCORES
-    if (D % 2 || D > MAX_D || B < 0 || M < 0 || N < 0 || (bias && (bdiv < 1 || brows < 1))) return -1;
+    if (!sizes_ok(B, M, N, D, bias, bdiv, brows)) return -1;
     if (B == 0 || M == 0 || N == 0) return 0;
-    const int64_t per = (int64_t)((N + 15) / 16) * 16 * D;  /* packed elements per batch entry */
-    uint16_t *packed = NULL;
-    if (posix_memalign((void **)&packed, 64, (size_t)(B * per) * sizeof(uint16_t))) return -2;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int b = 0; b < B; b++) pack_keys(k + b * kb, kn, N, D, packed + b * per);
+    int64_t per;
+    uint16_t *packed = pack_all(k, kb, kn, B, N, D, num_threads, &per);
+    if (!packed) return -2;
     const int blocks = (M + MR - 1) / MR;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int task = 0; task < B * blocks; task++) {
         const int b = task / blocks, m0 = (task % blocks) * MR, mr = M - m0 < MR ? M - m0 : MR;
-        const float *bias_b = bias ? bias + (b / bdiv) * bb : NULL;
-        const uint16_t *qr = q + b * qb + m0 * qm;
-        float *o = out + b * ob + m0 * om;
-        if (mr == MR)  /* the common block, its row loop unrolled */
-            row_block(qr, qm, packed + b * per, N, D, alpha, bias_b, bm, brows, o, om, m0, MR);
-        else
-            row_block(qr, qm, packed + b * per, N, D, alpha, bias_b, bm, brows, o, om, m0, mr);
+        rows_of_entry(q + b * qb + m0 * qm, qm, packed + b * per, N, D, alpha, bias ? bias + (b / bdiv) * bb : NULL,
+                      bm, brows, out + b * ob + m0 * om, om, m0, mr);
     }
     free(packed);
     return 0;
