@@ -1,4 +1,5 @@
-"""A bfloat16 layer's elementwise passes in C on the CPU: RMSNorm, NEOX RoPE, SwiGLU's
+"""A bfloat16 layer's elementwise passes in C on the CPU: RMSNorm (alone or after the residual
+add), NEOX RoPE (alone or with the K/V store), SwiGLU's
 ``silu(gate) * up`` (``kernels/native/layer_glue.c``, which documents their numerics: the roundings
 of torch's bfloat16 ops; RoPE bit for bit, the norm and SiLU within one bfloat16 ulp on rare
 elements).
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from llmd.kernels.native import build
+from llmd.quant.kv import planes_contiguous
 
 active = False  # set per forward by the model runner (ModelRunner.execute)
 
@@ -87,3 +89,57 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty((shape[0], inter), dtype=torch.bfloat16)
     lib.llmd_silu_mul_bf16(gate_up.data_ptr(), shape[1], shape[0], inter, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def add_rms_norm(y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """The residual add and the next RMSNorm in one pass (vLLM's ``fused_add_rms_norm``):
+    ``residual += y`` in place (torch's bfloat16 add), then returns :func:`rms_norm` of it.
+
+    ``y [T, dim]`` bfloat16 with contiguous rows (any row stride), ``residual [T, dim]`` bfloat16
+    contiguous (updated), ``weight [dim]`` bfloat16 contiguous → a new ``[T, dim]``, or None
+    (``residual`` untouched) when it does not apply (see the module docstring)."""
+    dim = weight.shape[0]
+    shape = _rows(y, dim)
+    ok = (shape is not None and weight.dtype == torch.bfloat16 and weight.is_contiguous()
+          and residual.dtype == torch.bfloat16 and residual.is_contiguous() and residual.shape == (shape[0], dim))
+    lib = _lib() if ok else None
+    if lib is None:
+        return None
+    out = torch.empty(residual.shape, dtype=torch.bfloat16)
+    lib.llmd_add_rms_norm_bf16(y.data_ptr(), shape[1], residual.data_ptr(), weight.data_ptr(), shape[0], dim, eps,
+                               out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def rope_store(qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+               kv: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor | None:
+    """RoPE of Q and K and the K/V store of a fused QKV projection in one pass: the same bits as
+    :func:`rope` of Q and K followed by :func:`llmd.kernels.reference.store_kv` into an ``auto`` cache.
+
+    Args:
+        qkv: ``[T, (heads + 2 kv_heads) · head_dim]`` bfloat16 with contiguous rows (Q heads, K
+            heads, V heads; NEOX channel order).
+        cos, sin: ``[T, 1, head_dim]`` bfloat16 (sin's first half negated), rows of head_dim contiguous.
+        kv: the layer's bfloat16 cache data ``[2, num_blocks, block_size, kv_heads, head_dim]``,
+            each plane contiguous (:func:`llmd.quant.kv.planes_contiguous`).
+        slot_mapping: ``[T]`` int64 contiguous; negative slots are skipped (padding).
+    Returns:
+        the rotated queries ``[T, heads, head_dim]`` contiguous, or None (nothing stored) when it
+        does not apply.
+    """
+    t = qkv.shape[0]
+    d = kv.shape[-1]
+    shape = _rows(qkv, (heads + 2 * kv_heads) * d) if qkv.dim() == 2 else None
+    tables = [c[:, 0] for c in (cos, sin)] if cos.shape == (t, 1, d) and sin.shape == (t, 1, d) else []
+    ok = (shape is not None and d % 2 == 0 and kv.dtype == torch.bfloat16 and kv.dim() == 5 and kv.shape[3] == kv_heads
+          and len(tables) == 2 and all(c.dtype == torch.bfloat16 and c.stride(1) == 1 for c in tables)
+          and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and slot_mapping.shape == (t,)
+          and planes_contiguous(kv))
+    lib = _lib() if ok else None
+    if lib is None:
+        return None
+    q = torch.empty((t, heads, d), dtype=torch.bfloat16)
+    lib.llmd_rope_store_bf16(qkv.data_ptr(), shape[1], t, heads, kv_heads, d, tables[0].data_ptr(),
+                             tables[0].stride(0), tables[1].data_ptr(), tables[1].stride(0), q.data_ptr(),
+                             kv.data_ptr(), kv.stride(0), slot_mapping.data_ptr(), torch.get_num_threads())
+    return q

@@ -6,10 +6,14 @@ Reference: HF transformers ``modeling_llama.py``; GGUF tensor names from llama.c
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 from torch import nn
 
+from llmd.kernels import cpu_glue
+from llmd.models import glue_forward
 from llmd.models.config import ModelConfig
 from llmd.models.decoder import DecoderForCausalLM
 from llmd.models.layer_tensors import LLAMA
@@ -58,6 +62,21 @@ class LlamaForCausalLM(DecoderForCausalLM):
     layer_cls = LlamaDecoderLayer
     norm_cls = RMSNorm
     layer_tensors = LLAMA
+
+    def forward(self, input_ids, positions, kv_caches, meta):
+        """:meth:`DecoderForCausalLM.forward`; with the C layer glue on, through
+        :mod:`llmd.models.glue_forward` when it serves these caches (the same bits, fewer passes)."""
+        if cpu_glue.active:
+            refs = self._glue_refs
+            if len(refs) != len(kv_caches) or any(r() is not c for r, c in zip(refs, kv_caches)):
+                self._glue_ok = glue_forward.why_not(self, kv_caches) is None
+                self._glue_refs = [weakref.ref(c) for c in kv_caches]
+            if self._glue_ok:
+                return glue_forward.forward(self, input_ids, positions, kv_caches, meta)
+        return super().forward(input_ids, positions, kv_caches, meta)
+
+    _glue_refs: list = []  # weak references to the caches glue_forward.why_not() last judged, and its verdict
+    _glue_ok = False
 
     def transform_gguf_tensor(self, name: str, w: np.ndarray) -> np.ndarray:
         """Per-architecture fix-ups applied after dequantization (Q/K un-permutation)."""

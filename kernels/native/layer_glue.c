@@ -18,6 +18,8 @@
  *             torch uses Sleef's 1-ulp expf): equal but where the float32 silu lies within those
  *             ulps of a bfloat16 rounding boundary; silu(g) for g < -87 is taken as 0 (it is below
  *             1e-36; torch gives 0 from g < -88.7 on).
+ *   add_rms_norm: res = bf16(res + y), then rms_norm of it (torch's add, then the norm above);
+ *   rope_store: rope of Q and K as above, K and V written to the cache's slots unchanged (bit for bit).
  * Tested against the torch forms in tests/kernels/test_cpu_glue.py.
  *
  * Threads: rows split statically over an OpenMP team (torch's, build.py) when there are enough of
@@ -58,31 +60,64 @@ static inline vf rbfv(vf v) {
 
 static int team(int64_t elems, int nthreads) { return elems >= PAR_MIN_ELEMS && nthreads > 1 ? nthreads : 1; }
 
+/* o[:dim] = w · rmsnorm(xr[:dim]) for one row. */
+static inline void norm_row(const uint16_t *xr, const uint16_t *w, int dim, float eps, uint16_t *o) {
+    const int vec = dim - dim % VL;
+    /* x² is exact in float32 (bfloat16 x); summed in double (8 partial sums), so the float32 mean
+     * below is the correctly rounded one but in ties of ~1e-9 relative */
+    double acc[8] = {0};
+    int i = 0;
+    for (; i + 8 <= dim; i += 8)
+        for (int j = 0; j < 8; j++) {
+            const float v = bf16_to_f32(xr[i + j]);
+            acc[j] += (double)(v * v);
+        }
+    for (; i < dim; i++) {
+        const float v = bf16_to_f32(xr[i]);
+        acc[0] += (double)(v * v);
+    }
+    const double ss = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    const float k = 1.0f / sqrtf((float)(ss / dim) + eps);
+    for (int i = 0; i < vec; i += VL) store_bf16v(o + i, rbfv(bf16v(xr + i) * k) * bf16v(w + i));
+    for (int i = vec; i < dim; i++) o[i] = f32_to_bf16(rbf(bf16_to_f32(xr[i]) * k) * bf16_to_f32(w[i]));
+}
+
 /* out[r, :] = w · rmsnorm(x[r, :]) for rows r < rows; x rows x_stride elements apart, out contiguous. */
 void llmd_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, int64_t rows, int dim, float eps,
                         uint16_t *out, int nthreads) {
+#pragma omp parallel for num_threads(team(rows * dim, nthreads)) schedule(static)
+    for (int64_t r = 0; r < rows; r++) norm_row(x + r * x_stride, w, dim, eps, out + r * (int64_t)dim);
+}
+
+/* The residual add and the next RMSNorm in one pass (vLLM's fused_add_rms_norm): for rows r < rows,
+ * res[r, :] = bf16(res[r, :] + y[r, :]) in place (torch's bfloat16 add: the float32 sum rounded
+ * once), then out[r, :] = w · rmsnorm(res[r, :]) as llmd_rms_norm_bf16. y rows y_stride elements
+ * apart; res and out contiguous [rows, dim]. */
+void llmd_add_rms_norm_bf16(const uint16_t *y, int64_t y_stride, uint16_t *res, const uint16_t *w, int64_t rows,
+                            int dim, float eps, uint16_t *out, int nthreads) {
     const int vec = dim - dim % VL;
 #pragma omp parallel for num_threads(team(rows * dim, nthreads)) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *xr = x + r * x_stride;
-        uint16_t *o = out + r * (int64_t)dim;
-        /* x² is exact in float32 (bfloat16 x); summed in double (8 partial sums), so the float32 mean
-         * below is the correctly rounded one but in ties of ~1e-9 relative */
-        double acc[8] = {0};
-        int i = 0;
-        for (; i + 8 <= dim; i += 8)
-            for (int j = 0; j < 8; j++) {
-                const float v = bf16_to_f32(xr[i + j]);
-                acc[j] += (double)(v * v);
-            }
-        for (; i < dim; i++) {
-            const float v = bf16_to_f32(xr[i]);
-            acc[0] += (double)(v * v);
-        }
-        const double ss = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-        const float k = 1.0f / sqrtf((float)(ss / dim) + eps);
-        for (int i = 0; i < vec; i += VL) store_bf16v(o + i, rbfv(bf16v(xr + i) * k) * bf16v(w + i));
-        for (int i = vec; i < dim; i++) o[i] = f32_to_bf16(rbf(bf16_to_f32(xr[i]) * k) * bf16_to_f32(w[i]));
+        const uint16_t *yr = y + r * y_stride;
+        uint16_t *xr = res + r * (int64_t)dim;
+        for (int i = 0; i < vec; i += VL) store_bf16v(xr + i, bf16v(xr + i) + bf16v(yr + i));
+        for (int i = vec; i < dim; i++) xr[i] = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(yr[i]));
+        norm_row(xr, w, dim, eps, out + r * (int64_t)dim);
+    }
+}
+
+/* o[:D] = rope(a[:D]) with the position's cos / sin rows c, s (D even). */
+static inline void rope_head(const uint16_t *a, const uint16_t *c, const uint16_t *s, int D, uint16_t *o) {
+    const int h2 = D / 2, vec = h2 - h2 % VL;
+    for (int i = 0; i < vec; i += VL) {
+        const vf x1 = bf16v(a + i), x2 = bf16v(a + h2 + i);
+        store_bf16v(o + i, rbfv(x1 * bf16v(c + i)) + rbfv(x2 * bf16v(s + i)));
+        store_bf16v(o + h2 + i, rbfv(x2 * bf16v(c + h2 + i)) + rbfv(x1 * bf16v(s + h2 + i)));
+    }
+    for (int i = vec; i < h2; i++) {
+        const float x1 = bf16_to_f32(a[i]), x2 = bf16_to_f32(a[h2 + i]);
+        o[i] = f32_to_bf16(rbf(x1 * bf16_to_f32(c[i])) + rbf(x2 * bf16_to_f32(s[i])));
+        o[h2 + i] = f32_to_bf16(rbf(x2 * bf16_to_f32(c[h2 + i])) + rbf(x1 * bf16_to_f32(s[h2 + i])));
     }
 }
 
@@ -91,24 +126,31 @@ void llmd_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, 
  * [rows, heads, D] contiguous. */
 void llmd_rope_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, int heads, int D, const uint16_t *cs,
                     int64_t c_stride, const uint16_t *sn, int64_t s_stride, uint16_t *out, int nthreads) {
-    const int h2 = D / 2, vec = h2 - h2 % VL;
 #pragma omp parallel for num_threads(team(rows * heads * D, nthreads)) schedule(static)
+    for (int64_t t = 0; t < rows; t++)
+        for (int h = 0; h < heads; h++)
+            rope_head(x + t * x_stride + (int64_t)h * D, cs + t * c_stride, sn + t * s_stride, D,
+                      out + (t * heads + h) * (int64_t)D);
+}
+
+/* The attention's inputs from a fused QKV row in one pass: for rows t < rows of qkv (x_stride
+ * elements apart: heads Q heads, then kv_heads K heads, then kv_heads V heads, D channels each),
+ * q_out[t, h, :] = rope(Q head h) ([rows, heads, D] contiguous), and where slots[t] >= 0 the
+ * token's K heads, rotated, and V heads, copied, are stored at that slot of a bfloat16 ``auto``
+ * cache: the K plane's row kv[slots[t] · kv_heads · D ...], the V plane kv_plane elements further
+ * (llmd.quant.kv's planes). The same bits as llmd_rope_bf16 + store_kv's index_copy_. */
+void llmd_rope_store_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, int heads, int kv_heads, int D,
+                          const uint16_t *cs, int64_t c_stride, const uint16_t *sn, int64_t s_stride,
+                          uint16_t *q_out, uint16_t *kv, int64_t kv_plane, const int64_t *slots, int nthreads) {
+    const int64_t row = (int64_t)kv_heads * D;
+#pragma omp parallel for num_threads(team(rows * (heads + 2 * kv_heads) * D, nthreads)) schedule(static)
     for (int64_t t = 0; t < rows; t++) {
-        const uint16_t *c = cs + t * c_stride, *s = sn + t * s_stride;
-        for (int h = 0; h < heads; h++) {
-            const uint16_t *a = x + t * x_stride + (int64_t)h * D;
-            uint16_t *o = out + (t * heads + h) * (int64_t)D;
-            for (int i = 0; i < vec; i += VL) {
-                const vf x1 = bf16v(a + i), x2 = bf16v(a + h2 + i);
-                store_bf16v(o + i, rbfv(x1 * bf16v(c + i)) + rbfv(x2 * bf16v(s + i)));
-                store_bf16v(o + h2 + i, rbfv(x2 * bf16v(c + h2 + i)) + rbfv(x1 * bf16v(s + h2 + i)));
-            }
-            for (int i = vec; i < h2; i++) {
-                const float x1 = bf16_to_f32(a[i]), x2 = bf16_to_f32(a[h2 + i]);
-                o[i] = f32_to_bf16(rbf(x1 * bf16_to_f32(c[i])) + rbf(x2 * bf16_to_f32(s[i])));
-                o[h2 + i] = f32_to_bf16(rbf(x2 * bf16_to_f32(c[h2 + i])) + rbf(x1 * bf16_to_f32(s[h2 + i])));
-            }
-        }
+        const uint16_t *a = x + t * x_stride, *c = cs + t * c_stride, *s = sn + t * s_stride;
+        for (int h = 0; h < heads; h++) rope_head(a + (int64_t)h * D, c, s, D, q_out + (t * heads + h) * (int64_t)D);
+        if (slots[t] < 0) continue;
+        uint16_t *k = kv + slots[t] * row;
+        for (int h = 0; h < kv_heads; h++) rope_head(a + (int64_t)(heads + h) * D, c, s, D, k + (int64_t)h * D);
+        memcpy(k + kv_plane, a + (int64_t)(heads + kv_heads) * D, row * sizeof *k);
     }
 }
 

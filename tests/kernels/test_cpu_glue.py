@@ -119,3 +119,53 @@ def test_engine_uses_glue_for_bfloat16_only(tmp_path):
     assert not cpu_glue.active
     assert (a - b).abs().max() <= 0.05 * b.abs().max()
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("dim", [576, 64, 7])
+def test_add_rms_norm_is_the_add_then_the_norm(dim):
+    """``residual += y`` rounds as torch's bfloat16 add (bit for bit) and the output is
+    :func:`cpu_glue.rms_norm` of the new residual (bit for bit), strided ``y`` rows included."""
+    g = torch.Generator().manual_seed(dim)
+    w = (torch.rand(dim, generator=g) * 2).bfloat16()
+    for rows in ROWS:
+        res = (torch.randn(rows, dim, generator=g) * 3).bfloat16()
+        wide = torch.randn(rows, dim + 5, generator=g).bfloat16()
+        for y in (wide[:, :dim].contiguous(), wide[:, :dim]):
+            want_res = res + y
+            want = cpu_glue.rms_norm(want_res, w, 1e-5)
+            got_res = res.clone()
+            got = cpu_glue.add_rms_norm(y, got_res, w, 1e-5)
+            assert torch.equal(got_res, want_res) and torch.equal(got, want), rows
+    assert cpu_glue.add_rms_norm(y, res.float(), w, 1e-5) is None  # float32 residual: torch's ops
+    assert cpu_glue.add_rms_norm(y, res[:, :3], w, 1e-5) is None  # shapes disagree
+
+
+@pytest.mark.parametrize("heads,kv_heads,d,block", [(9, 3, 64, 16), (4, 2, 16, 32), (2, 2, 18, 16)])
+def test_rope_store_equals_rope_then_store_kv(heads, kv_heads, d, block):
+    """Q rotated as :func:`apply_rope`, K rotated and V copied into an ``auto`` bfloat16 cache at
+    the step's slots exactly as rope + ``reference.store_kv`` (padding slots -1 untouched), on
+    the CPU pool's skewed planes (kv_planes) and a contiguous cache."""
+    from llmd.kernels import reference
+    from llmd.quant.kv import kv_planes
+
+    g = torch.Generator().manual_seed(heads * d)
+    num_blocks = 40
+    shape = (2, num_blocks, block, kv_heads, d)
+    for rows in ROWS[:4]:
+        qkv = torch.randn(rows, (heads + 2 * kv_heads) * d + 8, generator=g).bfloat16()[:, :-8]  # strided rows
+        cos, sin = rope_tables(torch.randint(0, 3000, (rows,), generator=g), d, 10000.0, torch.bfloat16)
+        slots = torch.randperm(num_blocks * block, generator=g)[:rows]
+        if rows > 2:
+            slots[1] = -1  # a padded row: nothing stored
+        for got_kv in (kv_planes(shape, torch.bfloat16, "cpu"), torch.zeros(shape, dtype=torch.bfloat16)):
+            want_kv = torch.zeros(shape, dtype=torch.bfloat16)
+            view = qkv.view(rows, heads + 2 * kv_heads, d)
+            qk = apply_rope(view[:, : heads + kv_heads], (cos, sin))
+            reference.store_kv(qk[:, heads:], view[:, heads + kv_heads :], want_kv, slots, padded=True)
+            q = cpu_glue.rope_store(qkv, heads, kv_heads, cos, sin, got_kv, slots)
+            assert q.shape == (rows, heads, d) and q.is_contiguous()
+            assert torch.equal(q, qk[:, :heads]), rows
+            assert torch.equal(got_kv, want_kv), rows
+    assert cpu_glue.rope_store(qkv.float(), heads, kv_heads, cos, sin, got_kv, slots) is None
+    assert cpu_glue.rope_store(qkv, heads, kv_heads, cos, sin, got_kv.float(), slots) is None
+    assert cpu_glue.rope_store(qkv, heads, kv_heads, cos, sin, got_kv, slots.int()) is None

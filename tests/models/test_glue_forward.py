@@ -1,0 +1,94 @@
+"""models/glue_forward.py: the fused-glue Llama forward gives the generic forward's bits.
+
+Two bfloat16 engines on the cpu backend share one tiny random Llama (with and without a sliding
+window group); one runs the fused forward, the other the generic layers (``glue_forward.why_not``
+patched to refuse). Every step's logits, the generated tokens and the KV caches must be equal bit
+for bit over chunked prefills, mixed steps, batched decodes and prefix-cache hits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmd.daemon.core.config import EngineConfig
+from llmd.daemon.core.engine import Engine
+from llmd.daemon.core.request import SamplingParams
+from llmd.kernels import cpu_glue
+from llmd.kernels.native import build
+from llmd.models import glue_forward
+from llmd.models.gguf_loader import load_model
+
+pytestmark = pytest.mark.skipif(build.load_glue() is None, reason="no C compiler for the native glue")
+
+
+def run(engine: Engine, prompts: list[list[int]], fused: bool, monkeypatch) -> tuple[list, list]:
+    """Greedy generations of ``prompts`` (added two at a time, so prefills meet decodes); returns
+    (each step's logits, each request's tokens)."""
+    model = engine.runner.model
+    if not fused:
+        monkeypatch.setattr(glue_forward, "why_not", lambda *a: "generic, for comparison")
+    model._glue_refs = []  # judge the caches again
+    logits = []
+    real = model.compute_logits
+    monkeypatch.setattr(model, "compute_logits", lambda h: logits.append(real(h)) or logits[-1])
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs: dict[str, list[int]] = {}
+    pending = list(enumerate(prompts))
+    while pending or engine.has_unfinished_requests():
+        for i, ids in pending[:2]:
+            engine.add_request(ids, params, f"r{i}")
+        pending = pending[2:]
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    monkeypatch.undo()
+    return logits, [outs[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_fused_forward_equals_generic_bit_for_bit(tmp_path, monkeypatch, window):
+    from tiny_engine import ByteTokenizer
+    from tiny_gguf import write_tiny_llama
+
+    path = tmp_path / "t.gguf"
+    layers = 3
+    write_tiny_llama(path, layers=layers, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, sliding_window=window,
+                     sliding_layers=[i % 2 == 0 for i in range(layers)] if window else None)
+    model, _ = load_model(str(path), torch.bfloat16, "cpu")
+    kw = dict(model=str(path), device="cpu", dtype="bfloat16", attention_backend="cpu", kv_cache_memory=4 << 20,
+              max_model_len=256, weight_quant="none", max_num_batched_tokens=48, prefix_cache_seed=0)
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(0, 256, (40,), generator=g).tolist()
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 70, 17, 33, 1)]
+    prompts += [shared + [7, 8], shared + [9]]  # a prefix-cache hit
+    fused_engine = Engine(model, ByteTokenizer(), EngineConfig(**kw).resolve())
+    assert glue_forward.why_not(model, fused_engine.runner.layer_caches) is None or not cpu_glue.active
+    a_logits, a_tokens = run(fused_engine, prompts, True, monkeypatch)
+    assert model._glue_ok  # the fused forward ran
+    generic_engine = Engine(model, ByteTokenizer(), EngineConfig(**kw).resolve())
+    b_logits, b_tokens = run(generic_engine, prompts, False, monkeypatch)
+    assert not model._glue_ok
+    assert a_tokens == b_tokens
+    assert len(a_logits) == len(b_logits) and all(torch.equal(x, y) for x, y in zip(a_logits, b_logits))
+    for ca, cb in zip(fused_engine.runner.caches, generic_engine.runner.caches):
+        assert torch.equal(ca.data, cb.data)
+
+
+def test_why_not_names_what_it_does_not_serve(tmp_path):
+    from tiny_engine import ByteTokenizer
+    from tiny_gguf import write_tiny_llama
+
+    path = tmp_path / "t.gguf"
+    write_tiny_llama(path, layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256)
+    model, _ = load_model(str(path), torch.bfloat16, "cpu")
+    kw = dict(model=str(path), device="cpu", dtype="bfloat16", attention_backend="cpu", kv_cache_memory=4 << 20,
+              max_model_len=256, weight_quant="none")
+    int8 = Engine(model, ByteTokenizer(), EngineConfig(**kw, kv_cache_dtype="int8").resolve())
+    cpu_glue.active = True
+    try:
+        assert glue_forward.why_not(model, int8.runner.layer_caches) == "a quantized or rotated KV cache"
+        f32, _ = load_model(str(path), torch.float32, "cpu")
+        assert glue_forward.why_not(f32, int8.runner.layer_caches) == "not a bfloat16 model on the CPU"
+    finally:
+        cpu_glue.active = False
+    assert glue_forward.why_not(model, int8.runner.layer_caches) == "the C layer glue is off"
