@@ -92,3 +92,13 @@ def test_why_not_names_what_it_does_not_serve(tmp_path):
     finally:
         cpu_glue.active = False
     assert glue_forward.why_not(model, int8.runner.layer_caches) == "the C layer glue is off"
+
+
+def test_a_projection_in_another_layout_is_refused():
+    """The passes read raw pointers: an output that is not contiguous bfloat16 of the expected
+    width raises instead of being read wrongly."""
+    ok = torch.zeros(3, 8, dtype=torch.bfloat16)
+    assert glue_forward._rows_of(ok, 3, 8) is ok
+    for bad in (ok.float(), ok[:, :4], ok.t().contiguous().t(), torch.zeros(3, 9, dtype=torch.bfloat16)):
+        with pytest.raises(RuntimeError, match="not contiguous bfloat16"):
+            glue_forward._rows_of(bad, 3, 8)
