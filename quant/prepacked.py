@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 BATCH_HINT = 64  # the packing's batch-size hint (the layout oneDNN picks; 64 and 512 measured alike)
-# A tied LM head is packed as a copy of the embedding table only up to this size. SmolLM2's
+# A tied LM head is packed as a copy of the embedding table only up to this size (its dense
+# weight under --weight-quant, or a TiedHeadCopy without one). SmolLM2's
 # (49,152 x 576 bfloat16, 54 MiB): batch-32 logits 9.5 -> 6.1 ms, batch 8 5.8 -> 2.4 ms (2-core Zen 4,
 # 2026-12-05, bit-identical). Gemma 3 270M's (320 MiB) and Qwen3-0.6B's (297 MiB) stay shared.
 HEAD_COPY_MAX_BYTES = 128 << 20
@@ -96,7 +97,7 @@ def prepack_model(model: nn.Module) -> int:
     """
     if not enabled():
         return 0
-    n = 0
+    n = _pack_tied_head(model)
     for mod, name in _linear_params(model):
         w = mod._parameters[name]
         if packable(w):
@@ -106,6 +107,35 @@ def prepack_model(model: nn.Module) -> int:
                                                  requires_grad=False)
             n += 1
     return n
+
+
+class TiedHeadCopy(nn.Module):
+    """The LM head of a model whose head is its embedding table (tied) and that has no
+    ``logits_proj`` of its own (``--weight-quant none``): a oneDNN-packed copy of the table, made
+    by :func:`prepack_model` under :data:`HEAD_COPY_MAX_BYTES` as for a ``--weight-quant`` head.
+    ``forward(x [N, hidden] bfloat16) -> [N, vocab]``, bit for bit ``x @ table.T``. The copy is a
+    plain attribute, not a parameter, so the model's state dict (and the weights' digest) is
+    unchanged; :func:`unpack_model` removes it."""
+
+    def __init__(self, packed: torch.Tensor, nbytes: int):
+        super().__init__()
+        self.dense = packed  # the name head_copy_bytes() reads, as on a PackedLinear
+        self.packed_copy_bytes = nbytes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.dense)
+
+
+def _pack_tied_head(model: nn.Module) -> int:
+    """Give a tied model without a ``logits_proj`` a :class:`TiedHeadCopy` when its table is
+    :func:`packable` and within :data:`HEAD_COPY_MAX_BYTES`; returns 1 if it did."""
+    emb = getattr(getattr(model, "embed_tokens", None), "weight", None)
+    if getattr(model, "logits_proj", 0) is not None or getattr(model, "lm_head", 0) is not None or emb is None:
+        return 0
+    if not packable(emb) or emb.nbytes > HEAD_COPY_MAX_BYTES:
+        return 0
+    model.logits_proj = TiedHeadCopy(torch.ops.mkldnn._reorder_linear_weight(emb.data, BATCH_HINT), emb.nbytes)
+    return 1
 
 
 def head_copy_bytes(model: nn.Module) -> int:
@@ -121,6 +151,8 @@ def unpack_model(model: nn.Module) -> int:
     number of weights converted. For benchmarks that compare both in one process, and for
     anything that needs plain weights of a model an engine packed."""
     n = 0
+    if isinstance(getattr(model, "logits_proj", None), TiedHeadCopy):
+        model.logits_proj, n = None, 1  # the table itself is the head again
     for mod, name in _linear_params(model):
         w = mod._parameters[name]
         if w.is_mkldnn:
@@ -131,7 +163,8 @@ def unpack_model(model: nn.Module) -> int:
 
 def packed_count(model: nn.Module) -> int:
     """How many of ``model``'s layer weights (and LM head) are prepacked now (the startup line names it)."""
-    return sum(1 for mod, name in _linear_params(model) if mod._parameters[name].is_mkldnn)
+    tied = isinstance(getattr(model, "logits_proj", None), TiedHeadCopy)
+    return tied + sum(1 for mod, name in _linear_params(model) if mod._parameters[name].is_mkldnn)
 
 
 def dense(t: torch.Tensor) -> torch.Tensor:

@@ -73,18 +73,19 @@ def test_engine_prepacks_bf16_model_same_tokens(tmp_path, monkeypatch):
     want_mlp = layer0.mlp(hidden)
     monkeypatch.delenv("LLMD_ONEDNN_PREPACK")
     packed = Engine(model, base.tokenizer, EngineConfig(**kw).resolve())
-    assert packed.runner.prepacked_linears == 4 * model.config.num_layers  # qkv, o, gate_up, down
+    n = 4 * model.config.num_layers + 1  # qkv, o, gate_up, down; and the tied head's copy
+    assert packed.runner.prepacked_linears == n
     assert layer0.mlp.down_proj.weight.is_mkldnn and not model.embed_tokens.weight.is_mkldnn
     assert torch.equal(layer0.mlp(hidden), want_mlp)
     assert _greedy(packed, prompts) == want
     again = Engine(model, base.tokenizer, EngineConfig(**kw).resolve())
     assert again.runner.prepacked_linears == 0  # already packed
-    assert f"linears: {4 * model.config.num_layers} bf16 weights prepacked for oneDNN" in again.runtime_summary()
+    assert f"linears: {n} bf16 weights prepacked for oneDNN (the tied LM head's as a copy" in again.runtime_summary()
     from llmd.kernels.native import build
 
     assert ("norms, RoPE, SwiGLU: C" in again.runtime_summary()) == (build.load_glue() is not None)
     assert weights_digest(model) == digest
-    assert prepacked.unpack_model(model) == 4 * model.config.num_layers
+    assert prepacked.unpack_model(model) == n
     assert not layer0.mlp.down_proj.weight.is_mkldnn and torch.equal(layer0.mlp(hidden), want_mlp)
 
 
@@ -130,3 +131,36 @@ def test_tied_lm_head_packed_as_a_copy_under_the_cap(tmp_path, monkeypatch, cap)
     assert weights_digest(model) == digest  # disaggregation's handshake sees the same weights
     prepacked.unpack_model(model)
     assert prepacked.head_copy_bytes(model) == 0 and torch.equal(model.compute_logits(hidden), want)
+
+
+def test_tied_head_without_weight_quant_gets_a_packed_copy(tmp_path):
+    """``--weight-quant none`` with a tied head: :func:`prepack_model` adds a
+    :class:`TiedHeadCopy` (counted, its bytes reported) whose logits equal ``hidden @ table.T``
+    bit for bit at batch and single-row sizes; the state dict and the weights' digest do not
+    change; :func:`unpack_model` removes it. Over the cap, or with a head of its own, none is made."""
+
+    tiny_engine(tmp_path / "t.gguf")
+    model, _ = load_model(str(tmp_path / "t.gguf"), torch.bfloat16, "cpu")
+    assert model.logits_proj is None and model.lm_head is None
+    table = model.embed_tokens.weight
+    keys, digest = set(model.state_dict()), weights_digest(model)
+    hidden = torch.randn(33, model.config.hidden_size).bfloat16()
+    want = [(h @ table.t()).float() for h in (hidden, hidden[:1])]
+    n = prepacked.prepack_model(model)
+    assert isinstance(model.logits_proj, prepacked.TiedHeadCopy) and model.logits_proj.dense.is_mkldnn
+    assert prepacked.head_copy_bytes(model) == table.nbytes and prepacked.packed_count(model) == n
+    assert not table.is_mkldnn
+    assert all(torch.equal(model.compute_logits(h), w) for h, w in zip((hidden, hidden[:1]), want))
+    assert set(model.state_dict()) == keys and weights_digest(model) == digest
+    assert prepacked.prepack_model(model) == 0  # idempotent
+    prepacked.unpack_model(model)
+    assert model.logits_proj is None and prepacked.head_copy_bytes(model) == 0
+    assert torch.equal(model.compute_logits(hidden), want[0])
+
+
+def test_no_tied_head_copy_over_the_cap(tmp_path, monkeypatch):
+    tiny_engine(tmp_path / "t.gguf")
+    model, _ = load_model(str(tmp_path / "t.gguf"), torch.bfloat16, "cpu")
+    monkeypatch.setattr(prepacked, "HEAD_COPY_MAX_BYTES", 0)
+    prepacked.prepack_model(model)
+    assert model.logits_proj is None
