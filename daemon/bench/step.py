@@ -12,7 +12,9 @@ component, each called alone on the same step, so no profiler overhead enters:
 - ``attention``: ``kernels.store_kv`` (told whether the step pads its slots, as the forward
   does) + ``kernels.paged_attention`` for every layer, with the step's real metadata (rebuilt
   by ``prepare_inputs`` before each repetition, untimed, so anything a backend builds once per
-  step is counted) and random q/k/v of the model's shapes;
+  step is counted) and random q/k/v of the model's shapes; where the forward stores K/V inside
+  its RoPE pass (:mod:`llmd.models.glue_forward`), that pass (``cpu_glue.rope_store`` of a random
+  QKV row, RoPE included) stands for ``store_kv``;
 - ``rest``: the forward (``model(...)``) minus linears and attention: embedding, norms, RoPE,
   activations, residuals, and whatever the real projections cost beyond the replay;
 - ``sample``: ``runner.sampler`` on the step's logits (greedy).
@@ -57,7 +59,10 @@ from llmd.daemon.core.config import EngineConfig
 from llmd.daemon.core.errors import LlmdError
 from llmd.daemon.core.outputs import ScheduledRequest, SchedulerOutput
 from llmd.daemon.core.request import Request, SamplingParams
+from llmd.kernels import cpu_glue
+from llmd.models import glue_forward
 from llmd.quant import prepacked
+from llmd.quant.kv import PagedKVCache
 
 
 @dataclass
@@ -236,11 +241,22 @@ def measure(engine, batch: int, context: int, reps: int, probe: BandwidthProbe) 
     q = rand(batch, cfg.num_heads, cfg.head_dim)
     k, v = rand(batch, cfg.num_kv_heads, cfg.head_dim), rand(batch, cfg.num_kv_heads, cfg.head_dim)
     hidden = rand(batch, cfg.hidden_size)
-    metas = lambda: runner.prepare_inputs(out)[2]  # noqa: E731
+    cpu_glue.active = runner.native_glue  # as the runner sets it for its forwards
+    fused_store = glue_forward.why_not(model, runner.layer_caches) is None if hasattr(model, "_glue_ok") else False
+    qkv = rand(batch, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim)
+    metas = lambda: runner.prepare_inputs(out)  # noqa: E731
 
-    def attention(meta):
+    def attention(inputs):
+        meta, positions = inputs[2], inputs[1]
+        ropes = {th: model.rope_cache.lookup(positions, th, dtype) for th in dict.fromkeys(model.rope_thetas)}
         for i, cache in enumerate(runner.layer_caches):
             m = meta[i] if isinstance(meta, list) else meta
+            if fused_store:  # the forward stores K/V inside its RoPE pass (models/glue_forward.py)
+                data = cache.data if isinstance(cache, PagedKVCache) else cache
+                qr = cpu_glue.rope_store(qkv, cfg.num_heads, cfg.num_kv_heads, *ropes[model.rope_thetas[i]], data,
+                                         m.slot_mapping)
+                kernels.paged_attention(qr, cache, m, cfg.softmax_scale, cfg.layer_window(i))
+                continue
             kernels.store_kv(k, v, cache, m.slot_mapping, m.attn_backend, m.slots_padded)
             kernels.paged_attention(q, cache, m, cfg.softmax_scale, cfg.layer_window(i))
 

@@ -2,6 +2,7 @@
 a row per (backend, batch, context), every component time is positive, and the parts do not
 exceed the whole step grossly."""
 
+import pytest
 import torch
 from click.testing import CliRunner
 from tiny_gguf import write_tiny_llama
@@ -72,3 +73,33 @@ def test_each_attention_repetition_pairs_with_the_bandwidth_read_just_before_it(
                     sample=0, step=0.06, kv_bytes=10**8, kv_floor=0.02, cpu_other=0, bandwidth=5e9, attn_ratio=1.25)
     assert attn_ratio(row) == 1.25 and attn_ratio(dataclasses.replace(row, attn_ratio=float("nan"))) == 1.5
     assert "attention 1.25x (met)" in "\n".join(format_table([row]))
+
+
+def test_bench_step_bfloat16_times_the_forwards_own_store(tmp_path, monkeypatch):
+    """On a bfloat16 cpu engine the forward stores K/V inside its RoPE pass
+    (models/glue_forward.py), so the attention component times that pass, not ``store_kv``."""
+    from llmd.daemon.bench.step import run_step_bench
+    from llmd.kernels import cpu_glue
+    from llmd.kernels.native import build
+
+    if build.load_glue() is None:
+        pytest.skip("no C compiler for the native glue")
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256)
+    calls = {"rope_store": 0, "store_kv": 0}
+    real_rope_store = cpu_glue.rope_store
+
+    def counted(*a, **k):
+        calls["rope_store"] += 1
+        return real_rope_store(*a, **k)
+
+    monkeypatch.setattr(cpu_glue, "rope_store", counted)
+    from llmd.daemon.bench import step as step_mod
+
+    real_store = step_mod.kernels.store_kv
+    monkeypatch.setattr(step_mod.kernels, "store_kv", lambda *a, **k: calls.__setitem__("store_kv", 1) or
+                        real_store(*a, **k))
+    rows = run_step_bench(dict(model=str(path), device="cpu", threads=1), ["bfloat16"], ["cpu"], [2], [32], reps=1,
+                          bandwidth_mib=16, echo=lambda s: None)
+    assert len(rows) == 1 and rows[0].attention > 0
+    assert calls["rope_store"] == 2 * 2 and calls["store_kv"] == 0  # 2 layers x (warm-up + 1 repetition)
