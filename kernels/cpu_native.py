@@ -215,3 +215,31 @@ def decode(query: torch.Tensor, cache: PagedKVCache, d: Decodes, scale: float, o
         out.data_ptr(), _Q_CODES[out.dtype], lse.data_ptr() if lse is not None else None, torch.get_num_threads())
     if rc != 0:
         raise ValueError("cpu_native.decode: sizes past the kernel's limits (check supports() first)")
+
+
+def gather_read(cache: PagedKVCache, d: Decodes) -> int:
+    """Read every K and V byte (and 8-bit scale) the decodes ``d`` attend to, through their block
+    tables in this kernel's order, and nothing more (``kernels/native/kv_read.c``): the KV-gather
+    floor ``llmd bench step`` prints. Returns the bytes' wrapped 64-bit sum.
+
+    Raises:
+        ValueError: an int4 or grouped-scale cache, or planes not each contiguous.
+        RuntimeError: the C library is unavailable.
+    """
+    data = cache.data
+    if cache.fmt.k_per_block or cache.fmt.group_size or not planes_contiguous(data):
+        raise ValueError("cpu_native.gather_read: a cache this kernel does not read")
+    scales = cache.scales if cache.fmt.quantized else None
+    if scales is not None and not planes_contiguous(scales):
+        raise ValueError("cpu_native.gather_read: each plane of the cache's scales must be contiguous")
+    lib = build.load_kv_read()
+    if lib is None:
+        raise RuntimeError("cpu_native.gather_read: the C library is unavailable")
+    es = data.element_size()
+    return lib.llmd_kv_gather_read(
+        data.data_ptr(), data.stride(0) * es, data.shape[3] * data.shape[4] * es,
+        scales.data_ptr() if scales is not None else None,
+        scales.stride(0) * scales.element_size() if scales is not None else 0,
+        scales.shape[3] * scales.element_size() if scales is not None else 0, data.shape[2],
+        d.block_tables.data_ptr(), d.block_tables.stride(0), d.table_rows.data_ptr(), d.first.data_ptr(),
+        d.seq_lens.data_ptr(), d.tokens.shape[0], torch.get_num_threads())

@@ -19,6 +19,14 @@ component, each called alone on the same step, so no profiler overhead enters:
   activations, residuals, and whatever the real projections cost beyond the replay;
 - ``sample``: ``runner.sampler`` on the step's logits (greedy).
 
+Beside the floors, the **KV-gather read**: the same K/V bytes read through the step's block tables
+in the decode kernel's order, one block prefetched ahead as the kernel does, summed and nothing
+else (``kernels/native/kv_read.c``), timed just before each attention repetition: ``KV_gth`` its
+median, ``attn/gth`` the median of attention ÷ the gather read before it. It is the read speed
+this machine gives for the paged layout (blocks of 16 slots scattered over the pool) rather than
+for one long stream; on the 2-core Zen 4 (2026-12-06) it ran at 14–22 GB/s while ``x.sum()``
+read 26–48 GB/s, and the bfloat16 decode attention took 1.06–1.15× its time.
+
 The second floor is the KV-read floor: the K/V bytes the step must read (every layer's
 ``context + 1`` tokens, or its sliding window, of every sequence; scales included for int8/fp8
 caches) ÷ this machine's read bandwidth, measured in the same run as the best of several
@@ -86,6 +94,8 @@ class StepTimes:
     cpu_other: float
     bandwidth: float = float("nan")  # bytes/s: median of the probes before each attention (the floor's divisor)
     attn_ratio: float = float("nan")  # median over repetitions of attention / (kv_bytes / the probe just before it)
+    gather: float = float("nan")  # seconds: the KV-gather read (kernels/native/kv_read.c), median; NaN: not measured
+    gather_ratio: float = float("nan")  # median over repetitions of attention / the gather read just before it
 
     @property
     def rest(self) -> float:
@@ -210,18 +220,43 @@ def kv_read_bytes(engine, batch: int, context: int) -> int:
 
 
 def paired_attention(attention: Callable, setup: Callable, reps: int, probe: BandwidthProbe,
-                     device: torch.device) -> tuple[float, float, list[tuple[float, float]]]:
+                     device: torch.device, gather: Callable | None = None) -> tuple[float, float, list[tuple]]:
     """``attention(setup())`` timed ``reps`` times after one warm-up, each right after a bandwidth
-    read (:meth:`BandwidthProbe.read`, untimed, as is ``setup``). Returns (median seconds, median
-    bytes/s, the (seconds, bytes/s) pairs)."""
+    read (:meth:`BandwidthProbe.read`, untimed, as is ``setup``) and, with ``gather``, right after
+    a timed ``gather()`` (the KV-gather read). Returns (median seconds, median bytes/s, the
+    (seconds, bytes/s, gather seconds or NaN) triples)."""
     pairs = []
     for i in range(reps + 1):
         arg = setup()
         bw = probe.read()
+        g = timed(gather, device) if gather is not None else float("nan")
         t = timed(lambda: attention(arg), device)
         if i:
-            pairs.append((t, bw))
-    return statistics.median(t for t, _ in pairs), statistics.median(b for _, b in pairs), pairs
+            pairs.append((t, bw, g))
+    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs), pairs
+
+
+def gather_reader(engine, inputs) -> Callable[[], None] | None:
+    """A callable that reads every K/V byte the decode step of ``inputs`` (``prepare_inputs``'s
+    result) attends to, layer by layer through the step's block tables, and nothing else
+    (:func:`llmd.kernels.cpu_native.gather_read`): the KV-gather floor. None on a GPU, without the
+    C library, or for caches it does not read (int4, grouped scales)."""
+    from llmd.kernels import cpu_attention, cpu_native
+    from llmd.kernels.native import build
+
+    runner, cfg = engine.runner, engine.model_config
+    if runner.device.type != "cpu" or build.load_kv_read() is None:
+        return None
+    meta, group = inputs[2], cfg.num_heads // cfg.num_kv_heads
+    work = []
+    for i, cache in enumerate(runner.layer_caches):
+        c = PagedKVCache.wrap(cache)
+        if c.fmt.k_per_block or c.fmt.group_size:
+            return None
+        m = meta[i] if isinstance(meta, list) else meta
+        d = cpu_attention.build_plan(m, cfg.num_kv_heads, cfg.layer_window(i), group, cascade_ok=False, native=True)
+        work.append((c, d.native))
+    return lambda: [cpu_native.gather_read(c, d) for c, d in work]
 
 
 def measure(engine, batch: int, context: int, reps: int, probe: BandwidthProbe) -> StepTimes:
@@ -271,14 +306,17 @@ def measure(engine, batch: int, context: int, reps: int, probe: BandwidthProbe) 
             lm_head=median_time(lambda: model.compute_logits(hidden), reps, dev),
             forward=median_time(forward, reps, dev, setup=lambda: runner.prepare_inputs(out)),
         )
-        t["attention"], bandwidth, pairs = paired_attention(attention, metas, reps, probe, dev)
+        gather = gather_reader(engine, runner.prepare_inputs(out))
+        t["attention"], bandwidth, pairs = paired_attention(attention, metas, reps, probe, dev, gather)
         logits = runner.compute_logits(out)
         t["sample"] = median_time(lambda: runner.sampler(logits, reqs), reps, dev)
         t["step"] = median_time(lambda: runner.execute(out, reqs), reps, dev)
     nbytes = kv_read_bytes(engine, batch, context)
     return StepTimes(engine.config.dtype, engine.config.attention_backend, batch, context, **t,
                      kv_bytes=nbytes, kv_floor=nbytes / bandwidth, cpu_other=meter.frac(), bandwidth=bandwidth,
-                     attn_ratio=statistics.median(a * b / nbytes for a, b in pairs))
+                     attn_ratio=statistics.median(a * b / nbytes for a, b, _ in pairs),
+                     gather=statistics.median(g for _, _, g in pairs),
+                     gather_ratio=statistics.median(a / g for a, _, g in pairs))
 
 
 def engine_for(model, config: EngineConfig, batch: int, context: int):

@@ -26,9 +26,11 @@ def format_table(rows: list) -> list[str]:
     there, printed in ms), the ratios, and the targets."""
     ref = {(r.dtype, r.batch, r.context): r for r in rows if r.backend == REFERENCE}
     cols = ["prep", "linears", "lm_head", "attn", "rest", "sample", "step", "KV_MB", "KV_flr", "attn/KV", "step/flr",
-            "f/r_step", "f/r_attn", "other%"]
+            "KV_gth", "attn/gth", "f/r_step", "f/r_attn", "other%"]
     lines = ["ms per step; KV_flr = KV bytes read / read bandwidth; attn/KV = median over repetitions of attn / "
              "the KV_flr of the bandwidth read just before it; step/flr = step / (linears + lm_head + KV_flr); "
+             "KV_gth = the same K/V bytes read through the block tables and nothing else; attn/gth = median over "
+             "repetitions of attn / the KV_gth read just before it; "
              f"f/r = this backend / {REFERENCE}; other% = other processes' share of all cores; "
              "GB/s = median of the read bandwidths measured before each attention repetition (KV_flr's divisor)",
              f"{'dtype':<9}{'backend':<8}{'batch':>6}{'ctx':>6}" + "".join(f"{c:>9}" for c in cols) + f"{'GB/s':>7}"]
@@ -36,6 +38,7 @@ def format_table(rows: list) -> list[str]:
         base = ref.get((r.dtype, r.batch, r.context))
         vals = [1e3 * x for x in (r.prep, r.linears, r.lm_head, r.attention, r.rest, r.sample, r.step)]
         vals += [r.kv_bytes / 1e6, 1e3 * r.kv_floor, attn_ratio(r), r.step / r.floor]
+        vals += [1e3 * getattr(r, "gather", float("nan")), getattr(r, "gather_ratio", float("nan"))]
         fr = [r.step / base.step, r.attention / base.attention] if base and r.backend != REFERENCE else None
         lines.append(f"{r.dtype:<9}{r.backend:<8}{r.batch:>6}{r.context:>6}" + "".join(num(v, 9) for v in vals)
                      + ("".join(num(v, 9) for v in fr) if fr else f"{'-':>9}{'-':>9}") + f"{100 * r.cpu_other:>9.0f}"

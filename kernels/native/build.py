@@ -2,7 +2,8 @@
 cpu backend's decode attention, :func:`load`), ``fused_decode.c`` (a whole batch-1 decode step,
 which includes the former for its attention; :func:`load_fused`), ``layer_glue.c`` (a bfloat16
 layer's RMSNorm / RoPE / SwiGLU passes, :func:`load_glue`; one build for every shape) and
-``bf16_scores.c`` (float32 attention scores of bfloat16 queries and keys, :func:`load_scores`).
+``bf16_scores.c`` (float32 attention scores of bfloat16 queries and keys, :func:`load_scores`) and
+``kv_read.c`` (the KV-gather read ``llmd bench step`` times as a floor, :func:`load_kv_read`).
 
 The source ships in the package; the shared object is built on first use on the machine that
 runs it (``-march=native``: the kernel uses whatever vector units this CPU has), once per model
@@ -39,7 +40,8 @@ SOURCE = Path(__file__).with_name("paged_decode.c")
 # fused_decode.c includes paged_decode.c (its attention)
 SOURCES = {"paged_decode": SOURCE, "fused_decode": Path(__file__).with_name("fused_decode.c"),
            "layer_glue": Path(__file__).with_name("layer_glue.c"),  # layer_glue.c includes paged_decode.c too
-           "bf16_scores": Path(__file__).with_name("bf16_scores.c")}
+           "bf16_scores": Path(__file__).with_name("bf16_scores.c"),
+           "kv_read": Path(__file__).with_name("kv_read.c")}
 # headers the sources include (fused_decode.c, paged_decode.c): part of every build's hash
 HEADERS = [Path(__file__).with_name(h) for h in ("fused_avx2.h", "amx_decode.h", "bf16dp_decode.h")]
 # no -ffast-math: with GCC < 13 linking a shared object with it adds crtfastmath.o, whose constructor
@@ -241,3 +243,25 @@ def load_scores() -> ctypes.CDLL | None:
 _scores: dict[str, ctypes.CDLL | None] = {}
 scores_why_not: str | None = None  # why load_scores() found no library
 
+
+
+_kv_read: dict[str, ctypes.CDLL | None] = {}
+
+
+def load_kv_read() -> ctypes.CDLL | None:
+    """The KV-gather read (``kv_read.c``), ``llmd_kv_gather_read`` typed, or None when the C
+    kernels are unavailable (as :func:`load`) or its build failed."""
+    if "lib" not in _kv_read:
+        lib = None
+        if load() is not None:
+            try:
+                lib = ctypes.CDLL(str(_build(_compiler(), FLAGS, "kv_read")))
+                c = ctypes
+                lib.llmd_kv_gather_read.argtypes = [c.c_void_p, c.c_int64, c.c_int64, c.c_void_p, c.c_int64, c.c_int64,
+                                                    c.c_int, c.c_void_p, c.c_int64, c.c_void_p, c.c_void_p, c.c_void_p,
+                                                    c.c_int, c.c_int]
+                lib.llmd_kv_gather_read.restype = c.c_uint64
+            except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
+                log.warning("llmd: the KV-gather read did not build (%s)", e)
+        _kv_read["lib"] = lib
+    return _kv_read["lib"]

@@ -9,7 +9,8 @@ from tiny_gguf import write_tiny_llama
 
 from llmd.daemon.cli.main import main
 
-COLS = ["prep", "linears", "lm_head", "attn", "rest", "sample", "step", "KV_MB", "KV_flr", "attn/KV", "step/flr"]
+COLS = ["prep", "linears", "lm_head", "attn", "rest", "sample", "step", "KV_MB", "KV_flr", "attn/KV", "step/flr",
+        "KV_gth", "attn/gth"]
 
 
 def test_bench_step_tiny(tmp_path):
@@ -26,17 +27,18 @@ def test_bench_step_tiny(tmp_path):
     lines = res.output.splitlines()
     assert lines[0].startswith("llmd bench step: tiny.gguf on cpu, 1 threads")
     head = next(i for i, ln in enumerate(lines) if ln.startswith("dtype"))
-    assert lines[head].split()[4:15] == COLS
+    assert lines[head].split()[4:17] == COLS
     rows = {tuple(ln.split()[:4]): ln.split() for ln in lines[head + 1 : head + 3]}
     assert set(rows) == {("float32", "torch", "2", "32"), ("float32", "cpu", "2", "32")}
     for key, f in rows.items():
-        t = dict(zip(COLS, map(float, f[4:15])))
-        assert all(t[c] > 0 for c in ("prep", "linears", "lm_head", "attn", "sample", "step", "KV_MB", "KV_flr")), key
+        t = dict(zip(COLS, map(float, f[4:17])))
+        assert all(t[c] > 0 for c in ("prep", "linears", "lm_head", "attn", "sample", "step", "KV_MB", "KV_flr",
+                                      "KV_gth", "attn/gth")), key
         # batch x tokens x layers x K,V x heads x dim x bytes
         assert abs(t["KV_MB"] - 2 * 33 * 2 * 2 * 2 * 16 * 4 / 1e6) < 1e-4
         parts = t["prep"] + t["linears"] + t["lm_head"] + t["attn"] + t["sample"]
         assert parts <= 2 * t["step"] + 20, (key, t)  # ms; the slack absorbs a preempted single repetition
-    assert rows[("float32", "cpu", "2", "32")][15] != "-"  # fast / reference ratio printed
+    assert rows[("float32", "cpu", "2", "32")][17] != "-"  # fast / reference ratio printed
     assert lines[head].split()[-1] == "GB/s"  # each row's own bandwidth, its KV_flr's divisor
     for f in rows.values():
         gbs = float(f[-1])
@@ -67,8 +69,12 @@ def test_each_attention_repetition_pairs_with_the_bandwidth_read_just_before_it(
     t, bw, pairs = paired_attention(lambda arg: calls.append(("attn", arg)), lambda: len(calls), 3, Probe(),
                                     torch.device("cpu"))
     kinds = [c[0] for c in calls]
-    assert kinds == ["probe", "attn"] * 4 and [b for _, b in pairs] == [2.0, 3.0, 4.0] and bw == 3.0
+    assert kinds == ["probe", "attn"] * 4 and [p[1] for p in pairs] == [2.0, 3.0, 4.0] and bw == 3.0
     assert all(c[1] == i - 1 for i, c in enumerate(calls) if c[0] == "attn")  # setup ran before the probe
+    calls.clear()
+    paired_attention(lambda arg: calls.append("attn"), lambda: None, 2, Probe(), torch.device("cpu"),
+                     gather=lambda: calls.append("gather"))
+    assert [c if isinstance(c, str) else c[0] for c in calls] == ["probe", "gather", "attn"] * 3  # gather just before
     row = StepTimes("float32", "cpu", 32, 512, prep=0, linears=0.02, lm_head=0.005, attention=0.03, forward=0.05,
                     sample=0, step=0.06, kv_bytes=10**8, kv_floor=0.02, cpu_other=0, bandwidth=5e9, attn_ratio=1.25)
     assert attn_ratio(row) == 1.25 and attn_ratio(dataclasses.replace(row, attn_ratio=float("nan"))) == 1.5
