@@ -106,7 +106,7 @@ def serve(socket_path, host, port, api_key_file, api_key, served_model_name, dra
                            host=host, port=port,
                            drain_timeout=drain_timeout, lock_fd=lock_fd, metrics_compat=metrics_compat,
                            api_key=key if port is not None else None, health_stall_timeout=health_stall_timeout,
-                           kv_transfer=kv_transfer,
+                           kv_transfer=kv_transfer, freeze_gc=True,  # this process is the daemon's own
                            echo=lambda m: click.echo(m, err=True)))
 
 

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import gc
 import logging
 import queue
 import threading
@@ -87,6 +88,18 @@ def _resolve(fut: cf.Future, result=None, exc: BaseException | None = None) -> N
         pass
 
 
+def freeze_startup_heap() -> int:
+    """``gc.collect()`` then ``gc.freeze()``: every object alive once the engine is built (the
+    model, torch, transformers, tokenizers: ~680k tracked objects with SmolLM2) moves to the
+    permanent generation, so a full collection no longer traverses them. Measured on the 2-core
+    Zen 4 (2026-12-06): a full collection in the daemon's process took 171–184 ms before (an
+    inter-token gap of that size for every stream whenever one runs on the engine thread) and
+    under 1 ms after. vLLM's engine core does the same after start-up. Returns the frozen count."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 class EngineLoop:
     """Runs ``engine.step()`` on a background thread while requests are live.
 
@@ -101,8 +114,9 @@ class EngineLoop:
     """
 
     def __init__(self, engine: Engine | Callable[[], Engine], model_id: str = "", snapshot_interval: float = 0.1,
-                 metrics=None):
+                 metrics=None, freeze_gc: bool = False):
         self._factory = None if isinstance(engine, Engine) else engine
+        self.freeze_gc = freeze_gc  # gc.freeze() once the engine is built (the daemon's own process only)
         self.engine: Engine | None = engine if self._factory is None else None
         self.metrics = metrics
         self.ready: cf.Future = cf.Future()  # → the engine, once built (at once for a built one)
@@ -248,7 +262,10 @@ class EngineLoop:
     def _run(self) -> None:
         if self._factory is not None:
             try:
-                self._adopt(self._factory())
+                engine = self._factory()
+                if self.freeze_gc:
+                    freeze_startup_heap()
+                self._adopt(engine)
             except BaseException as e:  # the caller awaiting `ready` reports it
                 self.ready.set_exception(e)
                 return

@@ -145,7 +145,8 @@ async def _until_ready(eloop: EngineLoop, state: ServerState):
 async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[str, ...], *,
                      host: str | None = None, port: int | None = None, drain_timeout: float = 30.0,
                      lock_fd: int | None = None, metrics_compat: str | None = None, api_key: str | None = None,
-                     health_stall_timeout: float = DEFAULT_STALL_TIMEOUT_S, kv_transfer=None, echo=print) -> None:
+                     health_stall_timeout: float = DEFAULT_STALL_TIMEOUT_S, kv_transfer=None, echo=print,
+                     freeze_gc: bool = False) -> None:
     """Serve until SIGTERM/SIGINT or ``POST /v1/shutdown``; then drain and clean up.
 
     Args:
@@ -167,6 +168,9 @@ async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[s
             answers 503 ``stalled`` (``engine_health.py``).
         kv_transfer: a checked :class:`~llmd.daemon.serving.kv_transfer.config.KVTransferConfig`
             (``--kv-role`` producer / consumer), or None.
+        freeze_gc: once a factory has built the engine, ``gc.collect()`` + ``gc.freeze()``
+            (:func:`~llmd.daemon.serving.engine_loop.freeze_startup_heap`); ``llmd serve`` sets it,
+            in-process callers (tests) leave it off.
 
     The socket (and TCP listener) is bound *before* the engine is ready: while it loads on
     its thread, ``/health`` answers 503 ``loading`` (every other route but ``/metrics`` and
@@ -183,7 +187,7 @@ async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[s
         lock_fd = claim_socket(socket_path)
     loop = asyncio.get_running_loop()
     metrics = DaemonMetrics(model_id, metrics_compat)
-    eloop = EngineLoop(engine, model_id, metrics=metrics).start()
+    eloop = EngineLoop(engine, model_id, metrics=metrics, freeze_gc=freeze_gc).start()
     state = ServerState(engine_loop=eloop, model_id=model_id, model_ids=model_ids, vocab_size=0, max_model_len=0,
                         shutdown=asyncio.Event(), metrics=metrics, health_stall_timeout=health_stall_timeout,
                         loaded=False, kv_transfer=kv_transfer)  # filled in once the engine is ready

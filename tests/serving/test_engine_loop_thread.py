@@ -61,3 +61,25 @@ def test_run_server_propagates_the_factory_error_and_removes_the_socket(tmp_path
     with pytest.raises(LlmdError, match="unreadable"):
         asyncio.run(run_server(factory, str(sock), "x", ("x",), echo=lambda m: None))
     assert not sock.exists()
+
+
+def test_freeze_gc_freezes_the_startup_heap_once_the_engine_is_built(tmp_path):
+    """``llmd serve``'s loop (``freeze_gc=True``) moves everything alive after the engine is built
+    into the permanent generation, so a full collection skips it; the default leaves the heap
+    alone. (The frozen objects are thawed afterwards: this is the test runner's process.)"""
+    import gc
+
+    gc.unfreeze()
+    plain = EngineLoop(lambda: tiny_engine(tmp_path / "a.gguf"), "tiny").start()
+    try:
+        plain.ready.result(timeout=60)
+        assert gc.get_freeze_count() == 0
+    finally:
+        plain.stop()
+    loop = EngineLoop(lambda: tiny_engine(tmp_path / "b.gguf"), "tiny", freeze_gc=True).start()
+    try:
+        engine = loop.ready.result(timeout=60)
+        assert gc.get_freeze_count() > 1000 and loop.engine is engine
+    finally:
+        loop.stop()
+        gc.unfreeze()
