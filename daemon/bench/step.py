@@ -24,8 +24,8 @@ in the decode kernel's order, one block prefetched ahead as the kernel does, sum
 else (``kernels/native/kv_read.c``), timed just before each attention repetition: ``KV_gth`` its
 median, ``attn/gth`` the median of attention ÷ the gather read before it. It is the read speed
 this machine gives for the paged layout (blocks of 16 slots scattered over the pool) rather than
-for one long stream; on the 2-core Zen 4 (2026-12-06) it ran at 14–22 GB/s while ``x.sum()``
-read 26–48 GB/s, and the bfloat16 decode attention took 1.06–1.15× its time.
+for one long stream; on the 2-core Zen 4 (2026-12-06) it ran at 14–26 GB/s while ``x.sum()``
+read 26–48 GB/s, and the bfloat16 decode attention took 1.06–1.32× its time.
 
 The second floor is the KV-read floor: the K/V bytes the step must read (every layer's
 ``context + 1`` tokens, or its sliding window, of every sequence; scales included for int8/fp8
@@ -37,7 +37,11 @@ repetitions of each attention time ÷ the floor of the bandwidth read just befor
 machine the bandwidth can swing ~2× within minutes (seen on 2026-12-03: 7.7 to 18.4 GB/s in one
 hour; on 2026-12-06, with ``x.sum()`` steady, attention alone took 16 or 22 ms a few minutes
 apart), so only a probe taken back to back with each timed attention divides by the same machine
-phase.
+phase. For the same reason ``step/flr`` is paired too (:func:`paired_step`): each repetition reads
+the bandwidth, then times the linears' replay, the LM head and the whole step back to back, and
+the ratio is the median of step ÷ (linears + lm_head + KV bytes ÷ that bandwidth) over the
+repetitions (on 2026-12-06 the same linears took 23.5 and 41.2 ms in runs a minute apart, and a
+ratio of medians then printed 0.98×).
 
 The KV state is built without the scheduler or the KV manager (their state is untouched): each
 sequence gets distinct block ids drawn without replacement from a seeded shuffle of the pool
@@ -55,13 +59,21 @@ import gc
 import os
 import random
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from llmd import kernels
+from llmd.daemon.bench.step_pairs import (  # noqa: F401 (re-exported: the bench's helpers)
+    BandwidthProbe,
+    CpuOther,
+    gather_reader,
+    median_time,
+    paired_attention,
+    paired_step,
+    timed,
+)
 from llmd.daemon.bench.step_report import format_table
 from llmd.daemon.core.config import EngineConfig
 from llmd.daemon.core.errors import LlmdError
@@ -96,6 +108,7 @@ class StepTimes:
     attn_ratio: float = float("nan")  # median over repetitions of attention / (kv_bytes / the probe just before it)
     gather: float = float("nan")  # seconds: the KV-gather read (kernels/native/kv_read.c), median; NaN: not measured
     gather_ratio: float = float("nan")  # median over repetitions of attention / the gather read just before it
+    step_ratio: float = float("nan")  # median over repetitions of step / (its linears + lm_head + KV floor)
 
     @property
     def rest(self) -> float:
@@ -105,67 +118,6 @@ class StepTimes:
     def floor(self) -> float:
         """linears + lm_head + KV-read floor (seconds)."""
         return self.linears + self.lm_head + self.kv_floor
-
-
-class CpuOther:
-    """Share of all cores used by *other* processes between start and :meth:`frac` (Linux
-    ``/proc/stat`` busy ticks minus this process's ``os.times``); NaN where /proc is absent."""
-
-    def __init__(self):
-        self.t0, self.busy0, self.own0 = time.monotonic(), self._busy(), self._own()
-
-    @staticmethod
-    def _busy() -> float:
-        try:
-            with open("/proc/stat") as f:
-                v = [int(x) for x in f.readline().split()[1:9]]
-        except OSError:
-            return float("nan")
-        return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # seconds busy, all cores
-
-    @staticmethod
-    def _own() -> float:
-        t = os.times()
-        return t.user + t.system
-
-    def frac(self) -> float:
-        wall = max(1e-9, time.monotonic() - self.t0)
-        other = (self._busy() - self.busy0) - (self._own() - self.own0)
-        return max(0.0, other / (wall * (os.cpu_count() or 1)))
-
-
-class BandwidthProbe:
-    """Read bandwidth of ``device``: ``x.sum()`` over a ``mib``-MiB float32 tensor, allocated
-    and filled once (:meth:`read` reuses it)."""
-
-    def __init__(self, device: torch.device, mib: int = 512):
-        self.device = device
-        self.x = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device=device)
-        self.x.sum()
-
-    def read(self, tries: int = 2) -> float:
-        """Best of ``tries`` sums; bytes/s."""
-        best = min(timed(lambda: self.x.sum(), self.device) for _ in range(tries))
-        return self.x.numel() * 4 / best
-
-
-def timed(fn: Callable[[], object], device: torch.device) -> float:
-    """Seconds one call of ``fn`` takes (synchronizing CUDA around it)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - t0
-
-
-def median_time(fn: Callable, reps: int, device: torch.device, setup: Callable | None = None) -> float:
-    """Median seconds of ``reps`` calls after one warm-up; ``setup()`` (untimed) feeds ``fn``."""
-    ts = []
-    for _ in range(reps + 1):
-        arg = setup() if setup else None
-        ts.append(timed((lambda: fn(arg)) if setup else fn, device))
-    return statistics.median(ts[1:])
 
 
 def first_kept(group, context: int, block_size: int) -> int:
@@ -219,49 +171,10 @@ def kv_read_bytes(engine, batch: int, context: int) -> int:
     return int(batch * tokens * per_layer_token)
 
 
-def paired_attention(attention: Callable, setup: Callable, reps: int, probe: BandwidthProbe,
-                     device: torch.device, gather: Callable | None = None) -> tuple[float, float, list[tuple]]:
-    """``attention(setup())`` timed ``reps`` times after one warm-up, each right after a bandwidth
-    read (:meth:`BandwidthProbe.read`, untimed, as is ``setup``) and, with ``gather``, right after
-    a timed ``gather()`` (the KV-gather read). Returns (median seconds, median bytes/s, the
-    (seconds, bytes/s, gather seconds or NaN) triples)."""
-    pairs = []
-    for i in range(reps + 1):
-        arg = setup()
-        bw = probe.read()
-        g = timed(gather, device) if gather is not None else float("nan")
-        t = timed(lambda: attention(arg), device)
-        if i:
-            pairs.append((t, bw, g))
-    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs), pairs
-
-
-def gather_reader(engine, inputs) -> Callable[[], None] | None:
-    """A callable that reads every K/V byte the decode step of ``inputs`` (``prepare_inputs``'s
-    result) attends to, layer by layer through the step's block tables, and nothing else
-    (:func:`llmd.kernels.cpu_native.gather_read`): the KV-gather floor. None on a GPU, without the
-    C library, or for caches it does not read (int4, grouped scales)."""
-    from llmd.kernels import cpu_attention, cpu_native
-    from llmd.kernels.native import build
-
-    runner, cfg = engine.runner, engine.model_config
-    if runner.device.type != "cpu" or build.load_kv_read() is None:
-        return None
-    meta, group = inputs[2], cfg.num_heads // cfg.num_kv_heads
-    work = []
-    for i, cache in enumerate(runner.layer_caches):
-        c = PagedKVCache.wrap(cache)
-        if c.fmt.k_per_block or c.fmt.group_size:
-            return None
-        m = meta[i] if isinstance(meta, list) else meta
-        d = cpu_attention.build_plan(m, cfg.num_kv_heads, cfg.layer_window(i), group, cascade_ok=False, native=True)
-        work.append((c, d.native))
-    return lambda: [cpu_native.gather_read(c, d) for c, d in work]
-
-
 def measure(engine, batch: int, context: int, reps: int, probe: BandwidthProbe) -> StepTimes:
     """Time one decode step of ``batch`` sequences × ``context`` cached tokens, by component
-    (the attention paired with bandwidth reads: :func:`paired_attention`)."""
+    (the attention paired with bandwidth reads: :func:`paired_attention`; the step with its floor's
+    components: :func:`paired_step`)."""
     runner, model, cfg = engine.runner, engine.runner.model, engine.model_config
     dev, dtype = runner.device, next(model.parameters()).dtype
     out, reqs = decode_step(engine, batch, context)
@@ -299,10 +212,14 @@ def measure(engine, batch: int, context: int, reps: int, probe: BandwidthProbe) 
         ids, pos, meta, _ = inputs
         runner.forward(ids, pos, meta)  # with the runner's choice of the C layer glue
 
+    def replay():
+        return [prepacked.linear(acts[w.shape[1]], w) for w in weights]
+
+    nbytes = kv_read_bytes(engine, batch, context)
     with torch.inference_mode():
         t = dict(
             prep=median_time(lambda: runner.prepare_inputs(out), reps, dev),
-            linears=median_time(lambda: [prepacked.linear(acts[w.shape[1]], w) for w in weights], reps, dev),
+            linears=median_time(replay, reps, dev),
             lm_head=median_time(lambda: model.compute_logits(hidden), reps, dev),
             forward=median_time(forward, reps, dev, setup=lambda: runner.prepare_inputs(out)),
         )
@@ -311,12 +228,13 @@ def measure(engine, batch: int, context: int, reps: int, probe: BandwidthProbe) 
         logits = runner.compute_logits(out)
         t["sample"] = median_time(lambda: runner.sampler(logits, reqs), reps, dev)
         t["step"] = median_time(lambda: runner.execute(out, reqs), reps, dev)
-    nbytes = kv_read_bytes(engine, batch, context)
+        step_ratio, _ = paired_step(lambda: runner.execute(out, reqs), replay, lambda: model.compute_logits(hidden),
+                                    probe, nbytes, reps, dev)
     return StepTimes(engine.config.dtype, engine.config.attention_backend, batch, context, **t,
                      kv_bytes=nbytes, kv_floor=nbytes / bandwidth, cpu_other=meter.frac(), bandwidth=bandwidth,
                      attn_ratio=statistics.median(a * b / nbytes for a, b, _ in pairs),
                      gather=statistics.median(g for _, _, g in pairs),
-                     gather_ratio=statistics.median(a / g for a, _, g in pairs))
+                     gather_ratio=statistics.median(a / g for a, _, g in pairs), step_ratio=step_ratio)
 
 
 def engine_for(model, config: EngineConfig, batch: int, context: int):

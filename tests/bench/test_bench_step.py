@@ -109,3 +109,42 @@ def test_bench_step_bfloat16_times_the_forwards_own_store(tmp_path, monkeypatch)
                           bandwidth_mib=16, echo=lambda s: None)
     assert len(rows) == 1 and rows[0].attention > 0
     assert calls["rope_store"] == 2 * 2 and calls["store_kv"] == 0  # 2 layers x (warm-up + 1 repetition)
+
+
+def test_the_step_ratio_pairs_the_step_with_its_own_floor(monkeypatch):
+    """paired_step: per repetition a bandwidth read, then the linears, the LM head and the step,
+    back to back; the warm-up is dropped and the ratio is the median of the per-repetition
+    ratios, so one repetition in a slower phase (every component 3x) moves nothing; the table
+    prints it."""
+    import dataclasses
+
+    import llmd.daemon.bench.step_pairs as sp
+    from llmd.daemon.bench.step import StepTimes, paired_step
+    from llmd.daemon.bench.step_report import format_table, step_ratio
+
+    calls, clock, phases = [], [0.0], iter([1, 1, 3, 1])  # the warm-up, then three repetitions
+    phase = [1]
+
+    class Probe:
+        def read(self):
+            calls.append("probe")
+            phase[0] = next(phases)
+            return 1e9  # bytes/s: 10 MB of KV read in 0.01 s
+
+    def op(name, seconds):
+        def run():
+            calls.append(name)
+            clock[0] += seconds * phase[0]
+        return run
+
+    monkeypatch.setattr(sp.time, "perf_counter", lambda: clock[0])
+    ratio, rows = paired_step(op("step", 0.05), op("linears", 0.02), op("lm_head", 0.005), Probe(), 10**7, 3,
+                              torch.device("cpu"))
+    assert calls == ["probe", "linears", "lm_head", "step"] * 4 and len(rows) == 3
+    assert [round(st / (lin + head + 10**7 / bw), 4) for st, lin, head, bw in rows] == [1.4286, 1.7647, 1.4286]
+    assert abs(ratio - 0.05 / 0.035) < 1e-9
+    row = StepTimes("bfloat16", "cpu", 32, 512, prep=0, linears=0.02, lm_head=0.005, attention=0.03, forward=0.05,
+                    sample=0, step=0.06, kv_bytes=10**8, kv_floor=0.02, cpu_other=0, bandwidth=5e9, step_ratio=1.25)
+    assert step_ratio(row) == 1.25
+    assert abs(step_ratio(dataclasses.replace(row, step_ratio=float("nan"))) - 0.06 / 0.045) < 1e-12
+    assert "step 1.25x (met)" in "\n".join(format_table([row]))
