@@ -271,6 +271,9 @@ def run_step_bench(engine_kw: dict, dtypes: list[str], backends: list[str], batc
     base = EngineConfig(**{**engine_kw, "dtype": None, "attention_backend": None, "kv_cache_memory": None}).resolve()
     if hasattr(base, "apply_threads"):
         base.apply_threads()  # --threads, before the bandwidth probe (each engine applies it again)
+    if base.kv_format.k_per_block:
+        raise LlmdError(f"llmd bench step does not take --kv-cache-dtype {base.kv_cache_dtype}: its open-block "
+                        "residual slots come from the KV manager, which this bench bypasses")
     dev = torch.device(base.device)
     path = resolve_model(base.model)
     model_cfg = load_config(path)

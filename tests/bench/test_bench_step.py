@@ -148,3 +148,13 @@ def test_the_step_ratio_pairs_the_step_with_its_own_floor(monkeypatch):
     assert step_ratio(row) == 1.25
     assert abs(step_ratio(dataclasses.replace(row, step_ratio=float("nan"))) - 0.06 / 0.045) < 1e-12
     assert "step 1.25x (met)" in "\n".join(format_table([row]))
+
+
+def test_bench_step_refuses_int4_in_one_line(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256)
+    res = CliRunner().invoke(main, ["bench", "step", "--model", str(path), "--batch", "2", "--context", "32",
+                                    "--reps", "1", "--kv-cache-dtype", "int4"])
+    assert res.exit_code != 0
+    assert res.output.strip().splitlines()[-1].startswith("llmd: error: llmd bench step does not take "
+                                                          "--kv-cache-dtype int4")
