@@ -95,26 +95,13 @@ def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: 
     h = cpu_glue.rms_norm(res, norm.weight, norm.eps)  # checks res: contiguous bfloat16 [T, hidden]
     if lib is None or h is None or not res.is_contiguous():
         raise RuntimeError("glue_forward: the glue library or the embedding's layout went away")
-    ropes = {}
-    for th in dict.fromkeys(model.rope_thetas):
-        cos, sin = (c[:, 0] for c in model.rope_cache.lookup(positions, th, res.dtype))  # [T, d] rows
-        if cos.shape != (t, d) or sin.shape != (t, d) or cos.stride(1) != 1 or sin.stride(1) != 1:
-            raise RuntimeError("glue_forward: RoPE tables not [T, 1, head_dim] with contiguous rows")
-        ropes[th] = (cos.data_ptr(), cos.stride(0), sin.data_ptr(), sin.stride(0), cos, sin)
+    ropes = rope_rows(model, positions, t)
     layers = model.layers
     for i, (layer, cache) in enumerate(zip(layers, kv_caches)):
         m = meta[i] if isinstance(meta, list) else meta
         attn, mlp = layer.self_attn, layer.mlp
-        data = cache.data if isinstance(cache, PagedKVCache) else cache
-        slots = m.slot_mapping
-        if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.shape[0] != t:
-            raise RuntimeError("glue_forward: the slot mapping is not contiguous int64 [T]")
-        cp, cs, sp, ss, _, _ = ropes[model.rope_thetas[i]]
         qkv = _rows_of(attn.qkv_proj.forward(h), t, width)
-        q = torch.empty((t, heads, d), dtype=torch.bfloat16)
-        lib.llmd_rope_store_bf16(qkv.data_ptr(), width, t, heads, kv_heads, d, cp, cs, sp, ss, q.data_ptr(),
-                                 data.data_ptr(), data.stride(0), slots.data_ptr(), threads)
-        o = kernels.paged_attention(q, cache, m, attn.scale, attn.sliding_window)
+        o = attention(lib, threads, cfg, attn, qkv, ropes[model.rope_thetas[i]], cache, m)
         y = _rows_of(attn.o_proj.forward(o.view(t, heads * d)), t, hidden)
         norm = layer.post_attention_layernorm
         h = torch.empty((t, hidden), dtype=torch.bfloat16)
@@ -129,6 +116,40 @@ def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: 
         lib.llmd_add_rms_norm_bf16(y.data_ptr(), hidden, res.data_ptr(), norm.weight.data_ptr(), t, hidden, norm.eps,
                                    h.data_ptr(), threads)
     return h
+
+
+def rope_rows(model, positions: torch.Tensor, t: int) -> dict:
+    """Per RoPE base of ``model``: ``(cos pointer, its row stride, sin pointer, its row stride,
+    cos, sin)`` of the step's ``[T, head_dim]`` table rows (:class:`RopeCache`; the tensors kept
+    so the pointers stay valid). Raises RuntimeError if the rows are not contiguous."""
+    ropes, d = {}, model.config.head_dim
+    for th in dict.fromkeys(model.rope_thetas):
+        cos, sin = (c[:, 0] for c in model.rope_cache.lookup(positions, th, torch.bfloat16))  # [T, d] rows
+        if cos.shape != (t, d) or sin.shape != (t, d) or cos.stride(1) != 1 or sin.stride(1) != 1:
+            raise RuntimeError("glue_forward: RoPE tables not [T, 1, head_dim] with contiguous rows")
+        ropes[th] = (cos.data_ptr(), cos.stride(0), sin.data_ptr(), sin.stride(0), cos, sin)
+    return ropes
+
+
+def attention(lib, threads: int, cfg, attn, qkv: torch.Tensor, rope: tuple, cache, meta: AttentionMetadata):
+    """One layer's attention from its QKV projection ``qkv [T, (heads + 2 kv_heads) · head_dim]``
+    (contiguous bfloat16): RoPE of Q and K with the K/V store in one pass
+    (``llmd_rope_store_bf16``), then ``kernels.paged_attention`` over ``cache``. ``rope``: this
+    layer's entry of :func:`rope_rows`. Returns ``[T, heads, head_dim]`` bfloat16. What ``llmd
+    bench step`` times as the attention of a step this forward runs.
+
+    Raises:
+        RuntimeError: a slot mapping that is not contiguous int64 ``[T]``.
+    """
+    t, heads, kv_heads, d = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    data = cache.data if isinstance(cache, PagedKVCache) else cache
+    slots = meta.slot_mapping
+    if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.shape[0] != t:
+        raise RuntimeError("glue_forward: the slot mapping is not contiguous int64 [T]")
+    q = torch.empty((t, heads, d), dtype=torch.bfloat16)
+    lib.llmd_rope_store_bf16(qkv.data_ptr(), qkv.shape[1], t, heads, kv_heads, d, *rope[:4], q.data_ptr(),
+                             data.data_ptr(), data.stride(0), slots.data_ptr(), threads)
+    return kernels.paged_attention(q, cache, meta, attn.scale, attn.sliding_window)
 
 
 def _rows_of(y: torch.Tensor, t: int, n: int) -> torch.Tensor:

@@ -13,8 +13,9 @@ component, each called alone on the same step, so no profiler overhead enters:
   does) + ``kernels.paged_attention`` for every layer, with the step's real metadata (rebuilt
   by ``prepare_inputs`` before each repetition, untimed, so anything a backend builds once per
   step is counted) and random q/k/v of the model's shapes; where the forward stores K/V inside
-  its RoPE pass (:mod:`llmd.models.glue_forward`), that pass (``cpu_glue.rope_store`` of a random
-  QKV row, RoPE included) stands for ``store_kv``;
+  its RoPE pass (:mod:`llmd.models.glue_forward`), the forward's own attention block
+  (:func:`llmd.models.glue_forward.attention`: that pass on a random QKV row, RoPE included, then
+  the same ``paged_attention``);
 - ``rest``: the forward (``model(...)``) minus linears and attention: embedding, norms, RoPE,
   activations, residuals, and whatever the real projections cost beyond the replay;
 - ``sample``: ``runner.sampler`` on the step's logits (greedy).
@@ -80,9 +81,9 @@ from llmd.daemon.core.errors import LlmdError
 from llmd.daemon.core.outputs import ScheduledRequest, SchedulerOutput
 from llmd.daemon.core.request import Request, SamplingParams
 from llmd.kernels import cpu_glue
+from llmd.kernels.native import build
 from llmd.models import glue_forward
 from llmd.quant import prepacked
-from llmd.quant.kv import PagedKVCache
 
 
 @dataclass
@@ -192,18 +193,17 @@ def measure(engine, batch: int, context: int, reps: int, probe: BandwidthProbe) 
     cpu_glue.active = runner.native_glue  # as the runner sets it for its forwards
     fused_store = glue_forward.why_not(model, runner.layer_caches) is None if hasattr(model, "_glue_ok") else False
     qkv = rand(batch, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim)
+    glue, threads = build.load_glue(), torch.get_num_threads()
     metas = lambda: runner.prepare_inputs(out)  # noqa: E731
 
     def attention(inputs):
         meta, positions = inputs[2], inputs[1]
-        ropes = {th: model.rope_cache.lookup(positions, th, dtype) for th in dict.fromkeys(model.rope_thetas)}
+        ropes = glue_forward.rope_rows(model, positions, batch) if fused_store else None
         for i, cache in enumerate(runner.layer_caches):
             m = meta[i] if isinstance(meta, list) else meta
-            if fused_store:  # the forward stores K/V inside its RoPE pass (models/glue_forward.py)
-                data = cache.data if isinstance(cache, PagedKVCache) else cache
-                qr = cpu_glue.rope_store(qkv, cfg.num_heads, cfg.num_kv_heads, *ropes[model.rope_thetas[i]], data,
-                                         m.slot_mapping)
-                kernels.paged_attention(qr, cache, m, cfg.softmax_scale, cfg.layer_window(i))
+            if fused_store:  # the forward's own attention block: K/V stored inside its RoPE pass
+                glue_forward.attention(glue, threads, cfg, model.layers[i].self_attn, qkv,
+                                       ropes[model.rope_thetas[i]], cache, m)
                 continue
             kernels.store_kv(k, v, cache, m.slot_mapping, m.attn_backend, m.slots_padded)
             kernels.paged_attention(q, cache, m, cfg.softmax_scale, cfg.layer_window(i))
