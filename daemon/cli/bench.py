@@ -273,7 +273,8 @@ def step_engine_options(fn):
 @one_line_errors
 def bench_step(batch, context, dtypes, backends, reps, bandwidth_mib, **engine_kw):
     """Per-step time of decode steps split into preparation, linears, lm_head, attention and
-    sampling, beside the linears-only and KV-read floors (the KV pool is sized to fit)."""
+    sampling, beside the linears-only and KV-read floors and the KV-gather read (the KV pool is
+    sized to fit; every --kv-cache-dtype but int4, whose residual slots need the KV manager)."""
     from llmd.daemon.bench.step import run_step_bench
 
     if engine_kw.get("weight_quant") not in (None, "auto", "none"):
