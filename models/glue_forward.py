@@ -18,8 +18,8 @@ Numerics: the same ops in the same order with the same roundings as the generic 
 glue (bfloat16 add rounded once, the same norm, RoPE and SwiGLU passes, the same attention call),
 so the outputs are identical bit for bit (``tests/models/test_glue_forward.py``). Measured
 alternately in one process (SmolLM2, decode steps over 512 cached tokens, 2-core Zen 4,
-2026-12-06): the forward takes 0.90× the generic one's time at batch 32 (52.4 vs 56.6 ms) and at
-batch 8 (22.7 vs 25.3 ms).
+2026-12-06): the forward takes 0.90–0.92× the generic one's time at batch 32 (52.4 vs 56.6 ms;
+53.4 vs 57.6) and 0.90× at batch 8 (22.7 vs 25.3 ms; 21.1 vs 23.8).
 
 It serves a forward when :func:`why_not` is None: a :class:`LlamaForCausalLM` (not a subclass with
 its own layer forward, no per-head Q/K norm), bfloat16 weights, SiLU MLPs, the CPU, and every
