@@ -9,21 +9,30 @@
  * that block (row_bytes each, contiguous), then the V rows kv_plane bytes further, then, if
  * scale_bytes > 0, the K and V scale rows (scale_bytes each, scale_plane bytes apart) at
  * `scales`; the next block's K and V rows are prefetched into L2 first (prefetcht1, as the decode
- * kernel does one block ahead). Every 64-byte line is loaded whole (eight 8-byte lanes added), so the sum cannot be
- * computed without reading it. Returns the wrapped 64-bit sum (to keep the loads live).
+ * kernel does one block ahead). Every 64-byte line is loaded whole (its eight 8-byte words
+ * added), so the sum cannot be computed without reading it. Returns the wrapped 64-bit sum (to
+ * keep the loads live).
  */
 #include <stdint.h>
 #include <string.h>
 
-typedef uint64_t v8 __attribute__((vector_size(64)));
+/* One vector register of 64-bit lanes: a zmm with AVX-512, else a ymm (a 64-byte GCC vector on an
+ * AVX2-only CPU goes through the stack: see paged_decode.c's VL). */
+#if defined(__AVX512F__)
+#define VW 64
+#else
+#define VW 32
+#endif
+typedef uint64_t vw __attribute__((vector_size(VW)));
 
-static inline v8 sum_bytes(const char *p, int64_t n, v8 acc) {
+static inline vw sum_bytes(const char *p, int64_t n, vw acc) {
     int64_t b = 0;
-    for (; b + 64 <= n; b += 64) {
-        v8 x;
-        memcpy(&x, p + b, 64);
-        acc += x;
-    }
+    for (; b + 64 <= n; b += 64)
+        for (int h = 0; h < 64; h += VW) {
+            vw x;
+            memcpy(&x, p + b + h, VW);
+            acc += x;
+        }
     for (; b < n; b++) acc[0] += (unsigned char)p[b];
     return acc;
 }
@@ -36,7 +45,7 @@ uint64_t llmd_kv_gather_read(const char *kv, int64_t kv_plane, int64_t row_bytes
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(+ : total)
     for (int i = 0; i < num_decodes; i++) {
         const int32_t *table = block_tables + table_rows[i] * bt_stride;
-        v8 acc = {0};
+        vw acc = {0};
         for (int64_t pos = first[i]; pos < seq_lens[i];) {
             const int64_t off = pos % block_size;
             const int64_t n = block_size - off < seq_lens[i] - pos ? block_size - off : seq_lens[i] - pos;
@@ -58,7 +67,7 @@ uint64_t llmd_kv_gather_read(const char *kv, int64_t kv_plane, int64_t row_bytes
             }
             pos += n;
         }
-        for (int k = 0; k < 8; k++) total += acc[k];
+        for (int k = 0; k < VW / 8; k++) total += acc[k];
     }
     return total;
 }
