@@ -191,7 +191,7 @@ def measure(engine, batch: int, context: int, reps: int, probe: BandwidthProbe) 
     k, v = rand(batch, cfg.num_kv_heads, cfg.head_dim), rand(batch, cfg.num_kv_heads, cfg.head_dim)
     hidden = rand(batch, cfg.hidden_size)
     cpu_glue.active = runner.native_glue  # as the runner sets it for its forwards
-    fused_store = glue_forward.why_not(model, runner.layer_caches) is None if hasattr(model, "_glue_ok") else False
+    fused_store = glue_forward.why_not(model, runner.layer_caches) is None  # the forward runs glue_forward
     qkv = rand(batch, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim)
     glue, threads = build.load_glue(), torch.get_num_threads()
     metas = lambda: runner.prepare_inputs(out)  # noqa: E731
