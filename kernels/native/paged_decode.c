@@ -187,20 +187,28 @@ static inline vf expv(vf x) {
  * x[k] with key KEYMAP[k]'s partial sums, so lane j is key j). A transpose-and-add tree: VL - 1
  * vector adds and 2 (VL - 1) shuffles for VL dot products instead of VL horizontal sums. */
 #if VL == 16
-static const int KEYMAP[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+static const int KEYMAP[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+/* The tree's four steps (each halves the partial sums per key; adjacent slots pair up), all lane
+ * shuffles with immediates: 128-bit blocks for the first two, in-block for the last two. */
+static inline vf red1(vf a, vf b) {
+    return (vf)_mm512_add_ps(_mm512_shuffle_f32x4((__m512)a, (__m512)b, 0x44), _mm512_shuffle_f32x4((__m512)a, (__m512)b, 0xEE));
+}
+static inline vf red2(vf a, vf b) {
+    return (vf)_mm512_add_ps(_mm512_shuffle_f32x4((__m512)a, (__m512)b, 0x88), _mm512_shuffle_f32x4((__m512)a, (__m512)b, 0xDD));
+}
+static inline vf red3(vf a, vf b) {
+    return (vf)_mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd((__m512)a), _mm512_castps_pd((__m512)b))),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd((__m512)a), _mm512_castps_pd((__m512)b))));
+}
+static inline vf red4(vf a, vf b) {
+    return (vf)_mm512_add_ps(_mm512_shuffle_ps((__m512)a, (__m512)b, 0x88), _mm512_shuffle_ps((__m512)a, (__m512)b, 0xDD));
+}
 static inline vf reducev(const vf *x) {
     vf u[8], v[4], w[2];
-    for (int i = 0; i < 8; i++)
-        u[i] = __builtin_shufflevector(x[i], x[i + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
-             + __builtin_shufflevector(x[i], x[i + 8], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    for (int i = 0; i < 4; i++)
-        v[i] = __builtin_shufflevector(u[i], u[i + 4], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
-             + __builtin_shufflevector(u[i], u[i + 4], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-    for (int i = 0; i < 2; i++)
-        w[i] = __builtin_shufflevector(v[i], v[i + 2], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
-             + __builtin_shufflevector(v[i], v[i + 2], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-    return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
-         + __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    for (int i = 0; i < 8; i++) u[i] = red1(x[2 * i], x[2 * i + 1]);
+    for (int i = 0; i < 4; i++) v[i] = red2(u[2 * i], u[2 * i + 1]);
+    for (int i = 0; i < 2; i++) w[i] = red3(v[2 * i], v[2 * i + 1]);
+    return red4(w[0], w[1]);
 }
 #else
 static const int KEYMAP[8] = {0, 1, 2, 3, 4, 5, 6, 7};
