@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from llmd import kernels
-from llmd.kernels import AttentionMetadata, cpu_glue
+from llmd.kernels import AttentionMetadata, cpu_attention, cpu_glue
 from llmd.kernels.native import build
 from llmd.models.layers import RMSNorm
 from llmd.quant.kv import PagedKVCache, planes_contiguous
@@ -134,8 +134,9 @@ def rope_rows(model, positions: torch.Tensor, t: int) -> dict:
 def attention(lib, threads: int, cfg, attn, qkv: torch.Tensor, rope: tuple, cache, meta: AttentionMetadata):
     """One layer's attention from its QKV projection ``qkv [T, (heads + 2 kv_heads) · head_dim]``
     (contiguous bfloat16): RoPE of Q and K with the K/V store in one pass
-    (``llmd_rope_store_bf16``), then ``kernels.paged_attention`` over ``cache``. ``rope``: this
-    layer's entry of :func:`rope_rows`. Returns ``[T, heads, head_dim]`` bfloat16. What ``llmd
+    (``llmd_rope_store_bf16``), then ``kernels.paged_attention`` over ``cache`` (for a step of
+    decodes only, the C kernel's call bound to the step once: :func:`cpu_attention.decode_call`).
+    ``rope``: this layer's entry of :func:`rope_rows`. Returns ``[T, heads, head_dim]`` bfloat16. What ``llmd
     bench step`` times as the attention of a step this forward runs.
 
     Raises:
@@ -149,6 +150,10 @@ def attention(lib, threads: int, cfg, attn, qkv: torch.Tensor, rope: tuple, cach
     q = torch.empty((t, heads, d), dtype=torch.bfloat16)
     lib.llmd_rope_store_bf16(qkv.data_ptr(), qkv.shape[1], t, heads, kv_heads, d, *rope[:4], q.data_ptr(),
                              data.data_ptr(), data.stride(0), slots.data_ptr(), threads)
+    if meta.attn_backend == "cpu":  # a decode-only step: the C kernel's call bound once for all layers
+        call = cpu_attention.decode_call(meta, cache, heads, torch.bfloat16, attn.scale, attn.sliding_window)
+        if call is not None:
+            return call(q, data)
     return kernels.paged_attention(q, cache, meta, attn.scale, attn.sliding_window)
 
 
