@@ -54,7 +54,7 @@ import torch
 
 from llmd.kernels import cpu_cascade, cpu_decode_one, cpu_native, cpu_scores
 from llmd.kernels.metadata import AttentionMetadata, workspace_buffer
-from llmd.quant.kv import SCALE_FLOOR, PagedKVCache
+from llmd.quant.kv import SCALE_FLOOR, PagedKVCache, planes_contiguous
 
 
 @dataclass
@@ -262,17 +262,17 @@ SMALL_DECODE = 4
 def decode_call(meta: AttentionMetadata, cache: torch.Tensor | PagedKVCache, num_heads: int, dtype: torch.dtype,
                 scale: float, sliding_window: int | None = None) -> cpu_native.DecodeCall | None:
     """For a step :func:`paged_attention` would send whole to the C decode kernel in one call per
-    layer (decodes only, no cascade, the kernel serving ``cache``, unquantized): that call bound
-    to the step once (:class:`~llmd.kernels.cpu_native.DecodeCall`, cached on ``meta.plans`` for
-    every layer of the group), else None. ``dtype``: the query's."""
+    layer (decodes only, no cascade, the kernel serving ``cache``): that call bound to the step
+    once (:class:`~llmd.kernels.cpu_native.DecodeCall`, cached on ``meta.plans`` for every layer
+    of the group), else None. ``dtype``: the query's."""
     key = ("cpu-call", num_heads, dtype, scale, sliding_window)
     if key in meta.plans:
         return meta.plans[key]
     cache = PagedKVCache.wrap(cache)
     kv_heads, cdt = cache.data.shape[3], compute_dtype_for(dtype)
     group, call = num_heads // kv_heads, None
-    if meta.native_kernels and not cache.fmt.quantized and not cache.fmt.k_per_block \
-            and cpu_native.supports(cache, cdt, group):
+    if meta.native_kernels and not cache.fmt.k_per_block and cpu_native.supports(cache, cdt, group) \
+            and (cache.scales is None or planes_contiguous(cache.scales)):
         plan = get_plan(meta, kv_heads, sliding_window, group, cascade_ok=meta.cascade_attn, native=True)
         if plan.native is not None and plan.decode_only and not plan.cascades:
             call = cpu_native.DecodeCall(cache, plan.native, num_heads, scale, cdt)

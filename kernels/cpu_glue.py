@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from llmd.kernels.native import build
-from llmd.quant.kv import planes_contiguous
+from llmd.quant.kv import SCALE_FLOOR, PagedKVCache, planes_contiguous
 
 active = False  # set per forward by the model runner (ModelRunner.execute)
 
@@ -143,3 +143,39 @@ def rope_store(qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, 
                              tables[0].stride(0), tables[1].data_ptr(), tables[1].stride(0), q.data_ptr(),
                              kv.data_ptr(), kv.stride(0), slot_mapping.data_ptr(), torch.get_num_threads())
     return q
+
+
+def int8_store_ok(cache: PagedKVCache) -> bool:
+    """``cache`` is one :func:`store_int8` writes: int8 codes with dynamic float32 scales per
+    (token, KV head) (not grouped, not static; any ``--kv-rotation``, applied to K before the
+    store), codes and scales each in contiguous planes, head_dim ≤ 256."""
+    fmt, data = cache.fmt, cache.data
+    return (fmt.name == "int8" and not fmt.group_size and not fmt.k_per_block and cache.static_scales is None
+            and data.dtype == torch.int8 and data.dim() == 5 and data.shape[4] <= 256 and cache.scales is not None
+            and cache.scales.dtype == torch.float32 and planes_contiguous(data) and planes_contiguous(cache.scales))
+
+
+def store_int8(key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, slot_mapping: torch.Tensor) -> bool:
+    """The K/V store into an int8 cache in one C pass (``llmd_store_int8``): the same codes and
+    scales as :func:`llmd.kernels.reference.store_kv` (``compute_scales`` + ``quantize``: scale =
+    max(amax |x| / 127, ``SCALE_FLOOR``), codes = round-half-even(clamp(x / scale, ±127))).
+
+    Args:
+        key, value: ``[T, kv_heads, head_dim]`` bfloat16, each row's heads and channels contiguous
+            (a row stride of its own is fine); K already rotated if the cache is.
+        cache: a cache :func:`int8_store_ok` accepts.
+        slot_mapping: ``[T]`` int64 contiguous; negative slots are skipped (padding).
+    Returns:
+        True, or False (nothing stored) when it does not apply.
+    """
+    t, kv_heads, d = key.shape if key.dim() == 3 else (0, 0, 0)
+    ok = (int8_store_ok(cache) and key.shape == value.shape == (t, cache.data.shape[3], cache.data.shape[4])
+          and all(x.dtype == torch.bfloat16 and x.stride(2) == 1 and x.stride(1) == d for x in (key, value))
+          and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and slot_mapping.shape == (t,))
+    lib = _lib() if ok else None
+    if lib is None:
+        return False
+    lib.llmd_store_int8(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), t, kv_heads, d,
+                        cache.data.data_ptr(), cache.data.stride(0), cache.scales.data_ptr(), cache.scales.stride(0),
+                        slot_mapping.data_ptr(), SCALE_FLOOR, torch.get_num_threads())
+    return True

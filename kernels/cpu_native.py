@@ -45,7 +45,6 @@ from llmd.quant.kv_format import KVCacheFormat
 _KV_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}  # paged_decode.c's KV_*
 _KV_LUT = 4  # any other 1-byte code (fp8): through a 256-entry table
 _BYTE_DTYPES = (torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2)
-_CODE_DTYPES = {v: k for k, v in _KV_CODES.items()}
 _Q_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _luts: dict[torch.dtype, torch.Tensor] = {}
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 32  # paged_decode.c's fixed tile sizes
@@ -248,8 +247,8 @@ def gather_read(cache: PagedKVCache, d: Decodes) -> int:
 
 class DecodeCall:
     """A step's decodes bound to the kernel once, then called per layer with only that layer's
-    query, cache and output (:func:`llmd.kernels.cpu_attention.decode_call` builds and caches it
-    per step and KV cache group).
+    query and cache (:func:`llmd.kernels.cpu_attention.decode_call` builds and caches it per step
+    and KV cache group).
 
     Why: :func:`decode` checks the layouts and packs its 25 arguments in every call, and the
     dispatch in front of it (``kernels.paged_attention`` → ``cpu_attention.paged_attention``)
@@ -259,35 +258,44 @@ class DecodeCall:
     pointers. The C call and its arguments are the ones :func:`decode` makes, so the outputs are
     the same bits.
 
-    Serves caches without scales (float32 / bfloat16 / float16 data); queries and outputs
-    ``[T, num_heads, head_dim]`` contiguous in the compute dtype ``cdt`` (float32 or bfloat16).
+    Serves the caches :func:`supports` accepts (every layer of a group has the same format,
+    shape and plane strides); queries and outputs ``[T, num_heads, head_dim]`` in the compute
+    dtype ``cdt`` (float32 or bfloat16).
     """
 
-    __slots__ = ("fn", "shape", "cdt", "code", "head", "tail", "_keep")
+    __slots__ = ("fn", "shape", "cdt", "dtype", "quantized", "head", "mid", "tail", "_keep")
 
     def __init__(self, cache: PagedKVCache, d: Decodes, num_heads: int, scale: float, cdt: torch.dtype):
         data = cache.data
         _, _, block_size, kv_heads, head_dim = data.shape
-        if cache.fmt.quantized or data.dtype not in _KV_CODES or cdt not in _Q_CODES:
-            raise ValueError("cpu_native.DecodeCall: a quantized cache or an unsupported dtype")
+        if cdt not in _Q_CODES or not (data.dtype in _KV_CODES or data.dtype in _BYTE_DTYPES):
+            raise ValueError(f"cpu_native.DecodeCall: {data.dtype} cache or {cdt} queries")
+        lut = _lut(data.dtype) if data.dtype in _BYTE_DTYPES and data.dtype != torch.int8 else None
         self.fn = _lib(head_dim, num_heads // kv_heads).llmd_paged_decode
-        self.shape, self.cdt, self.code = (d.tokens.shape[0], num_heads, head_dim), cdt, _KV_CODES[data.dtype]
-        self.head = (block_size, kv_heads, head_dim, num_heads, d.block_tables.data_ptr(), d.block_tables.stride(0),
-                     d.table_rows.data_ptr(), d.tokens.data_ptr(), d.first.data_ptr(), d.seq_lens.data_ptr(),
-                     d.tokens.shape[0], scale)
+        self.shape, self.cdt, self.dtype = (d.tokens.shape[0], num_heads, head_dim), cdt, data.dtype
+        self.quantized = cache.fmt.quantized
+        self.head = (_KV_CODES.get(data.dtype, _KV_LUT), lut.data_ptr() if lut is not None else None)
+        self.mid = (block_size, kv_heads, head_dim, num_heads, d.block_tables.data_ptr(), d.block_tables.stride(0),
+                    d.table_rows.data_ptr(), d.tokens.data_ptr(), d.first.data_ptr(), d.seq_lens.data_ptr(),
+                    d.tokens.shape[0], scale)
         self.tail = (_Q_CODES[cdt], None, torch.get_num_threads())  # output dtype (the query's), no lse, threads
-        self._keep = d  # the index tensors the pointers above point into live as long as the call
+        self._keep = (d, lut)  # the tensors the pointers above point into live as long as the call
 
-    def __call__(self, query: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
-        """The attention of ``query`` (``[T, num_heads, head_dim]`` contiguous, ``cdt``) over one
-        layer's cache ``data`` (same shape and dtype as the cache it was built for); returns
-        ``[T, num_heads, head_dim]`` ``cdt``. Raises ValueError on another layout."""
-        if query.shape != self.shape or query.dtype != self.cdt or not query.is_contiguous() \
-                or data.dtype != _CODE_DTYPES[self.code]:
+    def __call__(self, query: torch.Tensor, cache: PagedKVCache | torch.Tensor) -> torch.Tensor:
+        """The attention of ``query`` (``[T, num_heads, head_dim]`` ``cdt``, heads and channels
+        contiguous; a row stride of its own is fine) over one
+        layer's ``cache`` (a :class:`PagedKVCache`, or an ``auto`` data tensor, of the format it
+        was built for); returns ``[T, num_heads, head_dim]`` ``cdt``. Raises ValueError on
+        another layout."""
+        data = cache.data if isinstance(cache, PagedKVCache) else cache
+        scales = cache.scales if self.quantized and isinstance(cache, PagedKVCache) else None
+        if query.shape != self.shape or query.dtype != self.cdt or query.stride(2) != 1 \
+                or query.stride(1) != self.shape[2] or data.dtype != self.dtype or (self.quantized and scales is None):
             raise ValueError("cpu_native.DecodeCall: a query or cache unlike the one it was built for")
         out = torch.empty(self.shape, dtype=self.cdt)
-        rc = self.fn(query.data_ptr(), self.tail[0], query.stride(0), data.data_ptr(), self.code, None, None,
-                     data.stride(0), 0, *self.head, out.data_ptr(), *self.tail)
+        rc = self.fn(query.data_ptr(), self.tail[0], query.stride(0), data.data_ptr(), *self.head,
+                     scales.data_ptr() if scales is not None else None, data.stride(0),
+                     scales.stride(0) if scales is not None else 0, *self.mid, out.data_ptr(), *self.tail)
         if rc != 0:
             raise ValueError("cpu_native.DecodeCall: sizes past the kernel's limits")
         return out

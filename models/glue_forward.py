@@ -23,8 +23,12 @@ alternately in one process (SmolLM2, decode steps over 512 cached tokens, 2-core
 
 It serves a forward when :func:`why_not` is None: a :class:`LlamaForCausalLM` (not a subclass with
 its own layer forward, no per-head Q/K norm), bfloat16 weights, SiLU MLPs, the CPU, and every
-layer's cache an ``auto`` bfloat16 cache without rotation whose planes are each contiguous.
-Anything else takes the generic forward.
+layer's cache with its planes each contiguous and either ``auto`` bfloat16 without rotation or
+int8 with dynamic per-(token, KV head) scales (``--kv-cache-dtype int8``, any ``--kv-rotation``:
+RoPE of Q and K in one pass, the rotation of K and Q as ``kernels.store_kv`` /
+``kernels.paged_attention`` apply it, then K and V quantized as they are stored in one pass,
+``llmd_store_int8``: the codes and scales of the torch store, which took ~9 ms of a batch-32
+SmolLM2 step in ~10 small torch ops per layer). Anything else takes the generic forward.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ from llmd import kernels
 from llmd.kernels import AttentionMetadata, cpu_attention, cpu_glue
 from llmd.kernels.native import build
 from llmd.models.layers import RMSNorm
-from llmd.quant.kv import PagedKVCache, planes_contiguous
+from llmd.quant.kv import SCALE_FLOOR, PagedKVCache, planes_contiguous
+from llmd.quant.rotation import rotate
 
 
 def why_not(model, kv_caches: list) -> str | None:
@@ -64,11 +69,16 @@ def why_not(model, kv_caches: list) -> str | None:
     for cache in kv_caches:
         data = cache.data if isinstance(cache, PagedKVCache) else cache
         fmt = cache.fmt if isinstance(cache, PagedKVCache) else None
-        if fmt is not None and (fmt.quantized or fmt.k_per_block or cache.rotation != "none"):
-            return "a quantized or rotated KV cache"
-        if data.dtype != torch.bfloat16 or not planes_contiguous(data) or data.dim() != 5 \
-                or data.shape[3:] != (model.config.num_kv_heads, model.config.head_dim):
-            return "not a bfloat16 cache with contiguous planes"
+        if fmt is not None and fmt.quantized and not cpu_glue.int8_store_ok(cache):
+            return "a quantized KV cache other than int8 with dynamic scales"
+        if fmt is not None and cache.rotation != "none" and not fmt.quantized:
+            return "a rotated bfloat16 KV cache"
+        if data.dtype not in (torch.bfloat16, torch.int8) or not planes_contiguous(data) or data.dim() != 5 \
+                or data.shape[3:] != (model.config.num_kv_heads, model.config.head_dim) \
+                or (data.dtype == torch.int8) != bool(fmt is not None and fmt.quantized):
+            return "not a bfloat16 or int8 cache with contiguous planes"
+        if data.shape[4] > 256:
+            return "head_dim over 256"
     return None
 
 
@@ -147,13 +157,22 @@ def attention(lib, threads: int, cfg, attn, qkv: torch.Tensor, rope: tuple, cach
     slots = meta.slot_mapping
     if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.shape[0] != t:
         raise RuntimeError("glue_forward: the slot mapping is not contiguous int64 [T]")
-    q = torch.empty((t, heads, d), dtype=torch.bfloat16)
-    lib.llmd_rope_store_bf16(qkv.data_ptr(), qkv.shape[1], t, heads, kv_heads, d, *rope[:4], q.data_ptr(),
-                             data.data_ptr(), data.stride(0), slots.data_ptr(), threads)
+    if data.dtype == torch.int8:  # RoPE, the cache's rotation of K (and Q), then K and V quantized as stored
+        qk = torch.empty((t, heads + kv_heads, d), dtype=torch.bfloat16)
+        lib.llmd_rope_bf16(qkv.data_ptr(), qkv.shape[1], t, heads + kv_heads, d, *rope[:4], qk.data_ptr(), threads)
+        q, k = qk[:, :heads], rotate(qk[:, heads:], cache.rotation)  # as kernels.store_kv rotates K
+        v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
+        lib.llmd_store_int8(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), t, kv_heads, d, data.data_ptr(),
+                            data.stride(0), cache.scales.data_ptr(), cache.scales.stride(0), slots.data_ptr(),
+                            SCALE_FLOOR, threads)
+    else:
+        q = torch.empty((t, heads, d), dtype=torch.bfloat16)
+        lib.llmd_rope_store_bf16(qkv.data_ptr(), qkv.shape[1], t, heads, kv_heads, d, *rope[:4], q.data_ptr(),
+                                 data.data_ptr(), data.stride(0), slots.data_ptr(), threads)
     if meta.attn_backend == "cpu":  # a decode-only step: the C kernel's call bound once for all layers
         call = cpu_attention.decode_call(meta, cache, heads, torch.bfloat16, attn.scale, attn.sliding_window)
-        if call is not None:
-            return call(q, data)
+        if call is not None:  # the query rotated as kernels.paged_attention rotates it
+            return call(rotate(q, cache.rotation if data.dtype == torch.int8 else "none"), cache)
     return kernels.paged_attention(q, cache, meta, attn.scale, attn.sliding_window)
 
 

@@ -167,7 +167,7 @@ fused_why_not: str | None = None  # why load_fused() found no library
 
 
 def load_glue() -> ctypes.CDLL | None:
-    """The layer-glue library (``layer_glue.c``; no shape specialization), its five functions
+    """The layer-glue library (``layer_glue.c``; no shape specialization), its six functions
     typed, or None when unavailable (as :func:`load`: no compiler, a failed build,
     ``LLMD_NATIVE_KERNELS=0``; or ``LLMD_LAYER_GLUE=0``); says why once (``glue_why_not``)."""
     global glue_why_not
@@ -192,8 +192,11 @@ def load_glue() -> ctypes.CDLL | None:
             lib.llmd_rope_store_bf16.argtypes = [c.c_void_p, c.c_int64, c.c_int64, c.c_int, c.c_int, c.c_int,
                                                  c.c_void_p, c.c_int64, c.c_void_p, c.c_int64, c.c_void_p, c.c_void_p,
                                                  c.c_int64, c.c_void_p, c.c_int]
+            lib.llmd_store_int8.argtypes = [c.c_void_p, c.c_int64, c.c_void_p, c.c_int64, c.c_int64, c.c_int,
+                                            c.c_int, c.c_void_p, c.c_int64, c.c_void_p, c.c_int64, c.c_void_p,
+                                            c.c_float, c.c_int]
             for fn in (lib.llmd_rms_norm_bf16, lib.llmd_rope_bf16, lib.llmd_silu_mul_bf16, lib.llmd_add_rms_norm_bf16,
-                       lib.llmd_rope_store_bf16):
+                       lib.llmd_rope_store_bf16, lib.llmd_store_int8):
                 fn.restype = None
         except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
             glue_why_not, lib = f"build failed: {e}", None

@@ -154,6 +154,58 @@ void llmd_rope_store_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, int
     }
 }
 
+/* One row of D bfloat16 values as int8 codes with one float32 scale (llmd.quant.kv's int8 format,
+ * the torch reference's compute_scales + quantize): scale = max(amax |x| / 127, floor), codes =
+ * round-half-even(clamp(x / scale, -127, 127)), each step in float32 as torch takes it (a true
+ * division, not a multiply by the reciprocal). */
+static inline void quant_row_int8(const uint16_t *x, int D, float floor, int8_t *codes, float *scale) {
+    const int vec = D - D % VL;
+    vf am = (vf){0};
+    for (int i = 0; i < vec; i += VL) {
+        const vf v = bf16v(x + i);
+        am = vmax(am, vmax(v, (vf){0} - v));
+    }
+    float amax = vec ? hmax(am) : 0.0f;
+    for (int i = vec; i < D; i++) amax = fmaxf(amax, fabsf(bf16_to_f32(x[i])));
+    float s = amax / 127.0f;
+    if (s < floor) s = floor;
+    const vf vs = splat(s), lo = splat(-127.0f), magic = splat(12582912.0f);  /* 1.5 * 2^23 */
+    for (int i = 0; i < vec; i += VL) {
+        vf y = bf16v(x + i) / vs;                          /* a true division per lane, as torch's */
+        y = vmax(lo, (vf){0} - vmax((vf){0} - y, lo));     /* clamp: min(y, 127) via -max(-y, -127), then >= -127 */
+        y = (y + magic) - magic;                           /* to nearest, ties to even (|y| <= 127 < 2^22) */
+        const vi c = to_int(y);
+        for (int j = 0; j < VL; j++) codes[i + j] = (int8_t)c[j];
+    }
+    for (int i = vec; i < D; i++) {
+        const float y = fminf(fmaxf(bf16_to_f32(x[i]) / s, -127.0f), 127.0f);
+        codes[i] = (int8_t)nearbyintf(y);  /* the default rounding mode: to nearest, ties to even */
+    }
+    *scale = s;
+}
+
+/* The K/V store into an int8 cache: rows t < rows of k and v ([kv_heads, D] bfloat16 each, heads
+ * contiguous, rows k_stride / v_stride elements apart; K already rotated, by RoPE and any
+ * --kv-rotation) quantized per (token, KV head) (quant_row_int8) into the K / V code planes
+ * (kv_plane bytes apart) at slot slots[t] (skipped when negative) and their scales into the
+ * scale planes ([slots, kv_heads] float32 each, scale_plane elements apart). The same bits as
+ * the torch reference's store_kv into an int8 cache with dynamic scales, none grouped. */
+void llmd_store_int8(const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_t v_stride, int64_t rows,
+                     int kv_heads, int D, int8_t *kv, int64_t kv_plane, float *scales, int64_t scale_plane,
+                     const int64_t *slots, float floor, int nthreads) {
+    const int64_t row = (int64_t)kv_heads * D;
+#pragma omp parallel for num_threads(team(rows * 2 * row, nthreads)) schedule(static)
+    for (int64_t t = 0; t < rows; t++) {
+        if (slots[t] < 0) continue;
+        int8_t *c = kv + slots[t] * row;
+        float *s = scales + slots[t] * kv_heads;
+        for (int h = 0; h < kv_heads; h++) {
+            quant_row_int8(k + t * k_stride + (int64_t)h * D, D, floor, c + (int64_t)h * D, s + h);
+            quant_row_int8(v + t * v_stride + (int64_t)h * D, D, floor, c + kv_plane + (int64_t)h * D, s + scale_plane + h);
+        }
+    }
+}
+
 static inline float silu1(float g) {  /* g / (1 + exp(-g)), through exp(-|g|) as below */
     if (g < -87.0f) return g * 0.0f;
     const float e = expf(-fabsf(g));

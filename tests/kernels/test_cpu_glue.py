@@ -169,3 +169,40 @@ def test_rope_store_equals_rope_then_store_kv(heads, kv_heads, d, block):
     assert cpu_glue.rope_store(qkv.float(), heads, kv_heads, cos, sin, got_kv, slots) is None
     assert cpu_glue.rope_store(qkv, heads, kv_heads, cos, sin, got_kv.float(), slots) is None
     assert cpu_glue.rope_store(qkv, heads, kv_heads, cos, sin, got_kv, slots.int()) is None
+
+
+@pytest.mark.parametrize("kv_heads,d,block,rotation", [(3, 64, 16, "hadamard"), (2, 16, 32, "none")])
+def test_store_int8_equals_the_reference_quantized_store(kv_heads, d, block, rotation):
+    """Into an int8 cache (the engine's own allocation: skewed code and scale planes): the same
+    codes and float32 scales as ``reference.store_kv`` (its compute_scales + quantize), from K
+    and V that are strided views of one projection row, on rows that include exact .5 ties of
+    x / scale, an all-zero head (the scale floor) and a padded slot; grouped or static scales
+    are refused (False, nothing stored)."""
+    from llmd.kernels import reference
+    from llmd.quant.kv import PagedKVCache
+    from llmd.quant.kv_format import get_format
+
+    g = torch.Generator().manual_seed(d)
+    num_blocks = 40
+    shape = (2, num_blocks, block, kv_heads, d)
+    for rows in ROWS[:4]:
+        kv = torch.randn(rows, 2 * kv_heads + 3, d, generator=g).bfloat16()  # K heads, V heads, 3 more: strided rows
+        key, value = kv[:, :kv_heads], kv[:, kv_heads : 2 * kv_heads]
+        value[0, 0] = 0.0  # a zero V head: scale = the floor, codes 0
+        value[-1, -1, :3] = torch.tensor([127.0, 0.5, -1.5])  # x / scale = 127, .5, -1.5
+        slots = torch.randperm(num_blocks * block, generator=g)[:rows]
+        if rows > 2:
+            slots[1] = -1
+        got, want = (PagedKVCache.allocate(shape, get_format("int8"), torch.bfloat16, "cpu", rotation=rotation)
+                     for _ in range(2))
+        reference.store_kv(key, value, want, slots, padded=True)
+        assert cpu_glue.store_int8(key, value, got, slots)
+        assert torch.equal(got.data, want.data) and torch.equal(got.scales, want.scales), rows
+        assert got.data.abs().sum() > 0
+    grouped = PagedKVCache.allocate(shape, get_format("int8", 16), torch.bfloat16, "cpu")
+    static = PagedKVCache.allocate(shape, get_format("int8"), torch.bfloat16, "cpu", static_scales=(0.1, 0.1))
+    for refused in (grouped, static):
+        assert not cpu_glue.store_int8(key, value, refused, slots)
+        assert refused.data.abs().sum() == 0
+    assert not cpu_glue.store_int8(key.float(), value, got, slots)
+    assert not cpu_glue.store_int8(key, value, got, slots.int())

@@ -45,8 +45,8 @@ def run(engine: Engine, prompts: list[list[int]], fused: bool, monkeypatch) -> t
     return logits, [outs[f"r{i}"] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("window", [None, 24])
-def test_fused_forward_equals_generic_bit_for_bit(tmp_path, monkeypatch, window):
+@pytest.mark.parametrize("window,kv_dtype", [(None, "auto"), (24, "auto"), (None, "int8"), (24, "int8-none")])
+def test_fused_forward_equals_generic_bit_for_bit(tmp_path, monkeypatch, window, kv_dtype):
     from tiny_engine import ByteTokenizer
     from tiny_gguf import write_tiny_llama
 
@@ -56,7 +56,8 @@ def test_fused_forward_equals_generic_bit_for_bit(tmp_path, monkeypatch, window)
                      sliding_layers=[i % 2 == 0 for i in range(layers)] if window else None)
     model, _ = load_model(str(path), torch.bfloat16, "cpu")
     kw = dict(model=str(path), device="cpu", dtype="bfloat16", attention_backend="cpu", kv_cache_memory=4 << 20,
-              max_model_len=256, weight_quant="none", max_num_batched_tokens=48, prefix_cache_seed=0)
+              max_model_len=256, weight_quant="none", max_num_batched_tokens=48, prefix_cache_seed=0,
+              kv_cache_dtype=kv_dtype.split("-")[0], kv_rotation=kv_dtype.split("-")[1] if "-" in kv_dtype else None)
     g = torch.Generator().manual_seed(1)
     shared = torch.randint(0, 256, (40,), generator=g).tolist()
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 70, 17, 33, 1)]
@@ -72,6 +73,7 @@ def test_fused_forward_equals_generic_bit_for_bit(tmp_path, monkeypatch, window)
     assert len(a_logits) == len(b_logits) and all(torch.equal(x, y) for x, y in zip(a_logits, b_logits))
     for ca, cb in zip(fused_engine.runner.caches, generic_engine.runner.caches):
         assert torch.equal(ca.data, cb.data)
+        assert (ca.scales is None) == (kv_dtype == "auto") and (ca.scales is None or torch.equal(ca.scales, cb.scales))
 
 
 def test_why_not_names_what_it_does_not_serve(tmp_path):
@@ -83,10 +85,16 @@ def test_why_not_names_what_it_does_not_serve(tmp_path):
     model, _ = load_model(str(path), torch.bfloat16, "cpu")
     kw = dict(model=str(path), device="cpu", dtype="bfloat16", attention_backend="cpu", kv_cache_memory=4 << 20,
               max_model_len=256, weight_quant="none")
+    fp8 = Engine(model, ByteTokenizer(), EngineConfig(**kw, kv_cache_dtype="fp8_e4m3").resolve())
+    grouped = Engine(model, ByteTokenizer(),
+                     EngineConfig(**kw, kv_cache_dtype="int8", kv_scale_group_size=16).resolve())
     int8 = Engine(model, ByteTokenizer(), EngineConfig(**kw, kv_cache_dtype="int8").resolve())
     cpu_glue.active = True
     try:
-        assert glue_forward.why_not(model, int8.runner.layer_caches) == "a quantized or rotated KV cache"
+        for other in (fp8, grouped):
+            assert glue_forward.why_not(model, other.runner.layer_caches) == \
+                "a quantized KV cache other than int8 with dynamic scales"
+        assert glue_forward.why_not(model, int8.runner.layer_caches) is None
         f32, _ = load_model(str(path), torch.float32, "cpu")
         assert glue_forward.why_not(f32, int8.runner.layer_caches) == "not a bfloat16 model on the CPU"
     finally:
