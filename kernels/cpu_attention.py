@@ -428,6 +428,10 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, 
     Returns:
         ``[T, num_heads, head_dim]`` in ``query.dtype``.
     """
+    if not (isinstance(kv_cache, PagedKVCache) and kv_cache.fmt.k_per_block):
+        call = decode_call(meta, kv_cache, query.shape[1], query.dtype, scale, sliding_window)
+        if call is not None:  # decodes only, every one in the C kernel: the call bound by the group's first layer
+            return call(query.to(call.cdt), kv_cache).to(query.dtype)
     cache = PagedKVCache.wrap(kv_cache)
     t, num_heads, head_dim = query.shape
     kv_heads = cache.data.shape[3]
@@ -439,10 +443,6 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, 
                                               torch.float32 if cdt == torch.bfloat16 else cdt)
     plan = get_plan(meta, kv_heads, sliding_window, group, cascade_ok=meta.cascade_attn and not cache.fmt.k_per_block,
                     native=native)
-    if plan.native is not None and plan.decode_only and not plan.cascades:  # decodes only: one C call per layer
-        out = torch.empty(t, num_heads, head_dim, dtype=cdt)
-        cpu_native.decode(query.to(cdt), cache, plan.native, scale, out)
-        return out.to(query.dtype)
     if plan.decode_only and t <= SMALL_DECODE and cdt == torch.bfloat16:
         cdt = torch.float32  # tiny matmuls: float32's ~15 µs beats bfloat16's ~35 µs per call here
     if cache.fmt.k_per_block:  # int4 (KIVI): kernels/cpu_int4.py
