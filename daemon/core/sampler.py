@@ -228,6 +228,21 @@ def constrained_masks(requests: Sequence[Request], vocab: int) -> dict[int, torc
     return {b: masks[i] for i, b in enumerate(rows)}
 
 
+def top_logprobs(raw_logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    """The ``k`` largest of ``raw_logprobs [V]`` as (token id, value), largest first and, among
+    equal values, lowest id first: the order greedy's argmax takes (first index on ties), so a
+    greedy token that ties with others is listed first. ``torch.topk`` alone leaves the order of
+    ties (and which tied ids make the cut) unspecified: SmolLM2's bfloat16 head gave ``The`` and
+    ``L`` the same logit, greedy took one and ``top_logprobs`` listed the other first."""
+    vals, idx = torch.topk(raw_logprobs, k)
+    if bool(torch.isnan(vals).any()):  # no order to speak of
+        return list(zip(idx.tolist(), vals.tolist()))
+    cand = torch.nonzero(raw_logprobs >= vals[-1]).flatten()  # every id tied at the cut, ascending
+    order = torch.sort(raw_logprobs[cand], descending=True, stable=True).indices[:k]
+    sel = cand[order]
+    return list(zip(sel.tolist(), raw_logprobs[sel].tolist()))
+
+
 def is_plain_greedy(params: SamplingParams) -> bool:
     """Greedy with no penalties, no ``logit_bias`` and no logprobs: the token is ``argmax(raw
     logits)``, so such rows share one batched argmax (no per-row clone, penalty pass or generator)."""
@@ -330,6 +345,5 @@ class Sampler:
         k = min(params.logprobs, raw_logprobs.shape[0])
         top: list[tuple[int, float]] = []
         if k > 0:
-            vals, idx = torch.topk(raw_logprobs, k)
-            top = [(int(i), max(float(v), MIN_LOGPROB)) for i, v in zip(idx.tolist(), vals.tolist())]
+            top = [(int(i), max(float(v), MIN_LOGPROB)) for i, v in top_logprobs(raw_logprobs, k)]
         return token, TokenLogprobs(token_id=token, logprob=max(float(raw_logprobs[token]), MIN_LOGPROB), top=top)

@@ -307,3 +307,16 @@ def test_inverse_transform_draw_follows_probs_and_never_draws_zero_mass(monkeypa
     # u · Σp rounded up to Σp (rand() stubbed to 1.0): the last index with mass, not the zero tail
     monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(1.0, dtype=torch.float64))
     assert inverse_transform_draw(torch.tensor([0.5, 0.5, 0.0]), g) == 1
+
+
+def test_top_logprobs_list_ties_in_greedys_order():
+    """Tied logits (a bfloat16 head rounds many to the same value): greedy takes the first index
+    and ``top`` lists the tied ids lowest first, so the greedy token heads the list; ids tied at
+    the cut are the lowest ones."""
+    logits = torch.full((1, V), -5.0)
+    logits[0, [40, 7, 23]] = 3.0  # three-way tie for the top
+    logits[0, [50, 11]] = 1.0  # a tie at the cut of top 4
+    out = sampler(logits, [make_req(temperature=0.0, logprobs=4)])
+    (tok,), (lp,) = out.sampled_token_ids, out.logprobs
+    assert tok == 7 and [t for t, _ in lp.top] == [7, 23, 40, 11]
+    assert lp.top[0][0] == tok and lp.top[0][1] == lp.logprob
