@@ -88,6 +88,9 @@ class ServerState:
 
 
 STATE = web.AppKey("state", ServerState)
+# the open SSE response of a streaming request (a typed key where aiohttp has them, >= 3.12: a
+# plain string key there warns NotAppKeyWarning)
+SSE_RESPONSE = web.RequestKey("sse_response", web.StreamResponse) if hasattr(web, "RequestKey") else "sse_response"
 #: what answers while the model loads (everything else: 503)
 OPEN_WHILE_LOADING = frozenset({"/health", "/metrics", "/v1/shutdown"})
 
@@ -208,7 +211,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
                 await _stream(request, builder, outputs, parsed, num_seqs, batch.abort)
             except ConnectionResetError:  # the client left mid-stream: abort (finally), no traceback
                 log.debug("client of %s disconnected", rid)
-                return request["sse_response"]
+                return request[SSE_RESPONSE]
         else:
             remaining, pinned = num_seqs, None
             while remaining:
@@ -220,7 +223,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
                     remaining -= out.finished
         done = True
         if parsed.stream:
-            return request["sse_response"]
+            return request[SSE_RESPONSE]
         final = builder.final_body()
         if kv is not None:  # vLLM puts the producer's params at the top of the body
             final["kv_transfer_params"] = kv.response_params(pinned)
@@ -237,7 +240,7 @@ async def _stream(request: web.Request, builder: ResponseBuilder, outputs: Outpu
     in ``outputs``; ``abort()`` aborts every sequence (one failed in the engine)."""
     timeout = request.app[STATE].limits.write_timeout
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    request["sse_response"] = resp
+    request[SSE_RESPONSE] = resp
     await resp.prepare(request)
     usage = parsed.include_usage
     roles = b"".join(sse(c) for c in builder.role_chunks(usage))
