@@ -27,11 +27,13 @@ layer's cache with its planes each contiguous and either ``auto`` bfloat16 witho
 int8 with dynamic per-(token, KV head) scales (``--kv-cache-dtype int8``, any ``--kv-rotation``:
 RoPE of Q and K in one pass, the rotation of K and Q as ``kernels.store_kv`` /
 ``kernels.paged_attention`` apply it, then K and V quantized as they are stored in one pass,
-``llmd_store_int8``: the codes and scales of the torch store, which took ~9 ms of a batch-32
+``llmd_store_int8``: the codes and scales of the torch store, which took ~3.7 ms of a batch-32
 SmolLM2 step in ~10 small torch ops per layer). Anything else takes the generic forward.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -44,11 +46,16 @@ from llmd.quant.kv import SCALE_FLOOR, PagedKVCache, planes_contiguous
 from llmd.quant.rotation import rotate
 
 
-def why_not(model, kv_caches: list) -> str | None:
-    """Why :func:`forward` cannot run ``model`` over ``kv_caches`` (None: it can)."""
+def why_not(model, kv_caches: list, check_active: bool = True) -> str | None:
+    """Why :func:`forward` cannot run ``model`` over ``kv_caches`` (None: it can).
+    ``check_active=False`` leaves out whether the C layer glue is on right now (the runner turns
+    it on around its forwards). ``LLMD_GLUE_FORWARD=0`` turns this forward off alone (the generic
+    layers then run under the same C passes: the A/B switch for its bits and its speed)."""
     from llmd.models.llama import LlamaDecoderLayer
 
-    if not cpu_glue.active:
+    if os.environ.get("LLMD_GLUE_FORWARD", "1") == "0":
+        return "LLMD_GLUE_FORWARD=0"
+    if check_active and not cpu_glue.active:
         return "the C layer glue is off"
     if model.embed_tokens.weight.dtype != torch.bfloat16 or model.embed_tokens.weight.device.type != "cpu":
         return "not a bfloat16 model on the CPU"

@@ -293,8 +293,11 @@ class Engine:
                 attn += "; batch-1 steps: fused C kernel"
             elif c.weight_quant == "gguf":
                 attn += f"; batch-1 steps: torch ops, {self.runner.fused_why_not}"
-            if self.runner.native_glue:  # kernels/cpu_glue.py
-                attn += "; norms, RoPE, SwiGLU: C"
+            if self.runner.native_glue:  # kernels/cpu_glue.py; models/glue_forward.py fuses them across ops
+                from llmd.models import glue_forward
+
+                fused = glue_forward.why_not(self.runner.model, self.runner.layer_caches, check_active=False) is None
+                attn += "; norms, RoPE, SwiGLU: C" + (", fused across ops" if fused else "")
             attn += ")"
         packed = prepacked.packed_count(self.runner.model)
         copy = prepacked.head_copy_bytes(self.runner.model)

@@ -100,6 +100,26 @@ def test_why_not_names_what_it_does_not_serve(tmp_path):
     finally:
         cpu_glue.active = False
     assert glue_forward.why_not(model, int8.runner.layer_caches) == "the C layer glue is off"
+    assert glue_forward.why_not(model, int8.runner.layer_caches, check_active=False) is None
+
+
+def test_the_switch_turns_it_off_alone_and_the_startup_line_says_which(tmp_path, monkeypatch):
+    """``LLMD_GLUE_FORWARD=0`` refuses the fused forward while the C passes stay on; the startup
+    line says ``fused across ops`` only when the forward would run."""
+    from tiny_engine import ByteTokenizer
+    from tiny_gguf import write_tiny_llama
+
+    path = tmp_path / "t.gguf"
+    write_tiny_llama(path, layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256)
+    model, _ = load_model(str(path), torch.bfloat16, "cpu")
+    kw = dict(model=str(path), device="cpu", dtype="bfloat16", attention_backend="cpu", kv_cache_memory=4 << 20,
+              max_model_len=256, weight_quant="none")
+    engine = Engine(model, ByteTokenizer(), EngineConfig(**kw).resolve())
+    assert "norms, RoPE, SwiGLU: C, fused across ops" in engine.runtime_summary()
+    monkeypatch.setenv("LLMD_GLUE_FORWARD", "0")
+    assert glue_forward.why_not(model, engine.runner.layer_caches, check_active=False) == "LLMD_GLUE_FORWARD=0"
+    summary = engine.runtime_summary()
+    assert "norms, RoPE, SwiGLU: C" in summary and "fused across ops" not in summary
 
 
 def test_a_projection_in_another_layout_is_refused():
