@@ -287,6 +287,20 @@ static inline void kv_prefetch_row(struct kv_prefetch *f) {
     }
 }
 
+/* The K and V rows of heads [h0, h1) in the block holding position pos of a block table (its
+ * slots from pos to the block's end), prefetched into L2 in one burst: a task's first block, which
+ * no earlier block of the same task prefetches. */
+static inline void prefetch_first_block(const void *kv, int esize, int64_t half, const int32_t *table, int64_t pos,
+                                        int BS, int kv_heads, int D, int h0, int h1) {
+    const int64_t row = (int64_t)kv_heads * D;
+    const char *k = (const char *)kv + (((int64_t)table[pos / BS] * BS + pos % BS) * row + (int64_t)h0 * D) * esize;
+    const int64_t span = ((int64_t)(BS - pos % BS - 1) * row + (int64_t)(h1 - h0) * D) * esize;
+    for (int64_t b = 0; b < span; b += 64) {
+        __builtin_prefetch(k + b, 0, PF_LOC);
+        __builtin_prefetch(k + half * esize + b, 0, PF_LOC);
+    }
+}
+
 /* A task's results: rows a < H of acc / l (query head a0 + a of token t; D = NC · VL channels)
  * into out (float32 or bfloat16), and log(l) + m into lse when given. */
 static inline void write_outputs(const vf (*acc)[NC_MAX], const float *m, const float *l, int H, int NC, int D,
@@ -487,7 +501,11 @@ int llmd_paged_decode_set_amx(int on) {
  * Returns 0, or -1 when a size is past this kernel's fixed limits (the caller then falls back).
  * Work split: one task per decode and chunk of KV heads; a chunk is all of a sequence's KV heads
  * (one contiguous read of each block) when there are enough decodes to keep every thread busy,
- * else one KV head (a batch-1 step still uses every thread). */
+ * else one KV head (a batch-1 step still uses every thread). On the VDPBF16PS path each thread
+ * claims its tasks one ahead from a shared counter (dynamic scheduling still) and prefetches the
+ * next task's first block while it runs the current one: a task's later blocks are prefetched
+ * by their predecessors, its first one by nothing (measured on the Zen 4 in one process, batch
+ * 32 x 512 x 30 layers: 0.95-1.01x, median ~0.97x the time of OpenMP's dynamic schedule). */
 int llmd_paged_decode(const void *query, int q_dtype, int64_t q_row_stride,
                       const void *kv, int kv_dtype, const float *lut, const float *scales,
                       int64_t kv_plane, int64_t scale_plane, int block_size, int kv_heads, int head_dim,
@@ -520,12 +538,22 @@ int llmd_paged_decode(const void *query, int q_dtype, int64_t q_row_stride,
 #endif
 #ifdef HAVE_BF16DP
     if (kv_dtype == KV_BF16 && q_dtype == Q_BF16 && head_dim % 32 == 0 && !scales && dp_ready()) {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-        for (int task = 0; task < tasks; task++) {
-            const int i = task / chunks, h0 = (task % chunks) * hc;
-            dp_run((const uint16_t *)query, q_row_stride, (const uint16_t *)kv, half, block_size, kv_heads,
-                   head_dim / 32, G, block_tables + table_rows[i] * bt_stride, token_idx[i], first[i], seq_lens[i],
-                   h0, h0 + hc, scale, out, out_dtype, lse);
+        int next_task = 0;  /* tasks claimed one ahead, so each thread knows its next one and prefetches its first block */
+#pragma omp parallel num_threads(num_threads)
+        {
+            int task = __atomic_fetch_add(&next_task, 1, __ATOMIC_RELAXED);
+            while (task < tasks) {
+                const int after = __atomic_fetch_add(&next_task, 1, __ATOMIC_RELAXED);
+                if (after < tasks)
+                    prefetch_first_block(kv, 2, half, block_tables + table_rows[after / chunks] * bt_stride,
+                                         first[after / chunks], block_size, kv_heads, head_dim,
+                                         (after % chunks) * hc, (after % chunks) * hc + hc);
+                const int i = task / chunks, h0 = (task % chunks) * hc;
+                dp_run((const uint16_t *)query, q_row_stride, (const uint16_t *)kv, half, block_size, kv_heads,
+                       head_dim / 32, G, block_tables + table_rows[i] * bt_stride, token_idx[i], first[i],
+                       seq_lens[i], h0, h0 + hc, scale, out, out_dtype, lse);
+                task = after;
+            }
         }
         return 0;
     }
