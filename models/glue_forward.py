@@ -151,10 +151,12 @@ def rope_rows(model, positions: torch.Tensor, t: int) -> dict:
 def attention(lib, threads: int, cfg, attn, qkv: torch.Tensor, rope: tuple, cache, meta: AttentionMetadata):
     """One layer's attention from its QKV projection ``qkv [T, (heads + 2 kv_heads) · head_dim]``
     (contiguous bfloat16): RoPE of Q and K with the K/V store in one pass
-    (``llmd_rope_store_bf16``), then ``kernels.paged_attention`` over ``cache`` (for a step of
-    decodes only, the C kernel's call bound to the step once: :func:`cpu_attention.decode_call`).
-    ``rope``: this layer's entry of :func:`rope_rows`. Returns ``[T, heads, head_dim]`` bfloat16. What ``llmd
-    bench step`` times as the attention of a step this forward runs.
+    (``llmd_rope_store_bf16``; for an int8 cache RoPE, the cache's rotation of K, and the
+    quantizing store ``llmd_store_int8``), then ``kernels.paged_attention`` over ``cache`` (for a
+    step of decodes only, the C kernel's call bound to the step once,
+    :func:`cpu_attention.decode_call`, with the query rotated as that function would rotate it).
+    ``rope``: this layer's entry of :func:`rope_rows`. Returns ``[T, heads, head_dim]`` bfloat16.
+    What ``llmd bench step`` times as the attention of a step this forward runs.
 
     Raises:
         RuntimeError: a slot mapping that is not contiguous int64 ``[T]``.
