@@ -1,5 +1,5 @@
 /* The elementwise work between a bfloat16 layer's matmuls, one pass each: RMSNorm, NEOX RoPE of
- * the Q and K heads, SwiGLU's silu(gate) * up.
+ * the Q and K heads, SwiGLU's silu(gate) * up, and the K/V store into a bfloat16 or int8 cache.
  *
  * Why: in torch each of these is a chain of small kernels over the step's rows (F.rms_norm on a
  * bfloat16 CPU tensor runs nine: to, pow, sum, div, add, rsqrt, mul, to, and the weight's mul;
@@ -19,7 +19,10 @@
  *             ulps of a bfloat16 rounding boundary; silu(g) for g < -87 is taken as 0 (it is below
  *             1e-36; torch gives 0 from g < -88.7 on).
  *   add_rms_norm: res = bf16(res + y), then rms_norm of it (torch's add, then the norm above);
- *   rope_store: rope of Q and K as above, K and V written to the cache's slots unchanged (bit for bit).
+ *   rope_store: rope of Q and K as above, K and V written to the cache's slots unchanged (bit for bit);
+ *   store_int8: K and V quantized per (token, KV head) into an int8 cache as llmd.quant.kv's torch
+ *             reference does it (scale = max(amax / 127, floor), x / scale divided, clamped,
+ *             rounded half-even): the same codes and scales, bit for bit.
  * Tested against the torch forms in tests/kernels/test_cpu_glue.py.
  *
  * Threads: rows split statically over an OpenMP team (torch's, build.py) when there are enough of

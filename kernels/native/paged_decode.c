@@ -544,7 +544,7 @@ int llmd_paged_decode(const void *query, int q_dtype, int64_t q_row_stride,
             int task = __atomic_fetch_add(&next_task, 1, __ATOMIC_RELAXED);
             while (task < tasks) {
                 const int after = __atomic_fetch_add(&next_task, 1, __ATOMIC_RELAXED);
-                if (after < tasks)
+                if (after < tasks && first[after / chunks] < seq_lens[after / chunks])
                     prefetch_first_block(kv, 2, half, block_tables + table_rows[after / chunks] * bt_stride,
                                          first[after / chunks], block_size, kv_heads, head_dim,
                                          (after % chunks) * hc, (after % chunks) * hc + hc);
