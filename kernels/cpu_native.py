@@ -177,6 +177,19 @@ class Decodes:
     block_tables: torch.Tensor
 
 
+def _step_args(data: torch.Tensor, d: Decodes, num_heads: int, scale: float) -> tuple[tuple, tuple]:
+    """The arguments of ``llmd_paged_decode`` that one step fixes for every layer of a KV cache
+    group, in the C function's order: (the cache's dtype code and its value table, as they follow
+    the cache pointer) and (the shape, block tables, decode lists and softmax scale, as they
+    follow the K-to-V distances). The tables of 1-byte codes live in :data:`_luts` for good."""
+    _, _, block_size, kv_heads, head_dim = data.shape
+    lut = _lut(data.dtype) if data.dtype in _BYTE_DTYPES and data.dtype != torch.int8 else None  # int8: widened
+    return ((_KV_CODES.get(data.dtype, _KV_LUT), lut.data_ptr() if lut is not None else None),
+            (block_size, kv_heads, head_dim, num_heads, d.block_tables.data_ptr(), d.block_tables.stride(0),
+             d.table_rows.data_ptr(), d.tokens.data_ptr(), d.first.data_ptr(), d.seq_lens.data_ptr(),
+             d.tokens.shape[0], scale))
+
+
 def decode(query: torch.Tensor, cache: PagedKVCache, d: Decodes, scale: float, out: torch.Tensor,
            lse: torch.Tensor | None = None) -> None:
     """Write the decodes' attention outputs into ``out`` (rows ``d.tokens``; other rows untouched).
@@ -194,24 +207,19 @@ def decode(query: torch.Tensor, cache: PagedKVCache, d: Decodes, scale: float, o
     """
     t, num_heads, head_dim = query.shape
     data = cache.data
-    _, _, block_size, kv_heads, _ = data.shape
+    kv_heads = data.shape[3]
     if query.stride(2) != 1 or query.stride(1) != head_dim or not out.is_contiguous() or out.shape != query.shape:
         raise ValueError("cpu_native.decode: query heads/channels and out must be contiguous, out shaped like query")
     if lse is not None and (lse.dtype != torch.float32 or not lse.is_contiguous()):
         raise ValueError("cpu_native.decode: lse must be contiguous float32 [T, num_heads]")
-    uses_lut = data.dtype in _BYTE_DTYPES and data.dtype != torch.int8  # int8 is widened directly
-    lut = _lut(data.dtype) if uses_lut else None
     scales = cache.scales if cache.fmt.quantized else None
     if scales is not None and not planes_contiguous(scales):
         raise ValueError("cpu_native.decode: each plane of the cache's scales must be contiguous")
-    lib = _lib(head_dim, num_heads // kv_heads)
-    rc = lib.llmd_paged_decode(
-        query.data_ptr(), _Q_CODES[query.dtype], query.stride(0),
-        data.data_ptr(), _KV_CODES.get(data.dtype, _KV_LUT), lut.data_ptr() if uses_lut else None,
-        scales.data_ptr() if scales is not None else None,
-        data.stride(0), scales.stride(0) if scales is not None else 0, block_size, kv_heads, head_dim, num_heads,
-        d.block_tables.data_ptr(), d.block_tables.stride(0), d.table_rows.data_ptr(),
-        d.tokens.data_ptr(), d.first.data_ptr(), d.seq_lens.data_ptr(), d.tokens.shape[0], scale,
+    kv_args, step_args = _step_args(data, d, num_heads, scale)
+    rc = _lib(head_dim, num_heads // kv_heads).llmd_paged_decode(
+        query.data_ptr(), _Q_CODES[query.dtype], query.stride(0), data.data_ptr(), *kv_args,
+        scales.data_ptr() if scales is not None else None, data.stride(0),
+        scales.stride(0) if scales is not None else 0, *step_args,
         out.data_ptr(), _Q_CODES[out.dtype], lse.data_ptr() if lse is not None else None, torch.get_num_threads())
     if rc != 0:
         raise ValueError("cpu_native.decode: sizes past the kernel's limits (check supports() first)")
@@ -267,19 +275,15 @@ class DecodeCall:
 
     def __init__(self, cache: PagedKVCache, d: Decodes, num_heads: int, scale: float, cdt: torch.dtype):
         data = cache.data
-        _, _, block_size, kv_heads, head_dim = data.shape
+        kv_heads, head_dim = data.shape[3], data.shape[4]
         if cdt not in _Q_CODES or not (data.dtype in _KV_CODES or data.dtype in _BYTE_DTYPES):
             raise ValueError(f"cpu_native.DecodeCall: {data.dtype} cache or {cdt} queries")
-        lut = _lut(data.dtype) if data.dtype in _BYTE_DTYPES and data.dtype != torch.int8 else None
         self.fn = _lib(head_dim, num_heads // kv_heads).llmd_paged_decode
         self.shape, self.cdt, self.dtype = (d.tokens.shape[0], num_heads, head_dim), cdt, data.dtype
         self.quantized = cache.fmt.quantized
-        self.head = (_KV_CODES.get(data.dtype, _KV_LUT), lut.data_ptr() if lut is not None else None)
-        self.mid = (block_size, kv_heads, head_dim, num_heads, d.block_tables.data_ptr(), d.block_tables.stride(0),
-                    d.table_rows.data_ptr(), d.tokens.data_ptr(), d.first.data_ptr(), d.seq_lens.data_ptr(),
-                    d.tokens.shape[0], scale)
+        self.head, self.mid = _step_args(data, d, num_heads, scale)
         self.tail = (_Q_CODES[cdt], None, torch.get_num_threads())  # output dtype (the query's), no lse, threads
-        self._keep = (d, lut)  # the tensors the pointers above point into live as long as the call
+        self._keep = d  # the index tensors the pointers above point into live as long as the call
 
     def __call__(self, query: torch.Tensor, cache: PagedKVCache | torch.Tensor) -> torch.Tensor:
         """The attention of ``query`` (``[T, num_heads, head_dim]`` ``cdt``, heads and channels
