@@ -148,10 +148,10 @@ def rope_store(qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, 
 def int8_store_ok(cache: PagedKVCache) -> bool:
     """``cache`` is one :func:`store_int8` writes: int8 codes with dynamic float32 scales per
     (token, KV head) (not grouped, not static; any ``--kv-rotation``, applied to K before the
-    store), codes and scales each in contiguous planes, head_dim ≤ 256."""
+    store), codes and scales each in contiguous planes."""
     fmt, data = cache.fmt, cache.data
     return (fmt.name == "int8" and not fmt.group_size and not fmt.k_per_block and cache.static_scales is None
-            and data.dtype == torch.int8 and data.dim() == 5 and data.shape[4] <= 256 and cache.scales is not None
+            and data.dtype == torch.int8 and data.dim() == 5 and cache.scales is not None
             and cache.scales.dtype == torch.float32 and planes_contiguous(data) and planes_contiguous(cache.scales))
 
 

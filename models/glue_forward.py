@@ -84,8 +84,6 @@ def why_not(model, kv_caches: list, check_active: bool = True) -> str | None:
                 or data.shape[3:] != (model.config.num_kv_heads, model.config.head_dim) \
                 or (data.dtype == torch.int8) != bool(fmt is not None and fmt.quantized):
             return "not a bfloat16 or int8 cache with contiguous planes"
-        if data.shape[4] > 256:
-            return "head_dim over 256"
     return None
 
 
