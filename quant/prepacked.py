@@ -19,11 +19,13 @@ side.
 Only bfloat16 weights of at most 2 dims on the CPU are packed (float32 goes through MKL's sgemm,
 where prepacking measured no consistent gain); the module's ``weight`` Parameter then holds the
 packed tensor (``is_mkldnn``; ``to_dense()`` gives the plain one back bit for bit), so the model
-keeps one copy of its weights. ``LLMD_ONEDNN_PREPACK=0`` turns it off (the runner's A/B switch).
+keeps one copy of its weights. ``LLMD_ONEDNN_PREPACK=0`` turns it off (the runner's A/B switch);
+on a CPU where oneDNN cannot pack bfloat16 (AVX2 only: Zen 1–3) nothing is packed.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -38,9 +40,24 @@ BATCH_HINT = 64  # the packing's batch-size hint (the layout oneDNN picks; 64 an
 HEAD_COPY_MAX_BYTES = 128 << 20
 
 
+@functools.cache
+def cpu_supported() -> bool:
+    """Whether this torch's oneDNN can reorder a bfloat16 weight on this CPU (it needs AVX512-BW/VL/DQ
+    or AVX-NE-CONVERT: on an AVX2-only CPU such as a Zen 3 ``_reorder_linear_weight`` raises
+    RuntimeError "bf16 path needs the cpu support ..."). Probed once on a 16 × 16 weight."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), BATCH_HINT)
+    except RuntimeError:
+        return False
+    return True
+
+
 def enabled() -> bool:
-    """False when ``LLMD_ONEDNN_PREPACK=0`` (or oneDNN is not built into this torch)."""
-    return os.environ.get("LLMD_ONEDNN_PREPACK", "1") != "0" and torch.backends.mkldnn.is_available()
+    """False when ``LLMD_ONEDNN_PREPACK=0``, or oneDNN is not built into this torch or cannot pack
+    bfloat16 weights on this CPU (:func:`cpu_supported`); bfloat16 linears then run ``F.linear``."""
+    return os.environ.get("LLMD_ONEDNN_PREPACK", "1") != "0" and cpu_supported()
 
 
 def packable(w: torch.Tensor) -> bool:
