@@ -27,7 +27,7 @@ from torch.nn import functional as F
 
 from llmd import kernels
 from llmd.kernels import AttentionMetadata, cpu_glue
-from llmd.quant import prepacked
+from llmd.quant import fp16_linear, prepacked
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
 
@@ -183,9 +183,13 @@ def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
 
 class Linear(nn.Linear):
     """Bias-free ``nn.Linear`` whose weight may be prepacked for oneDNN on the CPU
-    (:func:`llmd.quant.prepacked.prepack_model`, bfloat16). ``forward(x [..., in]) -> [..., out]``."""
+    (:func:`llmd.quant.prepacked.prepack_model`, bfloat16) or have an fp16 pack beside it for
+    float32 inputs (:func:`llmd.quant.fp16_linear.pack_model`). ``forward(x [..., in]) -> [..., out]``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fp16 = self.__dict__.get(fp16_linear.ATTR)
+        if fp16 is not None and x.dtype == torch.float32:
+            return fp16_linear.linear(x, fp16)
         return prepacked.linear(x, self._parameters["weight"])
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmd.quant import int8_groups, prepacked
+from llmd.quant import fp16_linear, int8_groups, prepacked
 
 SMALL_BATCH = 4  # rows at most that use the packs when a dense copy is kept (measured crossover ~6)
 
@@ -83,7 +83,11 @@ class PackedLinear(nn.Module):
         x2 = x if flat else x.reshape(-1, self.in_features)
         dense = self._parameters.get("dense")
         if dense is not None and x2.shape[0] > self.small_batch:
-            y = prepacked.linear(x2, dense)  # plain or oneDNN-prepacked (quant/prepacked.py)
+            fp16 = self.__dict__.get(fp16_linear.ATTR)  # quant/fp16_linear.py, float32 inputs
+            if fp16 is not None and x2.dtype == torch.float32:
+                y = fp16_linear.linear(x2, fp16)
+            else:
+                y = prepacked.linear(x2, dense)  # plain or oneDNN-prepacked (quant/prepacked.py)
         elif self.kind == "int4":
             y = torch._weight_int4pack_mm_for_cpu(x2, self._buffers["packed"], 32, self._buffers["scales"])
         elif self.kind == "int8g":

@@ -72,7 +72,7 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
-def _linear_params(model: nn.Module):
+def linear_params(model: nn.Module):
     """(module, parameter name) of every layer weight a forward passes to :func:`linear`: the
     decoder layers' ``Linear`` / ``MergedLinear`` weights (``nn.Linear`` subclasses with their own
     forward; a plain ``nn.Linear`` would hand a packed weight to ``F.linear``, so it is left out)
@@ -115,7 +115,7 @@ def prepack_model(model: nn.Module) -> int:
     if not enabled():
         return 0
     n = _pack_tied_head(model)
-    for mod, name in _linear_params(model):
+    for mod, name in linear_params(model):
         w = mod._parameters[name]
         if packable(w):
             if _is_embedding(model, w):  # a tied head: the table stays too
@@ -170,7 +170,7 @@ def unpack_model(model: nn.Module) -> int:
     n = 0
     if isinstance(getattr(model, "logits_proj", None), TiedHeadCopy):
         model.logits_proj, n = None, 1  # the table itself is the head again
-    for mod, name in _linear_params(model):
+    for mod, name in linear_params(model):
         w = mod._parameters[name]
         if w.is_mkldnn:
             mod._parameters[name] = nn.Parameter(w.data.to_dense(), requires_grad=False)
@@ -181,7 +181,7 @@ def unpack_model(model: nn.Module) -> int:
 def packed_count(model: nn.Module) -> int:
     """How many of ``model``'s layer weights (and LM head) are prepacked now (the startup line names it)."""
     tied = isinstance(getattr(model, "logits_proj", None), TiedHeadCopy)
-    return tied + sum(1 for mod, name in _linear_params(model) if mod._parameters[name].is_mkldnn)
+    return tied + sum(1 for mod, name in linear_params(model) if mod._parameters[name].is_mkldnn)
 
 
 def dense(t: torch.Tensor) -> torch.Tensor:

@@ -83,7 +83,7 @@ from llmd.daemon.core.request import Request, SamplingParams
 from llmd.kernels import cpu_glue
 from llmd.kernels.native import build
 from llmd.models import glue_forward
-from llmd.quant import prepacked
+from llmd.quant import fp16_linear, prepacked
 
 
 @dataclass
@@ -185,8 +185,10 @@ def measure(engine, batch: int, context: int, reps: int, probe: BandwidthProbe) 
     def rand(*shape):
         return torch.randn(*shape, generator=gen).to(device=dev, dtype=dtype)
 
-    weights = [p for layer in model.layers for p in layer.parameters() if p.dim() == 2]
-    acts = {w.shape[1]: rand(batch, w.shape[1]) for w in weights}
+    # (weight, its fbgemm fp16 pack or None): the products the forward runs (quant/fp16_linear.py)
+    weights = [(p, m.__dict__.get(fp16_linear.ATTR)) for layer in model.layers for m in layer.modules()
+               for p in m.parameters(recurse=False) if p.dim() == 2]
+    acts = {w.shape[1]: rand(batch, w.shape[1]) for w, _ in weights}
     q = rand(batch, cfg.num_heads, cfg.head_dim)
     k, v = rand(batch, cfg.num_kv_heads, cfg.head_dim), rand(batch, cfg.num_kv_heads, cfg.head_dim)
     hidden = rand(batch, cfg.hidden_size)
@@ -213,7 +215,8 @@ def measure(engine, batch: int, context: int, reps: int, probe: BandwidthProbe) 
         runner.forward(ids, pos, meta)  # with the runner's choice of the C layer glue
 
     def replay():
-        return [prepacked.linear(acts[w.shape[1]], w) for w in weights]
+        return [prepacked.linear(acts[w.shape[1]], w) if pk is None else fp16_linear.linear(acts[w.shape[1]], pk)
+                for w, pk in weights]
 
     nbytes = kv_read_bytes(engine, batch, context)
     with torch.inference_mode():
@@ -230,7 +233,8 @@ def measure(engine, batch: int, context: int, reps: int, probe: BandwidthProbe) 
         t["step"] = median_time(lambda: runner.execute(out, reqs), reps, dev)
         step_ratio, _ = paired_step(lambda: runner.execute(out, reqs), replay, lambda: model.compute_logits(hidden),
                                     probe, nbytes, reps, dev)
-    return StepTimes(engine.config.dtype, engine.config.attention_backend, batch, context, **t,
+    label = "f32/fp16" if engine.runner.fp16_linears else engine.config.dtype  # fp16 packs: quant/fp16_linear.py
+    return StepTimes(label, engine.config.attention_backend, batch, context, **t,
                      kv_bytes=nbytes, kv_floor=nbytes / bandwidth, cpu_other=meter.frac(), bandwidth=bandwidth,
                      attn_ratio=statistics.median(a * b / nbytes for a, b, _ in pairs),
                      gather=statistics.median(g for _, _, g in pairs),
@@ -252,6 +256,7 @@ def engine_for(model, config: EngineConfig, batch: int, context: int):
     sized = dataclasses.replace(config, kv_cache_memory=memory, max_num_seqs=max(batch, config.max_num_seqs),
                                 # the runner's buffers fit
                                 max_num_batched_tokens=max(batch, config.max_num_batched_tokens))
+    sized.fp16_weights = getattr(config, "fp16_weights", False)  # not a field: replace() drops it
     engine = Engine(model, None, sized)  # no tokenizer: no requests are added
     fill_kv(engine.runner)
     return engine
@@ -295,11 +300,15 @@ def run_step_bench(engine_kw: dict, dtypes: list[str], backends: list[str], batc
         model, _ = load_model(path, cfg.torch_dtype, cfg.device)
         for be in backends:
             try:
-                bcfg = EngineConfig(**{**engine_kw, "dtype": cfg.dtype, "attention_backend": be,
+                bcfg = EngineConfig(**{**engine_kw, "dtype": dname, "attention_backend": be,
                                        "kv_cache_memory": None}).resolve()
             except LlmdError as e:
                 echo(f"{cfg.dtype} {be}: skipped ({e})")
                 continue
+            # --dtype auto's float32 on a CPU without native bfloat16: the dense products on fp16 packs,
+            # as the engine's own --weight-quant auto does (bench step loads dense weights: "none")
+            bcfg.fp16_weights = getattr(bcfg, "dtype_auto", False) and bcfg.dtype == "float32" \
+                and bcfg.device == "cpu" and not bcfg.model.startswith("random:")
             engine = engine_for(model, bcfg, max(batches), max(contexts))
             for b in batches:
                 for c in contexts:

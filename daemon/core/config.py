@@ -96,7 +96,9 @@ class EngineConfig:
             steps the fused C kernel can run (:meth:`wants_fused_decode`; e.g. an AVX2-only CPU,
             where float32 is the dtype) the packs for that kernel with the dense float32 weights
             for every other step (torch's int4 kernel is ~30× slower on float32 activations);
-            else "none".
+            else "none". On such a float32-by-auto GGUF model the dense float32 products of every
+            step also run on float16 copies of the weights (``fp16_weights``, not a field:
+            :mod:`llmd.quant.fp16_linear`, fbgemm's fp16 GEMM; ``LLMD_FP16_WEIGHTS=0`` turns it off).
         context_overflow: what a sequence reaching ``max_model_len`` does: "stop" (default:
             ``finish_reason`` "length", and prompt + ``max_tokens`` beyond the context is refused)
             or "shift" (llama.cpp's ``--context-shift``: keep the first ``keep`` tokens, discard
@@ -199,6 +201,9 @@ class EngineConfig:
                 else "none"
             self.keep_dense_weights = True  # not a dataclass field, as dtype_auto
             self.packs_for_fused_only = fused_only  # Engine.from_config: "none" unless the fused kernel runs
+            # the same float32-by-auto CPU model's dense products on fp16 weights (quant/fp16_linear.py)
+            self.fp16_weights = gguf_model and not on_cuda and self.dtype == "float32" \
+                and getattr(self, "dtype_auto", False)
         elif self.weight_quant != "none":
             bnb = self.weight_quant in ("nf4", "fp4") or (self.weight_quant == "int8" and on_cuda)
             if on_cuda and not bnb:

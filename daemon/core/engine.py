@@ -65,7 +65,7 @@ from llmd.daemon.kv import KVCacheManager, make_kv_cache_groups
 from llmd.kernels.launch import check_triton_config
 from llmd.models.config import ModelConfig
 from llmd.models.tokenizer import Tokenizer
-from llmd.quant import prepacked
+from llmd.quant import fp16_linear, prepacked
 from llmd.quant.kv import KVCacheFormat, get_format
 from llmd.quant.rotation import check_rotation
 
@@ -189,6 +189,7 @@ class Engine:
             kv_rotation=self.config.kv_rotation, residual_slots=num_residual,
             cascade_attn=not self.config.disable_cascade_attn,
             native_kernels=not self.config.disable_native_kernels,
+            fp16_weights=getattr(self.config, "fp16_weights", False),
         )
         self.input_processor = InputProcessor(tokenizer, cfg.vocab_size, self.max_model_len,
                                               self.config.context_overflow, self.config.keep, self.config.block_size)
@@ -303,6 +304,9 @@ class Engine:
         copy = prepacked.head_copy_bytes(self.runner.model)
         head = f" (the tied LM head's as a copy, +{copy / 2**20:.0f} MiB)" if copy else ""
         linears = f", linears: {packed} bf16 weights prepacked for oneDNN{head}" if packed else ""
+        fp16, fp16_bytes = fp16_linear.packed_count(self.runner.model)
+        if fp16:
+            linears += f", linears: {fp16} float32 weights as fp16 for fbgemm (+{fp16_bytes / 2**20:.0f} MiB)"
         return f"dtype {c.dtype}{why}, attention {attn}, {threads}{linears}{weights}"
 
     def _kv_dtype_label(self) -> str:

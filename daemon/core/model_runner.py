@@ -28,7 +28,7 @@ from llmd.kernels.cpu_attention import compute_dtype_for
 from llmd.kernels.kv_shift import shift_residual
 from llmd.kernels.native import build
 from llmd.models.config import ModelConfig
-from llmd.quant import prepacked
+from llmd.quant import fp16_linear, prepacked
 from llmd.quant.kv import PagedKVCache, get_format
 
 
@@ -56,6 +56,8 @@ class ModelRunner:
         cuda_graphs: capture decode steps as CUDA graphs after the kernel warm-up (CUDA and the
             triton backend only; elsewhere ignored). ``--enforce-eager`` turns it off. int4 caches
             decode eagerly: their K store (:mod:`llmd.kernels.kivi`) plans each step on the host.
+        fp16_weights: give the model's float32 layer weights (and LM head) fbgemm fp16 packs
+            (:func:`llmd.quant.fp16_linear.pack_model`; CPU only, where ``--dtype auto`` chose float32).
         kv_rotation: ``--kv-rotation`` of every layer's cache ("none" / "hadamard";
             :mod:`llmd.quant.rotation`, applied by the attention ops).
         residual_slots: int4: slots of each cache tensor's open-block K residual (the KV
@@ -80,13 +82,15 @@ class ModelRunner:
                  attention_backend: str = "torch", kv_cache_groups: list[KVCacheGroupSpec] | None = None,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 256, max_model_len: int = 2048,
                  cuda_graphs: bool = False, kv_rotation: str = "none", residual_slots: int = 0,
-                 cascade_attn: bool = True, native_kernels: bool = True):
+                 cascade_attn: bool = True, native_kernels: bool = True, fp16_weights: bool = False):
         self.model = model
         self.config: ModelConfig = model.config
         self.block_size = block_size
         self.device = torch.device(device)
         # bfloat16 layer weights in oneDNN's blocked layout, once (quant/prepacked.py; same bits)
         self.prepacked_linears = prepacked.prepack_model(model) if self.device.type == "cpu" else 0
+        # float32 layer weights as fp16 for fbgemm where --dtype auto chose float32 (quant/fp16_linear.py)
+        self.fp16_linears = fp16_linear.pack_model(model) if fp16_weights and self.device.type == "cpu" else 0
         self.groups = kv_cache_groups or make_kv_cache_groups((None,) * self.config.num_layers)  # all global
         group_size, placement = layer_placement(self.groups)
         self.layer_group = [placement[i][0] for i in range(self.config.num_layers)]
