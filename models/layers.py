@@ -188,7 +188,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fp16 = self.__dict__.get(fp16_linear.ATTR)
-        if fp16 is not None and x.dtype == torch.float32:
+        if fp16 is not None and fp16_linear.active and x.dtype == torch.float32:
             return fp16_linear.linear(x, fp16)
         return prepacked.linear(x, self._parameters["weight"])
 

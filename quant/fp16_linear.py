@@ -11,7 +11,8 @@ faster. Measured on the 2-core Zen 3 (2026-12-06, SmolLM2's 120 layer matmuls, m
 
 Numerics: the product is ``x @ fp16(w).T`` in float32 (``tests/quant/test_fp16_linear.py``: within
 1e-5 of that float64 product); the weights are rounded once to float16 (relative ≤ 2⁻¹¹, an
-eighth of bfloat16's rounding). The module keeps its float32 weight (the state dict, the
+eighth of bfloat16's rounding). The packs are used only while :data:`active` (the model runner's
+choice, per forward). The module keeps its float32 weight (the state dict, the
 weights' digest and every reader of the weights are unchanged; under the weights cache it is a
 memory-mapped file the kernel no longer reads); the pack lives beside it as the module attribute
 :data:`ATTR`. Only the engine's ``--dtype auto`` float32 CPU models get packs
@@ -30,6 +31,10 @@ from torch import nn
 from llmd.quant import prepacked
 
 ATTR = "fp16_pack"  # the module attribute that holds a layer's fbgemm pack
+# Whether the forward running now multiplies by the packs: set by the model runner around its
+# forwards and logits (its engine's choice; engines sharing one loaded model may differ, as for
+# :data:`llmd.kernels.cpu_glue.active`). Off: the float32 weights, as without packs.
+active = False
 
 
 @functools.cache
@@ -61,17 +66,21 @@ def linear(x: torch.Tensor, packed) -> torch.Tensor:
 
 
 class Fp16Head(nn.Module):
-    """The LM head of a model with neither a ``logits_proj`` nor a packed one: an fp16 pack of its
-    weight (the tied embedding table or its own ``lm_head``, which stay). ``forward(x [N, hidden]
-    float32) -> [N, vocab]``. Not a parameter: the state dict is unchanged."""
+    """The LM head of a model without a ``logits_proj``: an fp16 pack of its weight (the tied
+    embedding table or its own ``lm_head``, which stay). ``forward(x [N, hidden]) -> [N, vocab]``:
+    by the pack for float32 ``x`` while :data:`active`, else ``x @ weight.T`` as the model's own
+    head. Neither is a parameter: the state dict is unchanged."""
 
-    def __init__(self, packed, nbytes: int):
+    def __init__(self, weight: torch.Tensor, packed, nbytes: int):
         super().__init__()
+        self.__dict__["weight_ref"] = weight
         self.__dict__[ATTR] = packed
         self.pack_bytes = nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.__dict__[ATTR])
+        if active and x.dtype == torch.float32:
+            return linear(x, self.__dict__[ATTR])
+        return x @ self.__dict__["weight_ref"].t()
 
 
 def _packable(w: torch.Tensor) -> bool:
@@ -90,7 +99,7 @@ def pack_model(model: nn.Module) -> int:
     if getattr(model, "logits_proj", 0) is None and emb is not None:
         w = emb if getattr(model, "lm_head", None) is None else model.lm_head
         if _packable(w):
-            model.logits_proj, n = Fp16Head(pack(w.data), w.numel() * 2), 1
+            model.logits_proj, n = Fp16Head(w, pack(w.data), w.numel() * 2), 1
     for mod, name in prepacked.linear_params(model):
         w = mod._parameters[name]
         if ATTR not in mod.__dict__ and _packable(w):

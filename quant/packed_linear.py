@@ -84,7 +84,7 @@ class PackedLinear(nn.Module):
         dense = self._parameters.get("dense")
         if dense is not None and x2.shape[0] > self.small_batch:
             fp16 = self.__dict__.get(fp16_linear.ATTR)  # quant/fp16_linear.py, float32 inputs
-            if fp16 is not None and x2.dtype == torch.float32:
+            if fp16 is not None and fp16_linear.active and x2.dtype == torch.float32:
                 y = fp16_linear.linear(x2, fp16)
             else:
                 y = prepacked.linear(x2, dense)  # plain or oneDNN-prepacked (quant/prepacked.py)

@@ -186,13 +186,15 @@ def measure(engine, batch: int, context: int, reps: int, probe: BandwidthProbe) 
         return torch.randn(*shape, generator=gen).to(device=dev, dtype=dtype)
 
     # (weight, its fbgemm fp16 pack or None): the products the forward runs (quant/fp16_linear.py)
-    weights = [(p, m.__dict__.get(fp16_linear.ATTR)) for layer in model.layers for m in layer.modules()
-               for p in m.parameters(recurse=False) if p.dim() == 2]
+    packs = runner.fp16_weights
+    weights = [(p, m.__dict__.get(fp16_linear.ATTR) if packs else None) for layer in model.layers
+               for m in layer.modules() for p in m.parameters(recurse=False) if p.dim() == 2]
     acts = {w.shape[1]: rand(batch, w.shape[1]) for w, _ in weights}
     q = rand(batch, cfg.num_heads, cfg.head_dim)
     k, v = rand(batch, cfg.num_kv_heads, cfg.head_dim), rand(batch, cfg.num_kv_heads, cfg.head_dim)
     hidden = rand(batch, cfg.hidden_size)
     cpu_glue.active = runner.native_glue  # as the runner sets it for its forwards
+    fp16_linear.active = runner.fp16_weights
     fused_store = glue_forward.why_not(model, runner.layer_caches) is None  # the forward runs glue_forward
     qkv = rand(batch, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim)
     glue, threads = build.load_glue(), torch.get_num_threads()
@@ -233,7 +235,7 @@ def measure(engine, batch: int, context: int, reps: int, probe: BandwidthProbe) 
         t["step"] = median_time(lambda: runner.execute(out, reqs), reps, dev)
         step_ratio, _ = paired_step(lambda: runner.execute(out, reqs), replay, lambda: model.compute_logits(hidden),
                                     probe, nbytes, reps, dev)
-    label = "f32/fp16" if engine.runner.fp16_linears else engine.config.dtype  # fp16 packs: quant/fp16_linear.py
+    label = "f32/fp16" if runner.fp16_weights else engine.config.dtype  # fp16 packs: quant/fp16_linear.py
     return StepTimes(label, engine.config.attention_backend, batch, context, **t,
                      kv_bytes=nbytes, kv_floor=nbytes / bandwidth, cpu_other=meter.frac(), bandwidth=bandwidth,
                      attn_ratio=statistics.median(a * b / nbytes for a, b, _ in pairs),

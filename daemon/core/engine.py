@@ -305,7 +305,7 @@ class Engine:
         head = f" (the tied LM head's as a copy, +{copy / 2**20:.0f} MiB)" if copy else ""
         linears = f", linears: {packed} bf16 weights prepacked for oneDNN{head}" if packed else ""
         fp16, fp16_bytes = fp16_linear.packed_count(self.runner.model)
-        if fp16:
+        if fp16 and self.runner.fp16_weights:
             linears += f", linears: {fp16} float32 weights as fp16 for fbgemm (+{fp16_bytes / 2**20:.0f} MiB)"
         return f"dtype {c.dtype}{why}, attention {attn}, {threads}{linears}{weights}"
 

@@ -90,7 +90,9 @@ class ModelRunner:
         # bfloat16 layer weights in oneDNN's blocked layout, once (quant/prepacked.py; same bits)
         self.prepacked_linears = prepacked.prepack_model(model) if self.device.type == "cpu" else 0
         # float32 layer weights as fp16 for fbgemm where --dtype auto chose float32 (quant/fp16_linear.py)
-        self.fp16_linears = fp16_linear.pack_model(model) if fp16_weights and self.device.type == "cpu" else 0
+        self.fp16_weights = fp16_weights and self.device.type == "cpu" and fp16_linear.enabled()
+        if self.fp16_weights:
+            fp16_linear.pack_model(model)  # idempotent: a second engine on the model finds them
         self.groups = kv_cache_groups or make_kv_cache_groups((None,) * self.config.num_layers)  # all global
         group_size, placement = layer_placement(self.groups)
         self.layer_group = [placement[i][0] for i in range(self.config.num_layers)]
@@ -276,6 +278,7 @@ class ModelRunner:
             hidden = hidden[first : last + 1]
         else:
             hidden = hidden[torch.tensor(logits_indices, device=hidden.device)]
+        fp16_linear.active = self.fp16_weights
         logits = self.model.compute_logits(hidden).float()
         if self.measure_device_wait and graphs is not None and graphs.graphs and self.device.type == "cuda":
             t0 = time.perf_counter()
@@ -298,12 +301,14 @@ class ModelRunner:
         if len(token_ids) == 1 and self._fused_serves(meta):  # as a decode step would run
             return self._fused_step(input_ids, positions, meta)
         hidden = self.forward(input_ids, positions, meta)
+        fp16_linear.active = self.fp16_weights
         return self.model.compute_logits(hidden).float().cpu()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """The model over this runner's caches, ``[T, hidden]``, with this runner's choice of the C
         layer glue (:data:`llmd.kernels.cpu_glue.active`; engines sharing a model may differ)."""
         cpu_glue.active = self.native_glue
+        fp16_linear.active = self.fp16_weights  # this engine's choice of the fp16 packs (quant/fp16_linear.py)
         return self.model(input_ids, positions, self.layer_caches, meta)
 
     def _fused_serves(self, meta) -> bool:
