@@ -132,6 +132,7 @@ class Engine:
     def __init__(self, model, tokenizer: Tokenizer, config: EngineConfig):
         dtype_given = config.dtype not in (None, "auto")
         self.config = config.resolve()
+        self.released_dense_bytes = 0  # from_config: float32 weight pages the fp16 packs replaced, handed back
         kv_dtype = next(model.parameters()).dtype
         loaded = next((k for k, v in DTYPES.items() if v == kv_dtype), self.config.dtype)
         if not dtype_given and loaded != self.config.dtype:  # a model loaded already: "auto" is its dtype
@@ -245,7 +246,10 @@ class Engine:
                                 weights_cache=weights_cache.enabled(),  # a warm start maps the converted weights
                                 native=fused)
         tokenizer = load_tokenizer(path, cfg, header_info(path).data_offset)
-        return cls(model, tokenizer, config)
+        engine = cls(model, tokenizer, config)
+        if engine.runner.fp16_weights:  # this engine owns the model: the packs replace its float32 weights
+            engine.released_dense_bytes = fp16_linear.release_dense_pages(model)
+        return engine
 
     def capacity_summary(self) -> str:
         """One line: bytes/token, blocks, KV cache groups, and how many full-context sequences fit."""
@@ -306,7 +310,9 @@ class Engine:
         linears = f", linears: {packed} bf16 weights prepacked for oneDNN{head}" if packed else ""
         fp16, fp16_bytes = fp16_linear.packed_count(self.runner.model)
         if fp16 and self.runner.fp16_weights:
-            linears += f", linears: {fp16} float32 weights as fp16 for fbgemm (+{fp16_bytes / 2**20:.0f} MiB)"
+            released = self.released_dense_bytes
+            gone = f"; their float32 pages, {released / 2**20:.0f} MiB, handed back (MADV_PAGEOUT)" if released else ""
+            linears += f", linears: {fp16} float32 weights as fp16 for fbgemm (+{fp16_bytes / 2**20:.0f} MiB{gone})"
         return f"dtype {c.dtype}{why}, attention {attn}, {threads}{linears}{weights}"
 
     def _kv_dtype_label(self) -> str:

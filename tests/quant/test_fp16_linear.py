@@ -107,3 +107,52 @@ def test_smollm2_fp16_weights_within_bounds_of_float32(smollm2, smollm2_tokenize
     print(f"fp16 weights vs float32: dNLL {dnll:+.4f} %, top-1 {100 * agree:.2f} %")
     assert abs(dnll) <= 0.05 and agree >= 0.99, (dnll, agree)
     assert dnll != 0.0
+
+
+def _mapping_rss_kib(addr: int) -> int:
+    """``Rss`` of the /proc/self/smaps mapping that holds ``addr`` (KiB)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and all(c in "0123456789abcdef-" for c in head[0]):
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                inside = lo <= addr < hi
+            elif inside and head[0] == "Rss:":
+                return int(head[1])
+    raise AssertionError("no mapping holds the address")
+
+
+def test_release_dense_pages_drops_mapped_weights_and_keeps_their_values(tmp_path, monkeypatch):
+    """What ``Engine.from_config`` does to the float32 weights the packs replaced: on a weights-cache
+    style mapping (safetensors' private file map) the pages leave the process's RSS and a later
+    read faults them back with the same values; anonymous memory keeps its values (no swap: nothing
+    to reclaim). Only packed layers' weights are advised."""
+    from safetensors.torch import load_file, save_file
+
+    save_file({"w": torch.randn(2048, 1024, generator=torch.Generator().manual_seed(0))}, str(tmp_path / "w.st"))
+    mapped = load_file(str(tmp_path / "w.st"))["w"]  # 8 MiB, memory-mapped
+    want = mapped.clone()  # reads every page
+    before = _mapping_rss_kib(mapped.data_ptr())
+    assert before >= 7 * 1024
+    advised = fp16_linear._pageout(mapped)
+    assert advised >= 8 * 2**20 - 2 * 4096
+    assert _mapping_rss_kib(mapped.data_ptr()) <= before - 6 * 1024  # the pages left the process
+    assert torch.equal(mapped, want)  # faulted back from the file, the same bytes
+    anon = torch.randn(2048, 1024)
+    copy = anon.clone()
+    fp16_linear._pageout(anon)
+    assert torch.equal(anon, copy)
+
+    engine = tiny_engine(tmp_path / "t.gguf")
+    model = engine.runner.model
+    linear = next(m for m, _ in fp16_linear.prepacked.linear_params(model))
+    assert fp16_linear.release_dense_pages(model) == 0  # nothing packed: nothing advised
+    fp16_linear.pack_model(model)
+    seen = []
+    monkeypatch.setattr(fp16_linear, "_pageout", lambda t: seen.append(t.data_ptr()) or 0)
+    try:
+        fp16_linear.release_dense_pages(model)
+    finally:
+        fp16_linear.unpack_model(model)
+    assert linear.weight.data_ptr() in seen and len(seen) == len(set(seen)) == 2 * 4 + 1  # layers + the head, once each
