@@ -438,7 +438,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, 
     group = num_heads // kv_heads
     cdt = compute_dtype_for(query.dtype)
     native = meta.native_kernels and cpu_native.supports(cache, cdt, group)
-    if not native and cpu_decode_one.applies(meta, cache.fmt.quantized):  # one decode: by-block gather, no mask
+    # one decode of an auto cache: by-block gather, no mask
+    if not native and cpu_decode_one.applies(meta, cache.fmt.dtype is not None):
         return cpu_decode_one.paged_attention(query, cache.data, meta, scale, sliding_window,
                                               torch.float32 if cdt == torch.bfloat16 else cdt)
     plan = get_plan(meta, kv_heads, sliding_window, group, cascade_ok=meta.cascade_attn and not cache.fmt.k_per_block,

@@ -23,7 +23,7 @@ import torch
 from llmd.kernels.native import build
 from llmd.quant.kv import planes_contiguous
 
-_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # paged_decode.c's KV_F32 / KV_BF16
+_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # paged_decode.c's KV_F32 / KV_BF16 / KV_F16
 _EMBED_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # Q_F32 / Q_BF16
 
 
@@ -85,7 +85,7 @@ def why_not(hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int, b
     if block_size > 32:
         return f"block size {block_size} > 32"
     if kv.dtype not in _KV_DTYPES or not planes_contiguous(kv):
-        return f"KV cache {str(kv.dtype).removeprefix('torch.')} (needs auto: float32 or bfloat16)"
+        return f"KV cache {str(kv.dtype).removeprefix('torch.')} (needs float32, bfloat16 or float16)"
     if any(m is None for m in mats):
         return "a layer without the GGUF 4/8-bit blocks (needs --weight-quant auto or gguf, Q4_0/Q4_1/Q4_K/Q8_0)"
     return None

@@ -63,7 +63,8 @@ def gather_kv(
     """Read a sequence's first ``seq_len`` K and V rows through its block table.
 
     Returns:
-        (K, V), each ``[seq_len, num_kv_heads, head_dim]``: the cache dtype for ``auto``,
+        (K, V), each ``[seq_len, num_kv_heads, head_dim]``: the cache dtype for ``auto``, ``dtype``
+        for a float16 / bfloat16 cache,
         ``code × scale`` computed in ``dtype`` for int8/fp8, and for int4 after unpacking the
         two codes of each byte (each group of 16 channels times its own float16 scale).
     """
@@ -78,6 +79,8 @@ def gather_kv(
         ks = cache.scales[0, ids].reshape(-1, *cache.scales.shape[3:])[:seq_len]
         vs = cache.scales[1, ids].reshape(-1, *cache.scales.shape[3:])[:seq_len]
         k, v = dequantize(k, ks, dtype), dequantize(v, vs, dtype)
+    elif cache.fmt.dtype is not None:  # a 16-bit float cache (float16 / bfloat16): widened exactly
+        k, v = k.to(dtype), v.to(dtype)
     return k, v
 
 

@@ -104,7 +104,8 @@ class LlamaForCausalLM(DecoderForCausalLM):
         if self.embed_tokens.weight.dtype not in (torch.float32, torch.bfloat16):
             return f"model dtype {self.embed_tokens.weight.dtype} (needs float32 or bfloat16)"
         if any(c.fmt.quantized or c.fmt.k_per_block or c.rotation != "none" for c in layer_caches):
-            return "a quantized or rotated KV cache (needs --kv-cache-dtype auto, --kv-rotation none)"
+            return ("a quantized or rotated KV cache (needs --kv-cache-dtype auto, float16 or bfloat16, "
+                    "--kv-rotation none)")
 
         def pack(mod):
             return mod.native_pack() if isinstance(mod, PackedLinear) else None

@@ -352,8 +352,8 @@ def quantize_dequantize(x: torch.Tensor, fmt: KVCacheFormat, static_scale: float
     Args:
         x: ``[..., num_kv_heads, head_dim]`` float.
     """
-    if not fmt.quantized:
-        return x
+    if not fmt.quantized:  # auto: unrounded; float16 / bfloat16: rounded once to that dtype
+        return x if fmt.dtype is None else x.to(fmt.dtype).to(x.dtype)
     flat = x.reshape(-1, *x.shape[-2:])
     if static_scale is None:
         s = compute_scales(flat, fmt)

@@ -36,10 +36,11 @@ class KVCacheFormat:
     """One ``--kv-cache-dtype``.
 
     Attributes:
-        name: "auto", "int8", "fp8_e4m3", "fp8_e5m2" or "int4".
+        name: "auto", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2" or "int4".
         dtype_name: storage dtype's torch name, None for ``auto`` (the model dtype); ``"uint8"``
-            for int4 (packed).
-        qmax: largest magnitude of a code (127, 448, 57344, 7); 0 for ``auto``.
+            for int4 (packed). ``float16`` / ``bfloat16`` store K/V rounded to that dtype, without
+            scales (llama.cpp's default ``f16`` cache; vLLM's ``bfloat16``): half a float32 model's bytes.
+        qmax: largest magnitude of a code (127, 448, 57344, 7); 0 for ``auto`` and the 16-bit floats.
         mantissa_bits, min_exponent: fp8 grid (3, -6 for e4m3fn; 2, -14 for e5m2); 0 for int8.
         bits: bits per code (8, or 4 for two codes per byte).
         group_size: channels per scale (0 = one scale per (token, KV head)); int4's V uses 16,
@@ -79,18 +80,19 @@ class KVCacheFormat:
 
     @property
     def quantized(self) -> bool:
-        return self.dtype_name is not None
+        """Codes with scales (int8, fp8, int4); False for ``auto`` and the 16-bit float formats."""
+        return self.qmax > 0
 
     @property
     def is_fp8(self) -> bool:
         return self.mantissa_bits > 0
 
     def storage_dtype(self, model_dtype: "torch.dtype") -> "torch.dtype":
-        return self.dtype if self.quantized else model_dtype
+        return model_dtype if self.dtype is None else self.dtype
 
     def bytes_per_element(self, model_dtype: "torch.dtype | str") -> int:
         """Bytes of one stored element: the format's own, or the model dtype's for ``auto``."""
-        return ITEMSIZE[self.dtype_name] if self.quantized else itemsize(model_dtype)
+        return itemsize(model_dtype) if self.dtype_name is None else ITEMSIZE[self.dtype_name]
 
     @property
     def scale_bytes(self) -> int:
@@ -174,6 +176,8 @@ class KVCacheFormat:
 
 KV_CACHE_FORMATS: dict[str, KVCacheFormat] = {
     "auto": KVCacheFormat("auto", None),
+    "float16": KVCacheFormat("float16", "float16"),
+    "bfloat16": KVCacheFormat("bfloat16", "bfloat16"),
     "int8": KVCacheFormat("int8", "int8", 127.0),
     "fp8_e4m3": KVCacheFormat("fp8_e4m3", "float8_e4m3fn", 448.0, 3, -6),
     "fp8_e5m2": KVCacheFormat("fp8_e5m2", "float8_e5m2", 57344.0, 2, -14),

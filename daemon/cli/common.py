@@ -104,9 +104,12 @@ def engine_options(fn):
         click.option("--max-num-batched-tokens", default=None, type=int,
                      help="Token budget per step (default: 512 on CPU, 4096 on CUDA)."),
         click.option("--max-model-len", default=None, type=int, help="Context cap in tokens (default: the model's)."),
-        click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]),
+        click.option("--kv-cache-dtype",
+                     type=click.Choice(["auto", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]),
                      default="auto", show_default=True,
-                     help="KV cache storage: auto = model dtype; 8-bit formats keep float32 scales per "
+                     help="KV cache storage: auto = model dtype; float16 / bfloat16 = K/V rounded to "
+                          "that 16-bit float, no scales (half a float32 model's bytes; cpu/torch "
+                          "backends); 8-bit formats keep float32 scales per "
                           "(token, KV head); int4 packs two codes per byte: K per channel over each "
                           "16-token block (KIVI; the open block's K in 16 bits), V with a float16 scale "
                           "per 16 channels."),

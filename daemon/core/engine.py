@@ -320,6 +320,8 @@ class Engine:
         if c.kv_cache_dtype == "auto":
             return c.dtype
         fmt = c.kv_format
+        if not fmt.quantized:  # float16 / bfloat16: no scales
+            return f"{c.kv_cache_dtype}, {c.dtype} model"
         scales = (f"static scales k={c.kv_scales[0]:g}, v={c.kv_scales[1]:g}" if c.kv_scales
                   else f"dynamic {str(fmt.scale_dtype).removeprefix('torch.')} scales")
         if fmt.k_per_block:

@@ -57,7 +57,7 @@ typedef struct {
 } llmd_layer;
 
 typedef struct {
-    int hidden, heads, kv_heads, head_dim, inter, num_layers, block_size, kv_dtype;  /* kv_dtype: KV_F32 / KV_BF16 */
+    int hidden, heads, kv_heads, head_dim, inter, num_layers, block_size, kv_dtype;  /* KV_F32 / KV_BF16 / KV_F16 */
     float eps, attn_scale;
     int act_levels;          /* 1: int8 activations; 2: plus an int8 code of each one's rounding residual */
     const float *inv_freq;   /* [head_dim / 2] RoPE inverse frequencies */
@@ -239,6 +239,9 @@ static void rope(float *v, const float *cs, const float *sn, int D) {
 static void store_row(void *kv, int64_t off, const float *src, int D, int kv_dtype) {
     if (kv_dtype == KV_F32) {
         memcpy((float *)kv + off, src, (size_t)D * 4);
+    } else if (kv_dtype == KV_F16) {  /* round to nearest even, as torch's .to(float16) */
+        _Float16 *dst = (_Float16 *)kv + off;
+        for (int i = 0; i < D; i++) dst[i] = (_Float16)src[i];
     } else {
         uint16_t *dst = (uint16_t *)kv + off;
         for (int i = 0; i < D; i++) dst[i] = f32_to_bf16(src[i]);

@@ -157,3 +157,25 @@ def test_grouped_scales_match_reference(kind, fmt, group_size, dtype):
     out = ops.paged_attention(q, cache, meta, 128**-0.5)
     ref = reference.paged_attention(q.double(), cache, meta, 128**-0.5, compute_dtype=torch.float64)
     assert out.dtype == dtype and torch.isfinite(out).all() and rel(out, ref) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("kind,fmt,window,dtype,group", [
+    ("decode", "float16", None, torch.float32, 3), ("mixed", "float16", 7, torch.float32, 4),
+    ("prefill", "float16", 40, torch.float32, 8), ("spread-mixed", "float16", None, torch.float32, 1),
+    ("few", "float16", None, torch.float32, 4), ("mixed", "bfloat16", None, torch.float32, 3),
+    ("spread", "bfloat16", 40, torch.float32, 4), ("mixed", "float16", None, torch.bfloat16, 4)])
+@pytest.mark.parametrize("native", [True, False])
+def test_16bit_float_caches_match_reference(kind, fmt, window, dtype, group, native):
+    """``--kv-cache-dtype float16 / bfloat16``: K/V stored rounded to that dtype, no scales (the
+    default of a float32-by-auto CPU model is float16). Both backends read the same stored values
+    (the reference widens them to float64), through the C decode kernel and the torch gathers, so the
+    bounds are the model dtype's above."""
+    case = {"kind": kind, "group": group, "block_size": 16, "head_dim": 64, "fmt": fmt, "window": window,
+            "dtype": dtype}
+    meta, query, cache = make_step(case, seed=13)
+    assert cache.data.dtype == getattr(torch, fmt) and cache.scales is None
+    meta.native_kernels = native
+    q = query.to(dtype)
+    out = ops.paged_attention(q, cache, meta, 0.125, window)
+    ref = reference.paged_attention(q.double(), cache, meta, 0.125, window, compute_dtype=torch.float64)
+    assert out.dtype == dtype and torch.isfinite(out).all() and rel(out, ref) <= TOL[dtype]

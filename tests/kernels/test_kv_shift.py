@@ -49,7 +49,8 @@ def _stored(cache: PagedKVCache, blocks: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("head_dim,theta", [(64, 100_000.0), (256, 10_000.0), (256, 1_000_000.0)])
 @pytest.mark.parametrize("fmt,rotation", [("auto", "none"), ("int8", "none"), ("int8", "hadamard"),
-                                          ("fp8_e4m3", "none"), ("fp8_e4m3", "hadamard"), ("int8/g32", "hadamard")])
+                                          ("fp8_e4m3", "none"), ("fp8_e4m3", "hadamard"), ("int8/g32", "hadamard"),
+                                          ("float16", "none")])
 def test_shifted_keys_equal_rope_at_the_new_positions(head_dim, theta, fmt, rotation):
     """Keys cached at positions 48.. (3 blocks), shifted by Δ = 32 in place and into fresh
     blocks, equal RoPE(k, p − Δ) from scratch: for the float32 cache to 1e-5 of the keys'
@@ -72,6 +73,10 @@ def test_shifted_keys_equal_rope_at_the_new_positions(head_dim, theta, fmt, rota
         want32 = apply_rope(k, rope_tables(pos - delta, head_dim, theta, torch.float32)).double()
         assert (got - want32).abs().max().item() < 1e-5 * k.abs().max().item()
         assert (got - _rope64(k, pos - delta, theta)).abs().max().item() < 1e-5 * k.abs().max().item()
+    elif fmt == "float16":  # the stored float16 keys re-rotated, rounded once more to float16
+        exact = _rope64(first, torch.full((n,), -delta), theta)
+        assert ((got - exact).abs() <= 2**-11 * exact.abs() + 1e-5 * k.abs().max().item()).all()
+        assert (got - _rope64(k, pos - delta, theta)).abs().max().item() < 2**-9 * k.abs().max().item()
     else:
         exact = rotate(_rope64(rotate(first, rotation), torch.full((n,), -delta), theta), rotation)
         qfmt = get_format(fmt.partition("/g")[0])  # grouped scales: a group's step <= the vector's
