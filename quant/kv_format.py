@@ -185,6 +185,11 @@ KV_CACHE_FORMATS: dict[str, KVCacheFormat] = {
 }
 
 
+#: formats only the cpu and torch attention backends read (the Triton kernels and the GPU script's
+#: check and bench cover the others; ``--attention-backend triton`` refuses these)
+CPU_ONLY_FORMATS = ("float16", "bfloat16")
+
+
 def get_format(name: "str | KVCacheFormat", scale_group_size: int = 0) -> KVCacheFormat:
     """Format by ``--kv-cache-dtype`` name (a :class:`KVCacheFormat` is returned as it is), with
     ``scale_group_size`` channels per scale (:meth:`KVCacheFormat.with_scale_groups`; 0 = the

@@ -19,7 +19,9 @@ adds a dim line of tokens, seconds and tokens/s per reply (Ollama's ``--verbose`
 from __future__ import annotations
 
 import http.client
+import signal
 import sys
+import threading
 import time
 from typing import Callable, Iterator
 
@@ -156,6 +158,10 @@ def run_chat(backend, params: dict, system: str | None = None, prompt: str | Non
              verbose: bool = False) -> None:
     """One answer for ``prompt``, else the REPL until Ctrl-D or ``/exit`` (``verbose``: a
     timing line per reply)."""
+    if threading.current_thread() is threading.main_thread():
+        # Ctrl-C cancels a reply: Python leaves SIGINT ignored when the parent process ignored it
+        # (a shell's background job, a test runner), so the handler is installed explicitly
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     base = [{"role": "system", "content": system}] if system else []
     if prompt is not None:
         if _reply(backend, base + [{"role": "user", "content": prompt}], params, verbose) is None:

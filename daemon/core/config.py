@@ -235,6 +235,7 @@ class EngineConfig:
         import os
 
         from llmd.quant.kv import KV_CACHE_FORMATS
+        from llmd.quant.kv_format import CPU_ONLY_FORMATS
 
         if (self.kv_cache_dtype == "auto" and getattr(self, "dtype_auto", False) and self.dtype == "float32"
                 and not on_cuda and not self.model.startswith("random:") and os.environ.get("LLMD_FP16_KV") != "0"):
@@ -264,7 +265,7 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise LlmdError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                             f"got {self.attention_backend!r}")
-        if self.kv_cache_dtype in ("float16", "bfloat16") and self.attention_backend == "triton":
+        if self.kv_cache_dtype in CPU_ONLY_FORMATS and self.attention_backend == "triton":
             raise LlmdError(f"--kv-cache-dtype {self.kv_cache_dtype} needs --attention-backend cpu or torch "
                             "(the Triton kernels read auto, int8, fp8 and int4 caches)")
         if self.attention_backend == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":

@@ -233,9 +233,15 @@ def test_chat_repl_in_a_pty(llmd_daemon):
         import fcntl
         fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
-    proc = subprocess.Popen([sys.executable, "-c", "from llmd.daemon.cli.main import main; main()", "chat", "--socket",
-                             llmd_daemon.path, "--temperature", "0"],  # greedy (the chat's default samples)
-                            stdin=slave, stdout=slave, stderr=slave, preexec_fn=ctty, cwd="/", close_fds=True)
+    # started with SIGINT ignored, as a shell's background job (and, at times, this test process)
+    # would leave it: `llmd chat` installs its own handler, so Ctrl-C still cancels the reply
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", "from llmd.daemon.cli.main import main; main()", "chat",
+                                 "--socket", llmd_daemon.path, "--temperature", "0"],  # greedy (the default samples)
+                                stdin=slave, stdout=slave, stderr=slave, preexec_fn=ctty, cwd="/", close_fds=True)
+    finally:
+        signal.signal(signal.SIGINT, before)
     os.close(slave)
     buf = bytearray()
     try:
