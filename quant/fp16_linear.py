@@ -13,8 +13,8 @@ Numerics: the product is ``x @ fp16(w).T`` in float32 (``tests/quant/test_fp16_l
 1e-5 of that float64 product); the weights are rounded once to float16 (relative ≤ 2⁻¹¹, an
 eighth of bfloat16's rounding). The packs are used only while :data:`active` (the model runner's
 choice, per forward). The module keeps its float32 weight (the state dict, the
-weights' digest and every reader of the weights are unchanged; under the weights cache it is a
-memory-mapped file the kernel no longer reads); the pack lives beside it as the module attribute
+weights' digest and every reader of the weights are unchanged; the daemon's engine hands its pages
+back to the kernel, :func:`release_dense_pages`); the pack lives beside it as the module attribute
 :data:`ATTR`. Only the engine's ``--dtype auto`` float32 CPU models get packs
 (:attr:`llmd.daemon.core.config.EngineConfig.fp16_weights`); an explicit ``--dtype float32`` keeps
 MKL's float32 products, for exact float32 tokens. ``LLMD_FP16_WEIGHTS=0`` turns it off.
@@ -148,8 +148,7 @@ def release_dense_pages(model: nn.Module) -> int:
     clean pages are dropped and, if a later forward reads them after all, fault back in from the
     file with the same bytes; anonymous memory (a cold start, no cache) is swapped out where there
     is swap and otherwise left as it is. Measured on SmolLM2 (2026-12-06, Zen 3): the process's RSS
-    after start-up 1,270 → 756 MiB, after a
-    batch and a batch-1 request 1,309 → 876 MiB.
+    after start-up 1,270 → 756 MiB, after a batch and a batch-1 request 1,309 → 876 MiB.
 
     Returns:
         bytes advised (whole pages inside the weights; what the kernel actually frees is the

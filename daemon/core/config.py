@@ -257,7 +257,7 @@ class EngineConfig:
             self.kv_rotation = DEFAULT_KV_ROTATION.get(self.kv_cache_dtype, "none")
         if self.kv_rotation not in ("none", "hadamard"):
             raise LlmdError(f"--kv-rotation must be none or hadamard, got {self.kv_rotation!r}")
-        if self.kv_rotation != "none" and self.kv_cache_dtype in ("auto", "float16", "bfloat16"):
+        if self.kv_rotation != "none" and not KV_CACHE_FORMATS[self.kv_cache_dtype].quantized:
             raise LlmdError("--kv-rotation hadamard needs a quantized --kv-cache-dtype (int8, int4, fp8_e4m3, "
                             f"fp8_e5m2); {self.kv_cache_dtype} stores K/V unquantized")
         if self.attention_backend is None:  # float64 runs are reference runs: the oracle
@@ -290,12 +290,11 @@ class EngineConfig:
     def wants_fused_decode(self, cfg) -> bool:
         """Whether to pack the weights for the fused single-stream decode kernel too
         (:mod:`llmd.kernels.cpu_fused`): CPU, the cpu backend with its native kernels, ``gguf``
-        weights (``--weight-quant auto`` on a bfloat16 CPU, or ``gguf``), an ``auto`` cache without
-        rotation, a Llama-architecture file (``cfg``: its :class:`~llmd.models.config.ModelConfig`),
+        weights (``--weight-quant auto`` on a bfloat16 CPU, or ``gguf``), an unquantized cache
+        (auto, float16, bfloat16) without rotation, a Llama-architecture file (``cfg``: its :class:`~llmd.models.config.ModelConfig`),
         and the kernel builds for its shape here (~3 s the first time on a machine)."""
         if (self.device != "cpu" or self.attention_backend != "cpu" or self.disable_native_kernels
-                or self.weight_quant != "gguf" or self.kv_cache_dtype not in ("auto", "float16", "bfloat16")
-                or self.kv_rotation != "none"
+                or self.weight_quant != "gguf" or self.kv_format.quantized or self.kv_rotation != "none"
                 or cfg.architecture not in ("llama",)):
             return False
         from llmd.kernels import cpu_fused
