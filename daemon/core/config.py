@@ -292,7 +292,8 @@ class EngineConfig:
         (:mod:`llmd.kernels.cpu_fused`): CPU, the cpu backend with its native kernels, ``gguf``
         weights (``--weight-quant auto`` on a bfloat16 CPU, or ``gguf``), an unquantized cache
         (auto, float16, bfloat16) without rotation, a Llama-architecture file (``cfg``: its
-        :class:`~llmd.models.config.ModelConfig`), and the kernel builds for its shape here (~3 s the first time on a machine)."""
+        :class:`~llmd.models.config.ModelConfig`), and the kernel builds for its shape here (~3 s
+        the first time on a machine)."""
         if (self.device != "cpu" or self.attention_backend != "cpu" or self.disable_native_kernels
                 or self.weight_quant != "gguf" or self.kv_format.quantized or self.kv_rotation != "none"
                 or cfg.architecture not in ("llama",)):
