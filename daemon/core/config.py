@@ -192,6 +192,13 @@ class EngineConfig:
                             "--attention-backend torch")
         return self
 
+    def _gguf_float32_by_auto(self, on_cuda: bool) -> bool:
+        """A GGUF model that ``--dtype auto`` put in float32 on a CPU (no native bf16; not an
+        explicit ``--dtype float32``, which keeps exact float32): the models that get the fp16
+        weight packs, the fused kernel's packs only, and a float16 KV cache for ``auto``."""
+        return (not on_cuda and self.dtype == "float32" and getattr(self, "dtype_auto", False)
+                and not self.model.startswith("random:"))
+
     def _resolve_weight_quant(self, on_cuda: bool) -> None:
         """Validate --weight-quant and resolve "auto" (see the class docstring)."""
         if self.weight_quant not in WEIGHT_QUANT_CHOICES:
@@ -201,14 +208,13 @@ class EngineConfig:
             gguf_model = not self.model.startswith("random:")
             # float32 because the CPU has no native bf16 (not an explicit --dtype float32, which keeps
             # every step on the dense float32 weights: exact tokens); kept if the fused kernel serves it
-            fused_only = gguf_model and not on_cuda and self.dtype == "float32" and getattr(self, "dtype_auto", False)
+            fused_only = self._gguf_float32_by_auto(on_cuda)
             self.weight_quant = "gguf" if gguf_model and not on_cuda and self.dtype == "bfloat16" or fused_only \
                 else "none"
             self.keep_dense_weights = True  # not a dataclass field, as dtype_auto
             self.packs_for_fused_only = fused_only  # Engine.from_config: "none" unless the fused kernel runs
             # the same float32-by-auto CPU model's dense products on fp16 weights (quant/fp16_linear.py)
-            self.fp16_weights = gguf_model and not on_cuda and self.dtype == "float32" \
-                and getattr(self, "dtype_auto", False)
+            self.fp16_weights = fused_only
         elif self.weight_quant != "none":
             bnb = self.weight_quant in ("nf4", "fp4") or (self.weight_quant == "int8" and on_cuda)
             if on_cuda and not bnb:
@@ -237,8 +243,8 @@ class EngineConfig:
         from llmd.quant.kv import KV_CACHE_FORMATS
         from llmd.quant.kv_format import CPU_ONLY_FORMATS
 
-        if (self.kv_cache_dtype == "auto" and getattr(self, "dtype_auto", False) and self.dtype == "float32"
-                and not on_cuda and not self.model.startswith("random:") and os.environ.get("LLMD_FP16_KV") != "0"):
+        fp16_kv = os.environ.get("LLMD_FP16_KV") != "0"
+        if self.kv_cache_dtype == "auto" and self._gguf_float32_by_auto(on_cuda) and fp16_kv:
             # --dtype auto chose float32 (no native bf16): K/V in float16, as llama.cpp's default f16 cache
             self.kv_cache_dtype = "float16"  # half the bytes per decode; an explicit --dtype float32 keeps float32
         if self.kv_cache_dtype not in KV_CACHE_FORMATS:
