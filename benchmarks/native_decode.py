@@ -31,7 +31,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2", "float16"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="model (query) dtype")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -42,20 +43,21 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     if not cpu_native.prepare(a.head_dim, a.group):
         raise SystemExit("native_decode: the C kernel is unavailable here (see the warning above)")
+    model_dtype = getattr(torch, a.dtype)
     g = torch.Generator().manual_seed(0)
     lens = [a.context] * a.batch
     tables, slots, num_blocks = random_paged_layout(lens, 16, g)
     caches = []
     for _ in range(a.layers):
         c = PagedKVCache.allocate((2, num_blocks, 16, a.kv_heads, a.head_dim), get_format(a.kv_cache_dtype),
-                                  torch.bfloat16, "cpu")
+                                  model_dtype, "cpu")
         if c.fmt.quantized:
             c.data.view(torch.uint8).random_(0, 100, generator=g)
             c.scales.fill_(0.02)
         else:
             c.data.normal_(generator=g)
         caches.append(c)
-    q = torch.randn(a.batch, a.kv_heads * a.group, a.head_dim, generator=g).to(torch.bfloat16)
+    q = torch.randn(a.batch, a.kv_heads * a.group, a.head_dim, generator=g).to(model_dtype)
     aligned = [page_aligned(c) for c in caches]
 
     def step(native: bool, layers: list[PagedKVCache] = caches) -> float:
@@ -67,10 +69,10 @@ def main() -> None:
             cpu_attention.paged_attention(q, c, meta, a.head_dim**-0.5)
         return time.perf_counter() - t0
 
-    tile = cpu_native.tile_scores(torch.bfloat16, torch.bfloat16, 16, a.head_dim)
+    tile = cpu_native.tile_scores(model_dtype, model_dtype, 16, a.head_dim)
     fast = "AMX tiles" if tile else "VDPBF16PS" if cpu_native.dot_scores(
-        torch.bfloat16, torch.bfloat16, 16, a.head_dim) else None
-    fast = fast if a.kv_cache_dtype == "auto" else None
+        model_dtype, model_dtype, 16, a.head_dim) else None
+    fast = fast if a.kv_cache_dtype == "auto" and a.dtype == "bfloat16" else None
     times = {True: [], False: [], "vector": [], "aligned": []}
 
     def vector_step() -> float:  # the C kernel with its bfloat16 paths off
@@ -92,7 +94,7 @@ def main() -> None:
     kv_mb = 2 * a.batch * a.context * a.kv_heads * a.head_dim * caches[0].data.element_size() * a.layers / 2**20
     on, off = (statistics.median(times[k]) * 1e3 for k in (True, False))
     print(f"native_decode: batch {a.batch} x {a.context} keys, {a.layers} layers, kv {a.kv_cache_dtype} "
-          f"({kv_mb:.0f} MiB read), bfloat16, {a.threads} threads, median of {a.rounds} alternating rounds")
+          f"({kv_mb:.0f} MiB read), {a.dtype}, {a.threads} threads, median of {a.rounds} alternating rounds")
     print(f"  C kernel {on:.1f} ms   torch ops {off:.1f} ms   kernel / torch = {on / off:.2f}x")
     al = statistics.median(times["aligned"]) * 1e3
     print(f"  V plane 2 KiB past a page multiple {on:.1f} ms   page-aligned {al:.1f} ms   skewed / aligned = "

@@ -302,7 +302,8 @@ class Engine:
                 from llmd.models import glue_forward
 
                 fused = glue_forward.why_not(self.runner.model, self.runner.layer_caches, check_active=False) is None
-                attn += "; norms, RoPE, SwiGLU: C" + (", fused across ops" if fused else "")
+                if fused or c.dtype == "bfloat16":  # a float32 model's glue exists only fused (layer_glue_f32.h)
+                    attn += "; norms, RoPE, SwiGLU: C" + (", fused across ops" if fused else "")
             attn += ")"
         packed = prepacked.packed_count(self.runner.model)
         copy = prepacked.head_copy_bytes(self.runner.model)

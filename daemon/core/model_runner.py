@@ -121,9 +121,11 @@ class ModelRunner:
         # or by VDPBF16PS where the CPU has AVX512-BF16 and no AMX (kernels/native/bf16dp_decode.h)
         self.dot_scores = self.native_decodes and fmt.name == "auto" and cpu_native.dot_scores(
             kv_dtype, compute_dtype_for(kv_dtype), block_size, self.config.head_dim)
-        # a bfloat16 layer's norms / RoPE / SwiGLU in C (kernels/cpu_glue.py), set per forward
+        # a bfloat16 layer's norms / RoPE / SwiGLU in C (kernels/cpu_glue.py), set per forward; a float32
+        # model's only beside the fp16 packs (models/glue_forward.py), which already leave float32's exact tokens
         self.native_glue = attention_backend == "cpu" and native_kernels and self.device.type == "cpu" \
-            and kv_dtype == torch.bfloat16 and build.load_glue() is not None
+            and (kv_dtype == torch.bfloat16 or kv_dtype == torch.float32 and self.fp16_weights) \
+            and build.load_glue() is not None
         # batch-1 decode steps in one C call (kernels/cpu_fused.py), or why not (the startup line says)
         self.fused_decode, self.fused_why_not = None, "off (--disable-native-kernels or not the cpu backend)"
         if attention_backend == "cpu" and native_kernels and self.device.type == "cpu":

@@ -1,7 +1,7 @@
 """Compile and load llmd's C kernels for CPUs with the system C compiler: ``paged_decode.c`` (the
 cpu backend's decode attention, :func:`load`), ``fused_decode.c`` (a whole batch-1 decode step,
 which includes the former for its attention; :func:`load_fused`), ``layer_glue.c`` (a bfloat16
-layer's RMSNorm / RoPE / SwiGLU passes, :func:`load_glue`; one build for every shape) and
+or float32 layer's RMSNorm / RoPE / SwiGLU passes, :func:`load_glue`; one build for every shape) and
 ``bf16_scores.c`` (float32 attention scores of bfloat16 queries and keys, :func:`load_scores`) and
 ``kv_read.c`` (the KV-gather read ``llmd bench step`` times as a floor, :func:`load_kv_read`).
 
@@ -43,7 +43,7 @@ SOURCES = {"paged_decode": SOURCE, "fused_decode": Path(__file__).with_name("fus
            "bf16_scores": Path(__file__).with_name("bf16_scores.c"),
            "kv_read": Path(__file__).with_name("kv_read.c")}
 # headers the sources include (fused_decode.c, paged_decode.c): part of every build's hash
-HEADERS = [Path(__file__).with_name(h) for h in ("fused_avx2.h", "amx_decode.h", "bf16dp_decode.h")]
+HEADERS = [Path(__file__).with_name(h) for h in ("fused_avx2.h", "amx_decode.h", "bf16dp_decode.h", "layer_glue_f32.h")]
 # no -ffast-math: with GCC < 13 linking a shared object with it adds crtfastmath.o, whose constructor
 # sets the FTZ/DAZ bits of the loading thread's MXCSR: every later float op of the process would flush
 # subnormals (hypothesis refuses to run then). The kernel's vector code is explicit, so it needs none of it.
@@ -167,7 +167,7 @@ fused_why_not: str | None = None  # why load_fused() found no library
 
 
 def load_glue() -> ctypes.CDLL | None:
-    """The layer-glue library (``layer_glue.c``; no shape specialization), its six functions
+    """The layer-glue library (``layer_glue.c`` with ``layer_glue_f32.h``; no shape specialization), its ten functions
     typed, or None when unavailable (as :func:`load`: no compiler, a failed build,
     ``LLMD_NATIVE_KERNELS=0``; or ``LLMD_LAYER_GLUE=0``); says why once (``glue_why_not``)."""
     global glue_why_not
@@ -195,8 +195,13 @@ def load_glue() -> ctypes.CDLL | None:
             lib.llmd_store_int8.argtypes = [c.c_void_p, c.c_int64, c.c_void_p, c.c_int64, c.c_int64, c.c_int,
                                             c.c_int, c.c_void_p, c.c_int64, c.c_void_p, c.c_int64, c.c_void_p,
                                             c.c_float, c.c_int]
+            lib.llmd_rms_norm_f32.argtypes = lib.llmd_rms_norm_bf16.argtypes  # layer_glue_f32.h: float32 twins
+            lib.llmd_add_rms_norm_f32.argtypes = lib.llmd_add_rms_norm_bf16.argtypes
+            lib.llmd_silu_mul_f32.argtypes = lib.llmd_silu_mul_bf16.argtypes
+            lib.llmd_rope_store_f32.argtypes = lib.llmd_rope_store_bf16.argtypes[:-1] + [c.c_int, c.c_int]
             for fn in (lib.llmd_rms_norm_bf16, lib.llmd_rope_bf16, lib.llmd_silu_mul_bf16, lib.llmd_add_rms_norm_bf16,
-                       lib.llmd_rope_store_bf16, lib.llmd_store_int8):
+                       lib.llmd_rope_store_bf16, lib.llmd_store_int8, lib.llmd_rms_norm_f32, lib.llmd_add_rms_norm_f32,
+                       lib.llmd_silu_mul_f32, lib.llmd_rope_store_f32):
                 fn.restype = None
         except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
             glue_why_not, lib = f"build failed: {e}", None

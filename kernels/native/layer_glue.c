@@ -240,3 +240,5 @@ void llmd_silu_mul_bf16(const uint16_t *gu, int64_t stride, int64_t rows, int I,
         for (int i = vec; i < I; i++) o[i] = f32_to_bf16(rbf(silu1(bf16_to_f32(g[i]))) * bf16_to_f32(u[i]));
     }
 }
+
+#include "layer_glue_f32.h"  /* the same passes for float32 models */

@@ -18,6 +18,7 @@ from llmd.kernels import cpu_glue
 from llmd.kernels.native import build
 from llmd.models import glue_forward
 from llmd.models.gguf_loader import load_model
+from llmd.quant import fp16_linear
 
 pytestmark = pytest.mark.skipif(build.load_glue() is None, reason="no C compiler for the native glue")
 
@@ -96,7 +97,8 @@ def test_why_not_names_what_it_does_not_serve(tmp_path):
                 "a quantized KV cache other than int8 with dynamic scales"
         assert glue_forward.why_not(model, int8.runner.layer_caches) is None
         f32, _ = load_model(str(path), torch.float32, "cpu")
-        assert glue_forward.why_not(f32, int8.runner.layer_caches) == "not a bfloat16 model on the CPU"
+        assert glue_forward.why_not(f32, int8.runner.layer_caches) == \
+            "a float32 model's cache other than float32 or float16 without rotation"
     finally:
         cpu_glue.active = False
     assert glue_forward.why_not(model, int8.runner.layer_caches) == "the C layer glue is off"
@@ -126,7 +128,52 @@ def test_a_projection_in_another_layout_is_refused():
     """The passes read raw pointers: an output that is not contiguous bfloat16 of the expected
     width raises instead of being read wrongly."""
     ok = torch.zeros(3, 8, dtype=torch.bfloat16)
-    assert glue_forward._rows_of(ok, 3, 8) is ok
+    assert glue_forward._rows_of(ok, 3, 8, torch.bfloat16) is ok
     for bad in (ok.float(), ok[:, :4], ok.t().contiguous().t(), torch.zeros(3, 9, dtype=torch.bfloat16)):
-        with pytest.raises(RuntimeError, match="not contiguous bfloat16"):
-            glue_forward._rows_of(bad, 3, 8)
+        with pytest.raises(RuntimeError, match="not contiguous torch.bfloat16"):
+            glue_forward._rows_of(bad, 3, 8, torch.bfloat16)
+
+
+@pytest.mark.skipif(not fp16_linear.available(), reason="torch without fbgemm's fp16 GEMM here")
+@pytest.mark.parametrize("window,kv_dtype", [(None, "float16"), (24, "auto")])
+def test_float32_forward_beside_the_fp16_packs(tmp_path, monkeypatch, window, kv_dtype):
+    """A float32 model with the fp16 packs (``--dtype auto`` on a CPU without native bfloat16) runs
+    the fused forward on layer_glue_f32.h: every step's logits within float32 rounding of the
+    generic torch layers' (same packs, same attention), the same tokens, the caches as close; an
+    explicit float32 engine (no packs: exact float32) keeps the generic layers."""
+    from tiny_engine import ByteTokenizer
+    from tiny_gguf import write_tiny_llama
+
+    path = tmp_path / "t.gguf"
+    write_tiny_llama(path, layers=3, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, sliding_window=window,
+                     sliding_layers=[i % 2 == 0 for i in range(3)] if window else None)
+    model, _ = load_model(str(path), torch.float32, "cpu")
+    kw = dict(model=str(path), device="cpu", dtype="float32", attention_backend="cpu", kv_cache_memory=4 << 20,
+              max_model_len=256, weight_quant="none", max_num_batched_tokens=48, prefix_cache_seed=0,
+              kv_cache_dtype=kv_dtype)
+
+    def engine(packs: bool) -> Engine:
+        cfg = EngineConfig(**kw).resolve()
+        cfg.fp16_weights = packs  # what --dtype auto sets on a CPU without native bf16
+        return Engine(model, ByteTokenizer(), cfg)
+
+    g = torch.Generator().manual_seed(2)
+    shared = torch.randint(0, 256, (40,), generator=g).tolist()
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 70, 17, 1)]
+    prompts += [shared + [7, 8], shared + [9]]  # a prefix-cache hit
+    fused = engine(True)
+    assert fused.runner.native_glue and "SwiGLU: C, fused across ops" in fused.runtime_summary()
+    a_logits, a_tokens = run(fused, prompts, True, monkeypatch)
+    assert model._glue_ok
+    generic = engine(True)
+    b_logits, b_tokens = run(generic, prompts, False, monkeypatch)
+    assert not model._glue_ok
+    assert a_tokens == b_tokens and len(a_logits) == len(b_logits)
+    assert any(not torch.equal(x, y) for x, y in zip(a_logits, b_logits))  # the C passes round differently
+    for x, y in zip(a_logits, b_logits):
+        assert (x - y).abs().max() <= 1e-4 * y.abs().max(), (x - y).abs().max()
+    for ca, cb in zip(fused.runner.caches, generic.runner.caches):
+        assert ca.data.dtype == (torch.float16 if kv_dtype == "float16" else torch.float32)
+        torch.testing.assert_close(ca.data.float(), cb.data.float(), rtol=2e-3, atol=1e-4)
+    plain = engine(False)
+    assert not plain.runner.native_glue and "SwiGLU: C" not in plain.runtime_summary()
