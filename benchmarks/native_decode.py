@@ -11,6 +11,7 @@ planes a whole number of 4 KiB pages after their K planes (the layout before qua
 ``kv_planes`` skewed them by 2 KiB), and that ratio is printed.
 
     python benchmarks/native_decode.py --batch 32 --context 512 [--kv-cache-dtype int8] [--threads 2]
+        [--dtype float32 --kv-cache-dtype float16]
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def main() -> None:
     fast = "AMX tiles" if tile else "VDPBF16PS" if cpu_native.dot_scores(
         model_dtype, model_dtype, 16, a.head_dim) else None
     fast = fast if a.kv_cache_dtype == "auto" and a.dtype == "bfloat16" else None
-    times = {True: [], False: [], "vector": [], "aligned": []}
+    times = {True: [], False: [], "vector": [], "aligned": [], "generic": []}
 
     def vector_step() -> float:  # the C kernel with its bfloat16 paths off
         cpu_native.set_amx(False, a.head_dim, a.group)
@@ -84,8 +85,17 @@ def main() -> None:
             cpu_native.set_amx(True, a.head_dim, a.group)
             cpu_native.set_dot(True, a.head_dim, a.group)
 
+    def generic_step() -> float:  # the C kernel with decode_avx2.h's loops off (decode_task's own)
+        cpu_native.set_avx2(False, a.head_dim, a.group)
+        try:
+            return step(True)
+        finally:
+            cpu_native.set_avx2(True, a.head_dim, a.group)
+
+    avx2 = cpu_native.set_avx2(True, a.head_dim, a.group)
     paths = [(True, lambda: step(True)), (False, lambda: step(False)), ("aligned", lambda: step(True, aligned))]
     paths += [("vector", vector_step)] if fast else []
+    paths += [("generic", generic_step)] if avx2 else []
     for _, run in paths:
         run()  # warm-up (plans, workspaces, first touch)
     for _ in range(a.rounds):
@@ -99,6 +109,10 @@ def main() -> None:
     al = statistics.median(times["aligned"]) * 1e3
     print(f"  V plane 2 KiB past a page multiple {on:.1f} ms   page-aligned {al:.1f} ms   skewed / aligned = "
           f"{on / al:.2f}x")
+    if avx2:
+        gen = statistics.median(times["generic"]) * 1e3
+        print(f"  8-lane AVX2 loops (decode_avx2.h) {on:.1f} ms   decode_task's own {gen:.1f} ms   "
+              f"avx2 / own = {on / gen:.2f}x")
     if fast:
         vec = statistics.median(times["vector"]) * 1e3
         print(f"  scores by {fast} {on:.1f} ms   generic vector kernel {vec:.1f} ms   "

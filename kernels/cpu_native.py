@@ -143,6 +143,15 @@ def set_dot(on: bool, head_dim: int | None = None, group: int | None = None) -> 
     return bool(states) and all(states)
 
 
+def set_avx2(on: bool, head_dim: int | None = None, group: int | None = None) -> bool:
+    """Turn the 8-lane AVX2 loops (``kernels/native/decode_avx2.h``) off or back on, as
+    :func:`set_amx`; returns whether they are on afterwards (False on builds without them: AVX-512
+    or no AVX2). Call between steps, never during one."""
+    libs = [build.load(), build.loaded((head_dim // 16, group)) if head_dim and group else None]
+    states = [lib.llmd_paged_decode_set_avx2(int(on)) for lib in libs if lib is not None]
+    return bool(states) and all(states)
+
+
 def dot_scores(data_dtype: torch.dtype, cdt: torch.dtype, block_size: int, head_dim: int) -> bool:
     """:func:`decode` scores by VDPBF16PS (bf16dp_decode.h) for this configuration: bfloat16
     cache and compute, head_dim a multiple of 32, the path on, and the tile path not taking it."""

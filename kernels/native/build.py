@@ -43,7 +43,8 @@ SOURCES = {"paged_decode": SOURCE, "fused_decode": Path(__file__).with_name("fus
            "bf16_scores": Path(__file__).with_name("bf16_scores.c"),
            "kv_read": Path(__file__).with_name("kv_read.c")}
 # headers the sources include (fused_decode.c, paged_decode.c): part of every build's hash
-HEADERS = [Path(__file__).with_name(h) for h in ("fused_avx2.h", "amx_decode.h", "bf16dp_decode.h", "layer_glue_f32.h")]
+HEADERS = [Path(__file__).with_name(h) for h in ("fused_avx2.h", "amx_decode.h", "bf16dp_decode.h", "layer_glue_f32.h",
+                                                 "decode_avx2.h")]
 # no -ffast-math: with GCC < 13 linking a shared object with it adds crtfastmath.o, whose constructor
 # sets the FTZ/DAZ bits of the loading thread's MXCSR: every later float op of the process would flush
 # subnormals (hypothesis refuses to run then). The kernel's vector code is explicit, so it needs none of it.
@@ -123,6 +124,7 @@ def load(shape: tuple[int, int] | None = None) -> ctypes.CDLL | None:
             lib.llmd_paged_decode_set_amx.argtypes, lib.llmd_paged_decode_set_amx.restype = [c.c_int], c.c_int
             lib.llmd_paged_decode_dot.argtypes, lib.llmd_paged_decode_dot.restype = [], c.c_int
             lib.llmd_paged_decode_set_dot.argtypes, lib.llmd_paged_decode_set_dot.restype = [c.c_int], c.c_int
+            lib.llmd_paged_decode_set_avx2.argtypes, lib.llmd_paged_decode_set_avx2.restype = [c.c_int], c.c_int
         except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
             why_not, lib = f"build failed: {e}", None
     if lib is None and not _cache:

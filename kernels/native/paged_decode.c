@@ -321,12 +321,23 @@ static inline void write_outputs(const vf (*acc)[NC_MAX], const float *m, const 
     }
 }
 
+#if VL == 8 && defined(__AVX2__)
+#include "decode_avx2.h"  /* decode_task's loops for 16 registers of 8 lanes */
+#endif
+
 /* The attention of query heads [h0 * G, h1 * G) of decode i (see the file comment). */
 static inline __attribute__((always_inline)) void decode_task(
         const void *query, int q_dtype, int64_t q_row_stride, const void *kv, const int kv_dtype, const float *lut,
         const float *scales, int64_t half, int64_t shalf, int BS, int kv_heads, const int NV, const int G,
         const int32_t *table, int64_t t, int64_t first, int64_t seq_len, int h0, int h1, float scale, void *out,
         int out_dtype, float *lse) {
+#if VL == 8 && defined(__AVX2__)
+    if (kv_dtype != KV_F32 && avx2_tiles_on()) {  /* float32 caches: measured 1.10x slower there (decode_avx2.h) */
+        decode_task_avx2(query, q_dtype, q_row_stride, kv, kv_dtype, lut, scales, half, shalf, BS, kv_heads, NV, G,
+                         table, t, first, seq_len, h0, h1, scale, out, out_dtype, lse);
+        return;
+    }
+#endif
     const int D = NV * 16, NC = D / VL, H = (h1 - h0) * G, num_heads = kv_heads * G;
     const int64_t row = (int64_t)kv_heads * D;  /* elements per slot */
     vf q[MAX_TASK_HEADS][NC_MAX], acc[MAX_TASK_HEADS][NC_MAX];
@@ -444,6 +455,19 @@ static void run_task(const void *query, int q_dtype, int64_t q_row_stride, const
 
 #include "amx_decode.h"
 #include "bf16dp_decode.h"
+
+/* Turn decode_avx2.h's loops off (0: decode_task's own) or back on (1) on 8-lane AVX2 builds, for
+ * side-by-side measurements in one process; returns whether they are on afterwards (0 on other
+ * builds). Call it between kernel calls, not during one. */
+int llmd_paged_decode_set_avx2(int on) {
+#if VL == 8 && defined(__AVX2__)
+    __atomic_store_n(&avx2_tiles, on ? 1 : 0, __ATOMIC_RELAXED);
+    return on ? 1 : 0;
+#else
+    (void)on;
+    return 0;
+#endif
+}
 
 /* 1 when llmd_paged_decode runs bfloat16 queries over bfloat16 caches (head_dim a multiple of 32)
  * through bf16dp_decode.h (built with AVX512-BF16, LLMD_BF16_DOT not 0; the tile path, where on,
