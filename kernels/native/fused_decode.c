@@ -190,7 +190,9 @@ static void swiglu(const float *gu, int I, float *act) {
         memcpy(act + i, &r, 64);
     }
 }
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+/* (AVX-512F without VNNI, e.g. Skylake-SP / x86-64-v4: paged_decode.c's vectors are 16 lanes there,
+ * which fused_avx2.h's 8-lane code does not take; the build reports the kernel unsupported) */
 #define FUSED_OK 1
 #include "fused_avx2.h"
 #endif

@@ -18,7 +18,9 @@
  *   silu_mul: out = (g / (1 + exp(-g))) · u with paged_decode.c's exp (1-2 float32 ulp; torch's
  *             Sleef expf is within 1): within a few float32 ulps of torch's silu(g) * u.
  */
+#if defined(__F16C__)
 #include <immintrin.h>
+#endif
 
 static inline vf f32v(const float *p) {
     vf r;

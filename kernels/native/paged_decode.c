@@ -321,7 +321,7 @@ static inline void write_outputs(const vf (*acc)[NC_MAX], const float *m, const 
     }
 }
 
-#if VL == 8 && defined(__AVX2__)
+#if VL == 8 && defined(__AVX2__) && defined(__F16C__)
 #include "decode_avx2.h"  /* decode_task's loops for 16 registers of 8 lanes */
 #endif
 
@@ -331,7 +331,7 @@ static inline __attribute__((always_inline)) void decode_task(
         const float *scales, int64_t half, int64_t shalf, int BS, int kv_heads, const int NV, const int G,
         const int32_t *table, int64_t t, int64_t first, int64_t seq_len, int h0, int h1, float scale, void *out,
         int out_dtype, float *lse) {
-#if VL == 8 && defined(__AVX2__)
+#if VL == 8 && defined(__AVX2__) && defined(__F16C__)
     if (kv_dtype != KV_F32 && avx2_tiles_on()) {  /* float32 caches: measured 1.10x slower there (decode_avx2.h) */
         decode_task_avx2(query, q_dtype, q_row_stride, kv, kv_dtype, lut, scales, half, shalf, BS, kv_heads, NV, G,
                          table, t, first, seq_len, h0, h1, scale, out, out_dtype, lse);
@@ -460,7 +460,7 @@ static void run_task(const void *query, int q_dtype, int64_t q_row_stride, const
  * side-by-side measurements in one process; returns whether they are on afterwards (0 on other
  * builds). Call it between kernel calls, not during one. */
 int llmd_paged_decode_set_avx2(int on) {
-#if VL == 8 && defined(__AVX2__)
+#if VL == 8 && defined(__AVX2__) && defined(__F16C__)
     __atomic_store_n(&avx2_tiles, on ? 1 : 0, __ATOMIC_RELAXED);
     return on ? 1 : 0;
 #else
