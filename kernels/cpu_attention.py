@@ -63,6 +63,8 @@ from llmd.kernels import cpu_cascade, cpu_decode_one, cpu_native, cpu_scores
 from llmd.kernels.metadata import AttentionMetadata, workspace_buffer
 from llmd.quant.kv import SCALE_FLOOR, PagedKVCache, planes_contiguous
 
+FLASH_MIN_ROWS = 16  # query rows per KV head from which float32 attention takes torch's flash kernel (_attend)
+
 
 @dataclass
 class _Gather:
@@ -387,6 +389,13 @@ def _attend(plan: StepPlan, role: str, q: torch.Tensor, k: torch.Tensor, v: torc
     bfloat16 through :mod:`llmd.kernels.cpu_scores`, or K float32 and ``q`` converted:
     :func:`_gather_kv`), else in the compute dtype.
 
+    float32 ``q``, K and V without scales and at least ``FLASH_MIN_ROWS`` query rows per KV head
+    (prefill chunks, a cascade's stacked queries over its shared prefix) take torch's CPU flash
+    attention instead (``aten._scaled_dot_product_flash_attention_for_cpu``: blocked, online
+    softmax, its log-sum-exp returned): no ``[rows, group · Q, L]`` scores written and read back.
+    Measured on the Zen 3 (2026-12-06): a cascade prefix of 3 KV heads × 1,536 stacked query rows
+    over 1,008 keys 10.7–11.3 ms vs 19.3 for baddbmm + amax + softmax + bmm; within 7e-7 of float64.
+
     Args:
         q: ``[N * kv_heads, group * Q, head_dim]`` unscaled queries, compute dtype.
         k, v: ``[N * kv_heads, L, head_dim]`` compute dtype (K float32 for bfloat16 unless
@@ -406,6 +415,12 @@ def _attend(plan: StepPlan, role: str, q: torch.Tensor, k: torch.Tensor, v: torc
         bias, div = _kernel_mask(g)
         if cpu_scores.probs(q.to(torch.bfloat16), k, scale, bias, probs, div, lse):
             return (torch.bmm(probs, v), lse) if with_lse else torch.bmm(probs, v)
+    flash = q.dtype == k.dtype == v.dtype == torch.float32 and gq >= FLASH_MIN_ROWS
+    if flash and k_scales is None and v_scales is None:
+        mask = None if g is None else g.scores_bias(torch.float32)[None]  # torch's flash attention, with its lse
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q[None], k[None], v[None], 0.0, False, attn_mask=mask, scale=scale)[:2]
+        return (o[0], lse[0]) if with_lse else o[0]
     sdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     scores = _scores(plan, role, q, k, g, scale, rows, gq, length)
     if k_scales is not None:

@@ -327,15 +327,20 @@ class KVCacheManager:
             return []
         return self.req_block_hashes.get(request_id, [])[num_computed_tokens // self.block_size :]
 
-    def next_block_hash(self, request_id: str, num_prompt_tokens: int, num_cached_tokens: int) -> bytes | None:
-        """After :meth:`get_computed_blocks`: the chain hash of the first block a request would
-        compute itself (the one after its ``num_cached_tokens`` hit), or None when that block
-        could never be a hit (not full, or the last prompt token's) or caching is off."""
-        k = num_cached_tokens // self.block_size
-        if not self.enable_caching or k >= (num_prompt_tokens - 1) // self.block_size:
-            return None
+    def in_flight_run(self, request_id: str, num_prompt_tokens: int, num_cached_tokens: int,
+                      in_flight: set[bytes]) -> int:
+        """After :meth:`get_computed_blocks`: how many blocks in a row, from the first one a request
+        would compute itself (the one after its ``num_cached_tokens`` hit), have their chain hash
+        in ``in_flight`` (being computed by running requests), counting only blocks that could be
+        hits (full, before the last prompt token's). 0 when caching is off."""
+        if not self.enable_caching:
+            return 0
         hashes = self.req_block_hashes.get(request_id, [])
-        return hashes[k] if k < len(hashes) else None
+        k, end = num_cached_tokens // self.block_size, min((num_prompt_tokens - 1) // self.block_size, len(hashes))
+        n = 0
+        while k + n < end and hashes[k + n] in in_flight:
+            n += 1
+        return n
 
     def record_prefix_lookup(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         """Count one admitted request's lookup in the query/hit counters (tokens)."""

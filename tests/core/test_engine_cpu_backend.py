@@ -76,8 +76,11 @@ def test_cascade_attention_keeps_reference_tokens(make_engine, monkeypatch):
     blocks; a 64-token budget admits them one after another, so later ones hit the cache): the fast
     backend's decodes and the later chats' prefill chunks attend to the shared blocks once (cascade
     attention, kernels/cpu_cascade.py) and still give the reference backend's greedy tokens."""
+    from llmd.daemon.core import scheduler
     from llmd.kernels import cpu_cascade
 
+    # later chats wait for the whole prompt in flight (even its last blocks), so they start from it
+    monkeypatch.setattr(scheduler, "PREFIX_WAIT_MIN_BLOCKS", 1)
     found = []
     real = cpu_cascade.find_cascades
     monkeypatch.setattr(cpu_cascade, "find_cascades", lambda *a: found.append(real(*a)) or found[-1])

@@ -8,8 +8,10 @@ tokens equal each request run alone.
 
 from __future__ import annotations
 
+import pytest
 from test_scheduler import BIG, Harness, StubRunner, alone, make_req, prompt_of, sched_ids
 
+from llmd.daemon.core import scheduler
 from llmd.daemon.core.scheduler import Scheduler
 from llmd.daemon.kv import KVCacheManager
 
@@ -42,6 +44,13 @@ class SharingHarness(Harness):
             assert r.status.name == "WAITING" and self.kv.num_blocks_held(r.request_id) == 0
 
 
+@pytest.fixture
+def wait_for_any_run(monkeypatch):
+    """Wait for an in-flight run of any length (the rule's mechanism, with SHARED's 10 blocks
+    computed 2 per step: a threshold of 4 would admit the second chat for the last 2 blocks)."""
+    monkeypatch.setattr(scheduler, "PREFIX_WAIT_MIN_BLOCKS", 1)
+
+
 def harness(budget=32, chunk=8, caching=True) -> Harness:
     h = SharingHarness(num_blocks=128, block_size=4, max_num_seqs=8, budget=budget)
     h.kv = KVCacheManager(128, 4, enable_caching=caching)
@@ -54,7 +63,7 @@ def prefill_tokens(h: Harness) -> int:
     return sum(s.num_new_tokens for out in h.outputs for s in out.scheduled if s.is_prefill)
 
 
-def test_arriving_during_the_first_prefill_waits_for_the_hit():
+def test_arriving_during_the_first_prefill_waits_for_the_hit(wait_for_any_run):
     h = harness()
     a = h.add(chat("a", 0))
     h.step()  # a computes its first chunk; b arrives now
@@ -68,7 +77,7 @@ def test_arriving_during_the_first_prefill_waits_for_the_hit():
         assert r.output_token_ids == alone(chat("x", k).prompt_token_ids, 5, ignore_eos=True)[0]
 
 
-def test_arriving_together_the_second_waits_too():
+def test_arriving_together_the_second_waits_too(wait_for_any_run):
     """Admitted in the same step, the first's blocks are in flight for the second at once."""
     h = harness()
     reqs = [h.add(chat(f"c{k}", k)) for k in range(4)]
@@ -77,7 +86,7 @@ def test_arriving_together_the_second_waits_too():
     assert prefill_tokens(h) == 46 + 3 * 6
 
 
-def test_others_go_ahead_of_a_waiting_request():
+def test_others_go_ahead_of_a_waiting_request(wait_for_any_run):
     """A request with another prompt behind the waiting one is admitted meanwhile."""
     h = harness()
     h.add(chat("a", 0))
@@ -98,3 +107,28 @@ def test_without_prefix_caching_nobody_waits():
     assert "b" in sched_ids(h.step()[0])
     h.run_to_completion()
     assert prefill_tokens(h) == 2 * 46
+
+
+def test_a_short_run_in_flight_is_computed_again_instead():
+    """Fewer than ``PREFIX_WAIT_MIN_BLOCKS`` shared blocks in flight (two blocks of 4 here): the
+    second request is admitted at once and computes them beside the first; with the run as long
+    as the threshold it waits."""
+    assert scheduler.PREFIX_WAIT_MIN_BLOCKS > 2
+    short = prompt_of(8)
+    h = harness()
+    a = h.add(make_req("a", short + [901, 902, 903], 4, ignore_eos=True))
+    b = h.add(make_req("b", short + [911, 912], 4, ignore_eos=True))
+    out, _ = h.step()
+    assert {"a", "b"} <= set(sched_ids(out))  # b did not wait for a's two blocks
+    h.run_to_completion()
+    assert a.num_cached_tokens == b.num_cached_tokens == 0
+    assert prefill_tokens(h) == 11 + 10
+    h = harness()
+    long = prompt_of(4 * scheduler.PREFIX_WAIT_MIN_BLOCKS)
+    h.add(make_req("a", long + [901, 902, 903], 4, ignore_eos=True))
+    c = h.add(make_req("c", long + [911, 912], 4, ignore_eos=True))
+    out, _ = h.step()
+    assert "c" not in sched_ids(out)
+    h.run_to_completion()
+    # it waited while the run in flight was long enough, then computed the short tail itself
+    assert 0 < c.num_cached_tokens and len(long) - c.num_cached_tokens < 4 * scheduler.PREFIX_WAIT_MIN_BLOCKS
