@@ -78,10 +78,8 @@ static inline __attribute__((always_inline)) void dp_task(
         l[a] = 0.0f;
     }
     for (int64_t pos = first; pos < seq_len;) {
-        const int64_t blk = table[pos / BS];
-        const int off = (int)(pos % BS);
-        const int n = (int)((BS - off) < (seq_len - pos) ? (BS - off) : (seq_len - pos));
-        const int64_t slot0 = blk * BS + off;
+        int64_t slot0;
+        const int n = block_run(table, pos, BS, seq_len, &slot0);
         struct kv_prefetch pf = kv_prefetch_plan(kv, 2, half, table, pos, BS, seq_len, row, D, h0, h1);
         for (int h = h0; h < h1; h++) {
             const int a0 = (h - h0) * G;

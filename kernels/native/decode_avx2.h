@@ -86,20 +86,10 @@ static inline __attribute__((always_inline)) void decode_task_avx2(
     vf q[MAX_TASK_HEADS][NC_MAX], acc[MAX_TASK_HEADS][NC_MAX];
     float m[MAX_TASK_HEADS], l[MAX_TASK_HEADS];
     float p[MAX_GROUP][VL] __attribute__((aligned(32)));
-    for (int a = 0; a < H; a++) {
-        const int64_t qoff = t * q_row_stride + (int64_t)(h0 * G + a) * D;
-        for (int c = 0; c < NC; c++) {
-            q[a][c] = loadv(query, qoff + VL * c, q_dtype == Q_F32 ? KV_F32 : KV_BF16, 0) * scale;
-            acc[a][c] = (vf){0};
-        }
-        m[a] = -FLT_MAX;
-        l[a] = 0.0f;
-    }
+    task_start(query, q_dtype, q_row_stride, t, h0, G, H, NC, scale, q, acc, m, l);
     for (int64_t pos = first; pos < seq_len;) {
-        const int64_t blk = table[pos / BS];
-        const int off = (int)(pos % BS);
-        const int n = (int)((BS - off) < (seq_len - pos) ? (BS - off) : (seq_len - pos));
-        const int64_t slot0 = blk * BS + off;
+        int64_t slot0;
+        const int n = block_run(table, pos, BS, seq_len, &slot0);
         const int esize = kv_dtype == KV_F32 ? 4 : kv_dtype >= KV_INT8 ? 1 : 2;
         struct kv_prefetch pf = kv_prefetch_plan(kv, esize, half, table, pos, BS, seq_len, row, D, h0, h1);
         for (int h = h0; h < h1; h++) {

@@ -215,6 +215,23 @@ static inline float silu1(float g) {  /* g / (1 + exp(-g)), through exp(-|g|) as
     return g >= 0.0f ? g / (1.0f + e) : g * e / (1.0f + e);
 }
 
+/* silu(x) = x / (1 + exp(-x)) per lane, through exp(-|x|) (no overflow): x / (1 + e) for x >= 0,
+ * x e / (1 + e) below; 0 for x < -87, where exp(-|x|) is clamped (silu is x · exp(x) < 1e-36). */
+static inline vf siluv(vf x) {
+    const vf ax = vmax(x, (vf){0} - x);
+    const vf e = expv((vf){0} - ax); /* exp(-|x|) in (0, 1] */
+    const vf xe = x * e;
+    vi ge = (vi)(x >= 0.0f); /* lanes of all ones where x >= 0 */
+    vi pi, ni;
+    memcpy(&pi, &x, sizeof pi);
+    memcpy(&ni, &xe, sizeof ni);
+    ni &= (vi)(x >= -87.0f);
+    vi si = (pi & ge) | (ni & ~ge);
+    vf num;
+    memcpy(&num, &si, sizeof num);
+    return num / (1.0f + e);
+}
+
 /* out[r, :] = silu(gu[r, :I]) · gu[r, I:2I]; gu rows stride elements apart, out [rows, I] contiguous. */
 void llmd_silu_mul_bf16(const uint16_t *gu, int64_t stride, int64_t rows, int I, uint16_t *out, int nthreads) {
     const int vec = I - I % VL;
@@ -222,21 +239,7 @@ void llmd_silu_mul_bf16(const uint16_t *gu, int64_t stride, int64_t rows, int I,
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *g = gu + r * stride, *u = g + I;
         uint16_t *o = out + r * (int64_t)I;
-        for (int i = 0; i < vec; i += VL) {
-            const vf x = bf16v(g + i);
-            const vf ax = vmax(x, (vf){0} - x);
-            const vf e = expv((vf){0} - ax); /* exp(-|x|) in (0, 1]: no overflow */
-            const vf xe = x * e;
-            vi ge = (vi)(x >= 0.0f); /* lanes of all ones where x >= 0 */
-            vi pi, ni;
-            memcpy(&pi, &x, sizeof pi);
-            memcpy(&ni, &xe, sizeof ni);
-            ni &= (vi)(x >= -87.0f); /* below, exp(-|x|) is clamped: silu is x · exp(x) < 1e-36, take 0 */
-            vi si = (pi & ge) | (ni & ~ge);
-            vf num;
-            memcpy(&num, &si, sizeof num);
-            store_bf16v(o + i, rbfv(num / (1.0f + e)) * bf16v(u + i)); /* x / (1 + e), or x e / (1 + e) */
-        }
+        for (int i = 0; i < vec; i += VL) store_bf16v(o + i, rbfv(siluv(bf16v(g + i))) * bf16v(u + i));
         for (int i = vec; i < I; i++) o[i] = f32_to_bf16(rbf(silu1(bf16_to_f32(g[i]))) * bf16_to_f32(u[i]));
     }
 }

@@ -321,6 +321,30 @@ static inline void write_outputs(const vf (*acc)[NC_MAX], const float *m, const 
     }
 }
 
+/* A task's query rows, float32 times the softmax scale, and its empty softmax state: rows a < H
+ * (decode t's query heads h0 * G + a, NC vectors each) of q, acc, m, l. */
+static inline __attribute__((always_inline)) void task_start(const void *query, int q_dtype, int64_t q_row_stride,
+                                                             int64_t t, int h0, int G, int H, int NC, float scale,
+                                                             vf (*q)[NC_MAX], vf (*acc)[NC_MAX], float *m, float *l) {
+    for (int a = 0; a < H; a++) {
+        const int64_t qoff = t * q_row_stride + (int64_t)(h0 * G + a) * NC * VL;
+        for (int c = 0; c < NC; c++) {
+            q[a][c] = loadv(query, qoff + VL * c, q_dtype == Q_F32 ? KV_F32 : KV_BF16, 0) * scale;
+            acc[a][c] = (vf){0};
+        }
+        m[a] = -FLT_MAX;
+        l[a] = 0.0f;
+    }
+}
+
+/* The keys from position pos to the end of its block or to seq_len: returns how many, and their
+ * first slot in *slot0 (through the block table, BS slots per block). */
+static inline int block_run(const int32_t *table, int64_t pos, int BS, int64_t seq_len, int64_t *slot0) {
+    const int off = (int)(pos % BS);
+    *slot0 = (int64_t)table[pos / BS] * BS + off;
+    return (int)((BS - off) < (seq_len - pos) ? (BS - off) : (seq_len - pos));
+}
+
 #if VL == 8 && defined(__AVX2__) && defined(__F16C__)
 #include "decode_avx2.h"  /* decode_task's loops for 16 registers of 8 lanes */
 #endif
@@ -343,21 +367,11 @@ static inline __attribute__((always_inline)) void decode_task(
     vf q[MAX_TASK_HEADS][NC_MAX], acc[MAX_TASK_HEADS][NC_MAX];
     float m[MAX_TASK_HEADS], l[MAX_TASK_HEADS];
     float p[MAX_GROUP][VL] __attribute__((aligned(64)));
-    for (int a = 0; a < H; a++) {
-        const int64_t qoff = t * q_row_stride + (int64_t)(h0 * G + a) * D;
-        for (int c = 0; c < NC; c++) {
-            q[a][c] = loadv(query, qoff + VL * c, q_dtype == Q_F32 ? KV_F32 : KV_BF16, 0) * scale;
-            acc[a][c] = (vf){0};
-        }
-        m[a] = -FLT_MAX;
-        l[a] = 0.0f;
-    }
+    task_start(query, q_dtype, q_row_stride, t, h0, G, H, NC, scale, q, acc, m, l);
     const int esize = kv_dtype == KV_F32 ? 4 : kv_dtype >= KV_INT8 ? 1 : 2;
     for (int64_t pos = first; pos < seq_len;) {
-        const int64_t blk = table[pos / BS];
-        const int off = (int)(pos % BS);
-        const int n = (int)((BS - off) < (seq_len - pos) ? (BS - off) : (seq_len - pos));
-        const int64_t slot0 = blk * BS + off;
+        int64_t slot0;
+        const int n = block_run(table, pos, BS, seq_len, &slot0);
         struct kv_prefetch pf = kv_prefetch_plan(kv, esize, half, table, pos, BS, seq_len, row, D, h0, h1);
         for (int h = h0; h < h1; h++) {
             const int a0 = (h - h0) * G;
