@@ -33,8 +33,8 @@ looped per sequence:
 * **Prefill chunks** attend to their cached prefix plus causally to themselves (store-then-read:
   the layer stored the chunk's K/V before calling this), one sequence at a time (a step holds a
   few chunks at most under the token budget), with the same gather and a ``[Q, L]`` mask. In
-  float32 over unscaled K/V (``auto``, ``float16``, ``bfloat16`` caches) the chunk runs torch's
-  CPU flash attention (``F.scaled_dot_product_attention`` with the mask and ``enable_gqa``):
+  float32 over unscaled K/V (``auto``, ``float16``, ``bfloat16`` caches) a chunk of at least
+  ``FLASH_MIN_ROWS`` query rows per KV head runs torch's CPU flash attention (:func:`_attend`):
   blocked, online softmax, no ``[heads, Q, L]`` scores written out and read back three times.
   Measured on the 2-core Zen 3 (2026-12-06, 9 query / 3 KV heads, head_dim 64, one layer): a
   512-token chunk over 1,024 keys 12.1 ms vs 39.7 for baddbmm + softmax + bmm, 512 over 512 6.1 vs
@@ -57,7 +57,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from llmd.kernels import cpu_cascade, cpu_decode_one, cpu_native, cpu_scores
 from llmd.kernels.metadata import AttentionMetadata, workspace_buffer
@@ -510,11 +509,6 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, 
         lse[idx] = part.view(n, kv_heads, group, qm).permute(0, 3, 1, 2)[valid].reshape(-1, num_heads)
     for start, q_len, g in plan.prefills:
         k, v, ks, vs = _gather_kv(plan, "p", cache, g.rows, g.bias.shape[-1], cdt)
-        if cdt == torch.float32 and ks is None and vs is None:  # torch's flash attention: no [Q, L] scores in memory
-            o = F.scaled_dot_product_attention(q[start: start + q_len].transpose(0, 1)[None], k[None], v[None],
-                                               attn_mask=g.bias, scale=scale, enable_gqa=True)
-            out[start: start + q_len] = o[0].transpose(0, 1)
-            continue
         qp = q[start : start + q_len].reshape(q_len, kv_heads, group, head_dim).permute(1, 2, 0, 3)
         o = _attend(plan, "p", qp.reshape(kv_heads, group * q_len, head_dim), k, v, g, scale, ks, vs)
         out[start : start + q_len] = o.view(kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(
