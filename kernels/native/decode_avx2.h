@@ -87,10 +87,10 @@ static inline __attribute__((always_inline)) void decode_task_avx2(
     float m[MAX_TASK_HEADS], l[MAX_TASK_HEADS];
     float p[MAX_GROUP][VL] __attribute__((aligned(32)));
     task_start(query, q_dtype, q_row_stride, t, h0, G, H, NC, scale, q, acc, m, l);
+    const int esize = kv_esize(kv_dtype);
     for (int64_t pos = first; pos < seq_len;) {
         int64_t slot0;
         const int n = block_run(table, pos, BS, seq_len, &slot0);
-        const int esize = kv_dtype == KV_F32 ? 4 : kv_dtype >= KV_INT8 ? 1 : 2;
         struct kv_prefetch pf = kv_prefetch_plan(kv, esize, half, table, pos, BS, seq_len, row, D, h0, h1);
         for (int h = h0; h < h1; h++) {
             const int a0 = (h - h0) * G;

@@ -337,6 +337,9 @@ static inline __attribute__((always_inline)) void task_start(const void *query, 
     }
 }
 
+/* Bytes per cached element of a K/V storage type (KV_*). */
+static inline int kv_esize(int kv_dtype) { return kv_dtype == KV_F32 ? 4 : kv_dtype >= KV_INT8 ? 1 : 2; }
+
 /* The keys from position pos to the end of its block or to seq_len: returns how many, and their
  * first slot in *slot0 (through the block table, BS slots per block). */
 static inline int block_run(const int32_t *table, int64_t pos, int BS, int64_t seq_len, int64_t *slot0) {
@@ -368,7 +371,7 @@ static inline __attribute__((always_inline)) void decode_task(
     float m[MAX_TASK_HEADS], l[MAX_TASK_HEADS];
     float p[MAX_GROUP][VL] __attribute__((aligned(64)));
     task_start(query, q_dtype, q_row_stride, t, h0, G, H, NC, scale, q, acc, m, l);
-    const int esize = kv_dtype == KV_F32 ? 4 : kv_dtype >= KV_INT8 ? 1 : 2;
+    const int esize = kv_esize(kv_dtype);
     for (int64_t pos = first; pos < seq_len;) {
         int64_t slot0;
         const int n = block_run(table, pos, BS, seq_len, &slot0);
