@@ -68,6 +68,7 @@ import torch
 
 from llmd.kernels import cpu_cascade, cpu_decode_one, cpu_native, cpu_scores
 from llmd.kernels.cpu_flash import chunk_attention as _flash_chunk
+from llmd.kernels.cpu_flash import prefix_attention as _flash_prefix
 from llmd.kernels.metadata import AttentionMetadata, workspace_buffer
 from llmd.quant.kv import SCALE_FLOOR, PagedKVCache, planes_contiguous
 
@@ -399,6 +400,9 @@ def _attend(plan: StepPlan, role: str, q: torch.Tensor, k: torch.Tensor, v: torc
     bfloat16 through :mod:`llmd.kernels.cpu_scores`, or K float32 and ``q`` converted:
     :func:`_gather_kv`), else in the compute dtype.
 
+    bfloat16 ``q``, K and V without scales or a mask (a cascade's shared prefix) and at least
+    ``FLASH_MIN_ROWS`` query rows per KV head take the flash kernel too
+    (:func:`llmd.kernels.cpu_flash.prefix_attention`).
     float32 ``q``, K and V without scales and at least ``FLASH_MIN_ROWS`` query rows per KV head
     (prefill chunks, a cascade's stacked queries over its shared prefix) take torch's CPU flash
     attention instead (``aten._scaled_dot_product_flash_attention_for_cpu``: blocked, online
@@ -420,6 +424,9 @@ def _attend(plan: StepPlan, role: str, q: torch.Tensor, k: torch.Tensor, v: torc
     """
     rows, gq, length = q.shape[0], q.shape[1], k.shape[1]
     if k.dtype == torch.bfloat16 and v.dtype == torch.bfloat16 and k_scales is None and v_scales is None:
+        if _FLASH_CHUNKS and g is None and gq >= FLASH_MIN_ROWS and q.dtype == torch.bfloat16:  # a cascade's prefix
+            o, lse = _flash_prefix(q, k, v, scale)
+            return (o, lse) if with_lse else o
         probs = plan.buffer(role + "p16", (rows, gq, length), torch.bfloat16)
         lse = torch.empty(rows, gq) if with_lse else None
         bias, div = _kernel_mask(g)

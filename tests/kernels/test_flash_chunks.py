@@ -67,3 +67,19 @@ def test_what_the_flash_path_leaves_to_the_others(why, monkeypatch):
     assert calls == []
     ref = reference.paged_attention(query.double(), cache, meta, 0.125, case["window"], compute_dtype=torch.float64)
     assert rel(out, ref) <= 1e-5
+
+
+def test_a_bfloat16_cascade_prefix_takes_the_flash_kernel(monkeypatch):
+    """A bfloat16 step whose prefill chunks share cached blocks attends to the shared prefix once,
+    through ``cpu_flash.prefix_attention`` (stacked queries, no mask), within the bfloat16 tolerance."""
+    from test_cpu_cascade import shared_prefix_step
+
+    calls = []
+    real = cpu_attention._flash_prefix
+    monkeypatch.setattr(cpu_attention, "_flash_prefix", lambda q, *a: calls.append(q.shape) or real(q, *a))
+    meta, query, cache = shared_prefix_step(16, 3, "auto", torch.bfloat16, seed=7, prefill=True)
+    q = query.bfloat16()
+    out = ops.paged_attention(q, cache, meta, 0.125)
+    assert calls, "the shared prefix did not take the flash kernel"
+    ref = reference.paged_attention(q.double(), cache, meta, 0.125, None, compute_dtype=torch.float64)
+    assert rel(out, ref) <= TOL[torch.bfloat16]
