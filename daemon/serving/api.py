@@ -61,7 +61,7 @@ from llmd.daemon.serving.kv_transfer.tcp import PULL_PATH, pull_route
 from llmd.daemon.serving.multi_prompt import PromptBatch, echo_texts
 from llmd.daemon.serving.responses import ResponseBuilder
 from llmd.daemon.serving.streaming import OutputBuffer, write
-from llmd.daemon.serving.validation import ApiError, parse_prompt, parse_request
+from llmd.daemon.serving.validation import ApiError, json_value, parse_prompt, parse_request
 
 log = logging.getLogger("llmd.server")
 MAX_BODY_BYTES = 8 * 2**20
@@ -299,7 +299,7 @@ async def stats(request: web.Request) -> web.Response:
     cells = request.query.get("cells")
     if cells is not None:
         if not cells.isdigit() or not 1 <= int(cells) <= 100_000:
-            raise ApiError(f"cells must be an integer in [1, 100000], got {cells!r}", "cells")
+            raise ApiError(f"cells must be an integer in [1, 100000], got {json_value(cells)}", "cells")
         cells = int(cells)
     return web.json_response(stats_with_cells(request.app[STATE].engine_loop.snapshot(), cells))
 

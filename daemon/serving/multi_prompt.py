@@ -26,7 +26,7 @@ import dataclasses
 from collections.abc import Callable
 
 from llmd.daemon.core.errors import LlmdError
-from llmd.daemon.serving.validation import ApiError
+from llmd.daemon.serving.validation import ApiError, json_value
 
 #: prompts in one /v1/completions request at most (each is its own engine request)
 MAX_PROMPTS = 64
@@ -64,7 +64,7 @@ def check_echo(body: dict, chat: bool, logprobs: int | None) -> bool:
     if echo in (None, False):
         return False
     if not isinstance(echo, bool):
-        raise ApiError(f"echo must be a boolean, got {echo!r:.40}", "echo")
+        raise ApiError(f"echo must be a boolean, got {json_value(echo)}", "echo")
     if chat:
         raise ApiError("echo is a /v1/completions field; chat replies never repeat the prompt", "echo")
     if logprobs is not None:

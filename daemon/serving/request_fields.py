@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 
-from llmd.daemon.serving.validation import MAX_LOGIT_BIAS, ApiError, json_type
+from llmd.daemon.serving.validation import MAX_LOGIT_BIAS, ApiError, json_type, json_value
 
 #: field → (endpoints it is refused on, why); refused when present and not null / false / empty
 REFUSED: dict[str, tuple[tuple[str, ...], str]] = {
@@ -68,8 +68,8 @@ def check_refused(body: dict, chat: bool) -> None:
         if endpoint in where and body.get(name) not in EMPTY:
             raise ApiError(why, name)
     if chat and body.get("modalities") not in (None, [], ["text"]):
-        raise ApiError(f"modalities must be [\"text\"] (llmd answers text only), got {body['modalities']!r:.60}",
-                       "modalities")
+        got = json_value(body["modalities"], 60)
+        raise ApiError(f"modalities must be [\"text\"] (llmd answers text only), got {got}", "modalities")
     if body.get("skip_special_tokens") is False:
         raise ApiError("skip_special_tokens: false is not supported; llmd always leaves special tokens out of "
                        "the text", "skip_special_tokens")
@@ -93,13 +93,14 @@ def parse_logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
     out: dict[int, float] = {}
     for key, value in bias.items():
         if not (key.isascii() and key.isdigit()):
-            raise ApiError(f"logit_bias keys must be token ids (decimal strings), got {key!r:.40}", "logit_bias")
+            raise ApiError(f"logit_bias keys must be token ids (decimal strings), got {json_value(key)}", "logit_bias")
         token = int(key)
         if token >= vocab_size:
             raise ApiError(f"logit_bias has token id {token} outside the vocabulary [0, {vocab_size})", "logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                 or not -100 <= value <= 100:
-            raise ApiError(f"logit_bias[{key!r}] must be a number in [-100, 100], got {value!r:.40}", "logit_bias")
+            raise ApiError(f"logit_bias[{json_value(key)}] must be a number in [-100, 100], got {json_value(value)}",
+                           "logit_bias")
         out[token] = float(value)
     return out
 

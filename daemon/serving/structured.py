@@ -34,7 +34,7 @@ import uuid
 from dataclasses import dataclass
 
 from llmd.daemon.core.grammar import GrammarSpec
-from llmd.daemon.serving.validation import ApiError, json_type
+from llmd.daemon.serving.validation import ApiError, json_type, json_value
 
 MAX_GRAMMAR_CHARS = 100_000  # characters of a schema's JSON text, a regex or a grammar
 MAX_CHOICES = 256
@@ -108,7 +108,7 @@ def _response_format(rf) -> GrammarSpec | None:
     if kind == "json_object":
         return GrammarSpec("json_object", param="response_format")
     if kind != "json_schema":
-        raise ApiError(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+        raise ApiError(f"response_format.type must be text, json_object or json_schema, got {json_value(kind)}",
                        "response_format.type")
     js = rf.get("json_schema")
     if not isinstance(js, dict):

@@ -29,6 +29,7 @@ entries (OpenAI's 300), and more than ``multi_prompt.MAX_PROMPTS`` prompts (64).
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -110,10 +111,10 @@ def _int(body: dict, name: str, default=None, lo: int | None = None, hi: int | N
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, int):
-        raise ApiError(f"{name} must be an integer, got {json_type(v)} {_short(v)}", name)
+        raise ApiError(f"{name} must be an integer, got {json_type(v)} {json_value(v)}", name)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         raise ApiError(f"{name} must be an integer in [{lo if lo is not None else '-inf'}, "
-                       f"{hi if hi is not None else 'inf'}], got {v}", name)
+                       f"{hi if hi is not None else 'inf'}], got {json_value(v)}", name)
     return v
 
 
@@ -122,9 +123,9 @@ def _float(body: dict, name: str, default: float, lo: float, hi: float, lo_open:
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ApiError(f"{name} must be a finite number, got {_short(v)}", name)
+        raise ApiError(f"{name} must be a finite number, got {json_value(v)}", name)
     if v < lo or v > hi or (lo_open and v == lo):
-        raise ApiError(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", name)
+        raise ApiError(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {json_value(v)}", name)
     return float(v)
 
 
@@ -133,13 +134,21 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise ApiError(f"{name} must be a boolean, got {_short(v)}", name)
+        raise ApiError(f"{name} must be a boolean, got {json_value(v)}", name)
     return v
 
 
-def _short(v) -> str:
-    r = repr(v)
-    return r if len(r) <= 40 else r[:37] + "..."
+def json_value(v, limit: int = 40) -> str:
+    """A decoded request value as the client wrote it, in JSON (``true``, ``null``, ``"text"``,
+    ``NaN``), cut to ``limit`` characters with ``...``: error messages quote the client's
+    language, not Python's (``True``, ``None``, ``nan``)."""
+    try:
+        r = json.dumps(v, ensure_ascii=False)
+    except (TypeError, ValueError):
+        r = repr(v)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
 
 
 def _token_ids(v, name: str, vocab_size: int) -> list[int]:
@@ -201,7 +210,7 @@ def _messages(body: dict) -> list[dict]:
             raise ApiError(f"{where} must be an object with role and content", where)
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
-            raise ApiError(f"{where}.role must be one of {', '.join(ROLES)}, got {_short(role)}", f"{where}.role")
+            raise ApiError(f"{where}.role must be one of {', '.join(ROLES)}, got {json_value(role)}", f"{where}.role")
         if role == "assistant" and content in (None, "") and m.get("tool_calls"):
             from llmd.daemon.serving.structured import tool_calls_text
 
@@ -251,7 +260,7 @@ def parse_request(body, chat: bool, model_ids: tuple[str, ...], vocab_size: int,
         raise ApiError(f"the request body must be a JSON object, got {json_type(body)}")
     model = body.get("model")
     if model is not None and model not in model_ids:
-        raise ApiError(f"model {_short(model)} is not served here; available: {', '.join(model_ids)}", "model",
+        raise ApiError(f"model {json_value(model)} is not served here; available: {', '.join(model_ids)}", "model",
                        404, code="model_not_found")
     from llmd.daemon.serving.multi_prompt import check_echo, parse_prompts  # they import this module's ApiError
     from llmd.daemon.serving.request_fields import check_refused, parse_logit_bias, parse_stream_options
@@ -329,7 +338,7 @@ def _context_overflow(body: dict, beam: bool) -> str | None:
     ``--context-overflow``); "shift" with ``use_beam_search`` is a 400."""
     v = body.get("context_overflow")
     if v is not None and v not in ("stop", "shift"):
-        raise ApiError(f"context_overflow must be \"stop\" or \"shift\", got {_short(v)}", "context_overflow")
+        raise ApiError(f"context_overflow must be \"stop\" or \"shift\", got {json_value(v)}", "context_overflow")
     if v == "shift" and beam:
         raise ApiError("context_overflow \"shift\" does not combine with use_beam_search", "context_overflow")
     return v
@@ -339,7 +348,7 @@ def _early_stopping(body: dict) -> bool | str:
     """vLLM's beam-search ``early_stopping``: true, false (default) or "never"."""
     v = body.get("early_stopping", False)
     if not (isinstance(v, bool) or v == "never"):
-        raise ApiError(f"early_stopping must be true, false or \"never\", got {_short(v)}", "early_stopping")
+        raise ApiError(f"early_stopping must be true, false or \"never\", got {json_value(v)}", "early_stopping")
     return v
 
 

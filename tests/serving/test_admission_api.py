@@ -149,3 +149,23 @@ def test_priority_is_a_400_unless_the_daemon_schedules_by_priority(tmp_path):
             assert status == 200 and out["choices"][0]["finish_reason"] == "length", out
     with pytest.raises(LlmdError, match="--scheduling-policy must be one of fcfs, priority"):
         tiny_engine(tmp_path / "bad.gguf", scheduling_policy="lifo")
+
+
+@pytest.mark.parametrize("field,value,quoted", [
+    ("max_tokens", True, "got boolean true"), ("temperature", float("nan"), "got NaN"),
+    ("stream", None, None), ("stream", "yes", 'got "yes"'), ("logprobs", 1.5, None), ("ignore_eos", 1, "got 1"),
+    ("temperature", 9.0, "got 9.0"), ("max_tokens", 0, "got 0"), ("stop", {"a": 1}, None),
+])
+def test_errors_quote_the_value_in_json_not_python(field, value, quoted):
+    """A bad field's 400 quotes what the client sent as JSON spells it (true, null, NaN, "text"),
+    never Python's True / None / nan / 'text'."""
+    if value is None:  # null is a valid "not given" here: no error
+        parse_request({"prompt": "hi", field: value}, False, ["m"], 1000)
+        return
+    with pytest.raises(ApiError) as ei:
+        parse_request({"prompt": "hi", field: value}, False, ["m"], 1000)
+    msg = ei.value.message
+    assert ei.value.status == 400 and ei.value.param == field
+    assert not any(w in msg for w in ("True", "False", "None", "nan", "'")), msg
+    if quoted:
+        assert quoted in msg, msg
