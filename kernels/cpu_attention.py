@@ -39,13 +39,15 @@ looped per sequence:
   Measured on the 2-core Zen 3 (2026-12-06, 9 query / 3 KV heads, head_dim 64, one layer): a
   512-token chunk over 1,024 keys 12.1 ms vs 39.7 for baddbmm + softmax + bmm, 512 over 512 6.1 vs
   9.1, 216 over 1,100 5.7 vs 9.5, 64 over 300 0.54 vs 0.70; outputs within 5e-7 of them.
-  bfloat16 and float32 chunks over unscaled caches without a sliding window go to the flash
-  kernel without any mask (:func:`llmd.kernels.cpu_flash.chunk_attention`): the chunk's own keys
-  with its ``is_causal``, the cached prefix unmasked, merged by log-sum-exp. On the 2-core AMX
-  Xeon (2026-12-07, bfloat16, SmolLM2, whole prefill steps alternated in fresh processes) a
-  512-token prompt took 147–154 ms instead of 188–194 (the scores kernel + softmax + ``bmm``), a
-  1,024-token prompt (two chunks) 351–367 instead of 486–503; float32 was level (536–555 vs
-  543–568).
+  float32 chunks over unscaled caches without a sliding window go to the flash kernel without
+  any mask (:func:`llmd.kernels.cpu_flash.chunk_attention`): the chunk's own keys with its
+  ``is_causal``, the cached prefix unmasked, merged by log-sum-exp; no ``[heads, Q, L]`` mask is
+  built or read. bfloat16 chunks keep the scores kernel: through torch's bfloat16 flash kernel a
+  512-token prompt took 147–154 ms instead of 188–194 (2-core AMX Xeon, 2026-12-07), but the
+  bfloat16 quality gate (``tests/core/test_bf16_quality.py``: ΔNLL vs float32 ≤ 0.1 %) moved from
+  +0.007 % to +0.114 % (+0.080 % with only first chunks on it, +0.072 % with the same flash in
+  float32), though on random caches its error against float64 was the smaller one (2.0–2.1e-3 vs
+  2.2–2.3e-3 relative): the gate's ΔNLL moves by that much with where the bfloat16 roundings fall.
 
 Compute dtype: float32 for float32 (and float16) models, float64 for float64 models, bfloat16
 for bfloat16 models except the scores, which are float32: by VDPBF16PS on the bfloat16 q and K
@@ -528,7 +530,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | PagedKVCache, 
     for start, q_len, g in plan.prefills:
         k, v, ks, vs = _gather_kv(plan, "p", cache, g.rows, g.bias.shape[-1], cdt)
         if _FLASH_CHUNKS and sliding_window is None and ks is None and vs is None and q_len >= FLASH_MIN_ROWS \
-                and q.dtype == k.dtype == v.dtype and q.dtype in (torch.bfloat16, torch.float32):
+                and q.dtype == k.dtype == v.dtype == torch.float32:
             out[start : start + q_len] = _flash_chunk(q[start : start + q_len], k, v, scale)
             continue
         qp = q[start : start + q_len].reshape(q_len, kv_heads, group, head_dim).permute(1, 2, 0, 3)

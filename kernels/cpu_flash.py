@@ -1,5 +1,6 @@
-"""One prefill chunk's attention on the CPU through torch's flash kernel, with no mask tensor
-(the cpu backend's path for unscaled bfloat16 / float32 chunks: :mod:`llmd.kernels.cpu_attention`).
+"""Attention on the CPU through torch's flash kernel with no mask tensor: float32 prefill chunks
+(:func:`chunk_attention`) and a bfloat16 cascade's shared prefix (:func:`prefix_attention`), for
+the cpu backend (:mod:`llmd.kernels.cpu_attention`, which says why bfloat16 chunks stay off it).
 
 torch's CPU flash attention (``aten._scaled_dot_product_flash_attention_for_cpu``: blocked, online
 softmax, its log-sum-exp returned; GQA when the key heads divide the query heads) aligns
@@ -15,8 +16,8 @@ import torch
 
 
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """One prefill chunk's attention by torch's CPU flash kernel, without a mask tensor (for
-    bfloat16 or float32 chunks over unscaled K/V, no sliding window, at least ``FLASH_MIN_ROWS``
+    """One prefill chunk's attention by torch's CPU flash kernel, without a mask tensor (the cpu
+    backend sends float32 chunks over unscaled K/V, no sliding window, at least ``FLASH_MIN_ROWS``
     query rows; the gather's keys are positions ``0 .. L - 1`` in order).
 
     ``q [Q, heads, D]`` (the chunk's queries, positions ``L - Q .. L - 1``), ``k``/``v``

@@ -65,10 +65,45 @@ def packable(w: torch.Tensor) -> bool:
     return w.dim() == 2 and w.dtype == torch.bfloat16 and w.device.type == "cpu" and not w.is_mkldnn
 
 
+# The AMX tile kernel's product (llmd.kernels.amx_linear.linear), registered by that module's
+# install(): this layer imports no kernels. None: weights are packed for oneDNN only.
+amx_linear = None
+
+
+def is_amx(w: torch.Tensor) -> bool:
+    """``w`` is an :func:`amx_pack` (its ``[out, in]`` shape, uint16 elements in tile order)."""
+    return w.dtype == torch.uint16 and w.dim() == 2
+
+
+def amx_packable(w: torch.Tensor) -> bool:
+    """A plain bfloat16 ``[out, in]`` CPU weight whose sizes the AMX kernel takes (multiples of 32)."""
+    return packable(w) and w.shape[0] % 32 == 0 and w.shape[1] % 32 == 0
+
+
+def amx_pack(w: torch.Tensor) -> torch.Tensor:
+    """bfloat16 ``W [N, K]`` in the AMX kernel's tile order (``kernels/native/amx_linear.c``:
+    ``[N/32][K/32][2][16][16][2]``), returned as ``uint16 [N, K]``: the shape readers expect, and a
+    dtype that no torch matmul takes by mistake. :func:`dense` undoes it bit for bit."""
+    n, k = w.shape
+    t = w.contiguous().view(n // 32, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+    return t.view(torch.uint16).view(n, k)
+
+
+def _amx_unpack(p: torch.Tensor) -> torch.Tensor:
+    n, k = p.shape
+    t = p.view(torch.bfloat16).view(n // 32, k // 32, 2, 16, 16, 2).permute(0, 2, 4, 1, 3, 5)
+    return t.contiguous().view(n, k)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x [..., in] @ w.T`` → ``[..., out]`` in x's dtype; ``w`` plain ``[out, in]`` or prepacked."""
+    """``x [..., in] @ w.T`` → ``[..., out]`` in x's dtype; ``w`` plain ``[out, in]``, prepacked
+    for oneDNN, or an :func:`amx_pack` (then through :data:`amx_linear`)."""
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    if is_amx(w):
+        if amx_linear is None:
+            raise RuntimeError("prepacked.linear: an AMX-packed weight, but the AMX kernel is not installed")
+        return amx_linear(x, w)
     return F.linear(x, w)
 
 
@@ -96,13 +131,13 @@ def _head_packable(model: nn.Module, dense: torch.Tensor) -> bool:
     """The LM head's dense weight is packed in place when it is its own tensor; when it is the
     embedding's table (a tied head), packing makes a second copy, so only while that copy stays
     under :data:`HEAD_COPY_MAX_BYTES`. A packed head stays packed (idempotence)."""
-    return dense.is_mkldnn or not _is_embedding(model, dense) or dense.nbytes <= HEAD_COPY_MAX_BYTES
+    return packed(dense) or not _is_embedding(model, dense) or dense.nbytes <= HEAD_COPY_MAX_BYTES
 
 
 def _is_embedding(model: nn.Module, w: torch.Tensor) -> bool:
     """``w`` is the model's embedding table itself (a tied LM head's weight)."""
     emb = getattr(getattr(model, "embed_tokens", None), "weight", None)
-    return emb is not None and not w.is_mkldnn and emb.data_ptr() == w.data_ptr()
+    return emb is not None and not packed(w) and emb.data_ptr() == w.data_ptr()
 
 
 def prepack_model(model: nn.Module) -> int:
@@ -120,10 +155,16 @@ def prepack_model(model: nn.Module) -> int:
         if packable(w):
             if _is_embedding(model, w):  # a tied head: the table stays too
                 mod.packed_copy_bytes = w.nbytes
-            mod._parameters[name] = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w.data, BATCH_HINT),
-                                                 requires_grad=False)
+            mod._parameters[name] = nn.Parameter(_pack(w.data), requires_grad=False)
             n += 1
     return n
+
+
+def _pack(w: torch.Tensor) -> torch.Tensor:
+    """``w`` for the AMX kernel when it is installed and takes the shape, else for oneDNN."""
+    if amx_linear is not None and amx_packable(w):
+        return amx_pack(w)
+    return torch.ops.mkldnn._reorder_linear_weight(w, BATCH_HINT)
 
 
 class TiedHeadCopy(nn.Module):
@@ -151,7 +192,7 @@ def _pack_tied_head(model: nn.Module) -> int:
         return 0
     if not packable(emb) or emb.nbytes > HEAD_COPY_MAX_BYTES:
         return 0
-    model.logits_proj = TiedHeadCopy(torch.ops.mkldnn._reorder_linear_weight(emb.data, BATCH_HINT), emb.nbytes)
+    model.logits_proj = TiedHeadCopy(_pack(emb.data), emb.nbytes)
     return 1
 
 
@@ -160,7 +201,7 @@ def head_copy_bytes(model: nn.Module) -> int:
     holds it (0: none, or :func:`unpack_model` has turned it plain since)."""
     head = getattr(model, "logits_proj", None)
     dense = getattr(head, "dense", None)
-    return getattr(head, "packed_copy_bytes", 0) if dense is not None and dense.is_mkldnn else 0
+    return getattr(head, "packed_copy_bytes", 0) if dense is not None and packed(dense) else 0
 
 
 def unpack_model(model: nn.Module) -> int:
@@ -172,8 +213,8 @@ def unpack_model(model: nn.Module) -> int:
         model.logits_proj, n = None, 1  # the table itself is the head again
     for mod, name in linear_params(model):
         w = mod._parameters[name]
-        if w.is_mkldnn:
-            mod._parameters[name] = nn.Parameter(w.data.to_dense(), requires_grad=False)
+        if packed(w):
+            mod._parameters[name] = nn.Parameter(dense(w.data), requires_grad=False)
             n += 1
     return n
 
@@ -181,9 +222,24 @@ def unpack_model(model: nn.Module) -> int:
 def packed_count(model: nn.Module) -> int:
     """How many of ``model``'s layer weights (and LM head) are prepacked now (the startup line names it)."""
     tied = isinstance(getattr(model, "logits_proj", None), TiedHeadCopy)
-    return tied + sum(1 for mod, name in linear_params(model) if mod._parameters[name].is_mkldnn)
+    return tied + sum(1 for mod, name in linear_params(model) if packed(mod._parameters[name]))
+
+
+def packed(t: torch.Tensor) -> bool:
+    """``t`` is a prepacked weight: oneDNN's (``is_mkldnn``) or an :func:`amx_pack`."""
+    return t.is_mkldnn or is_amx(t)
+
+
+def amx_count(model: nn.Module) -> int:
+    """How many of :func:`packed_count`'s weights are AMX packs (the rest are oneDNN's)."""
+    head = getattr(model, "logits_proj", None)
+    tied = isinstance(head, TiedHeadCopy) and is_amx(head.dense)
+    return tied + sum(1 for mod, name in linear_params(model) if is_amx(mod._parameters[name]))
 
 
 def dense(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a plain strided tensor (``to_dense()`` of a packed weight, else ``t`` itself)."""
-    return t.to_dense() if t.is_mkldnn else t
+    """``t`` as a plain strided tensor (``to_dense()`` of a oneDNN pack, the bfloat16 ``[out, in]``
+    of an AMX pack, else ``t`` itself)."""
+    if t.is_mkldnn:
+        return t.to_dense()
+    return _amx_unpack(t) if is_amx(t) else t

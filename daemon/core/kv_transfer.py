@@ -86,8 +86,8 @@ def weights_digest(model: torch.nn.Module, sample: int = 64) -> str:
     architecture apart without reading all the weights (~10 ms for SmolLM2)."""
     h = hashlib.sha256()
     for name, t in sorted(model.state_dict().items()):
-        flat = prepacked.dense(t.detach()).reshape(-1)  # a oneDNN-prepacked weight: its plain values
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        flat = prepacked.dense(t.detach()).reshape(-1)  # a prepacked weight (oneDNN, AMX): its plain values
+        h.update(f"{name}|{flat.dtype}|{tuple(t.shape)}|".encode())
         for part in (flat[:sample], flat[-sample:]):
             h.update(part.cpu().to(torch.float64).numpy().tobytes())
     return h.hexdigest()[:16]

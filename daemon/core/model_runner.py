@@ -23,7 +23,7 @@ from llmd.daemon.core.outputs import BlockShift, ResidualShift, ScheduledRequest
 from llmd.daemon.core.request import Request
 from llmd.daemon.core.sampler import Sampler, SamplerOutput
 from llmd.daemon.kv import KVCacheGroupSpec, layer_placement, make_kv_cache_groups
-from llmd.kernels import AttentionMetadata, cpu_glue, cpu_native, shift_keys
+from llmd.kernels import AttentionMetadata, amx_linear, cpu_glue, cpu_native, shift_keys
 from llmd.kernels.cpu_attention import compute_dtype_for
 from llmd.kernels.kv_shift import shift_residual
 from llmd.kernels.native import build
@@ -87,7 +87,10 @@ class ModelRunner:
         self.config: ModelConfig = model.config
         self.block_size = block_size
         self.device = torch.device(device)
-        # bfloat16 layer weights in oneDNN's blocked layout, once (quant/prepacked.py; same bits)
+        # bfloat16 layer weights packed once: in AMX tile order where the tile unit is there
+        # (kernels/amx_linear.py), else in oneDNN's blocked layout (quant/prepacked.py; same bits)
+        if self.device.type == "cpu" and model.embed_tokens.weight.dtype == torch.bfloat16:
+            amx_linear.install()
         self.prepacked_linears = prepacked.prepack_model(model) if self.device.type == "cpu" else 0
         # float32 layer weights as fp16 for fbgemm where --dtype auto chose float32 (quant/fp16_linear.py)
         self.fp16_weights = fp16_weights and self.device.type == "cpu" and fp16_linear.enabled()

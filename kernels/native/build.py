@@ -3,7 +3,8 @@ cpu backend's decode attention, :func:`load`), ``fused_decode.c`` (a whole batch
 which includes the former for its attention; :func:`load_fused`), ``layer_glue.c`` (a bfloat16
 or float32 layer's RMSNorm / RoPE / SwiGLU passes, :func:`load_glue`; one build for every shape) and
 ``bf16_scores.c`` (float32 attention scores of bfloat16 queries and keys, :func:`load_scores`) and
-``kv_read.c`` (the KV-gather read ``llmd bench step`` times as a floor, :func:`load_kv_read`).
+``kv_read.c`` (the KV-gather read ``llmd bench step`` times as a floor, :func:`load_kv_read`) and
+``amx_linear.c`` (bfloat16 linears on AMX tiles, :func:`load_amx_linear`).
 
 The source ships in the package; the shared object is built on first use on the machine that
 runs it (``-march=native``: the kernel uses whatever vector units this CPU has), once per model
@@ -41,7 +42,8 @@ SOURCE = Path(__file__).with_name("paged_decode.c")
 SOURCES = {"paged_decode": SOURCE, "fused_decode": Path(__file__).with_name("fused_decode.c"),
            "layer_glue": Path(__file__).with_name("layer_glue.c"),  # layer_glue.c includes paged_decode.c too
            "bf16_scores": Path(__file__).with_name("bf16_scores.c"),
-           "kv_read": Path(__file__).with_name("kv_read.c")}
+           "kv_read": Path(__file__).with_name("kv_read.c"),
+           "amx_linear": Path(__file__).with_name("amx_linear.c")}
 # headers the sources include (fused_decode.c, paged_decode.c): part of every build's hash
 HEADERS = [Path(__file__).with_name(h) for h in ("fused_avx2.h", "amx_decode.h", "bf16dp_decode.h", "layer_glue_f32.h",
                                                  "decode_avx2.h")]
@@ -275,3 +277,28 @@ def load_kv_read() -> ctypes.CDLL | None:
                 log.warning("llmd: the KV-gather read did not build (%s)", e)
         _kv_read["lib"] = lib
     return _kv_read["lib"]
+
+
+_amx_linear: dict[str, ctypes.CDLL | None] = {}
+
+
+def load_amx_linear() -> ctypes.CDLL | None:
+    """The AMX linear library (``amx_linear.c``), ``llmd_amx_linear`` and ``llmd_amx_linear_ready``
+    typed, or None when unavailable (as :func:`load`: no compiler, a failed build,
+    ``LLMD_NATIVE_KERNELS=0``). On a CPU without AMX it loads, and ``llmd_amx_linear_ready()`` is 0."""
+    if "lib" in _amx_linear:
+        return _amx_linear["lib"]
+    lib = None
+    if load() is not None:  # the same compiler and switches; a failure there is reported there
+        try:
+            lib = ctypes.CDLL(str(_build(_compiler(), FLAGS, "amx_linear")))
+            c = ctypes
+            lib.llmd_amx_linear.argtypes = [c.c_void_p, c.c_int64, c.c_void_p, c.c_void_p, c.c_int, c.c_int, c.c_int,
+                                            c.c_int]
+            lib.llmd_amx_linear.restype = c.c_int
+            lib.llmd_amx_linear_ready.argtypes, lib.llmd_amx_linear_ready.restype = [], c.c_int
+        except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
+            log.warning("llmd: AMX linear kernel unavailable (build failed: %s); oneDNN runs the linears", e)
+            lib = None
+    _amx_linear["lib"] = lib
+    return lib

@@ -105,7 +105,6 @@ def test_cpu_backend_steps_with_the_kernel_on_and_off(kind, fmt, window, monkeyp
     tolerance of float64 and within bfloat16 rounding of the float32-baddbmm path."""
     case = {"kind": kind, "group": 3, "block_size": 16, "head_dim": 64, "fmt": fmt, "window": window,
             "dtype": torch.bfloat16}
-    monkeypatch.setattr(cpu_attention, "_FLASH_CHUNKS", False)  # unscaled chunks would take the flash kernel
     calls = []
     for name in ("scores", "probs"):  # probs: auto caches (no scales); scores: int8 / fp8
         real = getattr(cpu_scores, name)

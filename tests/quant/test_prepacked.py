@@ -1,5 +1,8 @@
-"""oneDNN-prepacked bfloat16 linears (quant/prepacked.py): the same bits as ``F.linear``, in
-the layers, in ``PackedLinear``'s dense path and through an engine built on a loaded model."""
+"""Prepacked bfloat16 linears (quant/prepacked.py): oneDNN's packs give the same bits as
+``F.linear``, in the layers, in ``PackedLinear``'s dense path and through an engine built on a
+loaded model. Where an engine has installed the AMX kernel (kernels/amx_linear.py) the packs are
+AMX tiles; the model-level checks below hold for either (the kernel's own bounds:
+tests/kernels/test_amx_linear.py)."""
 
 from __future__ import annotations
 
@@ -76,18 +79,19 @@ def test_engine_prepacks_bf16_model_same_tokens(tmp_path, monkeypatch):
     packed = Engine(model, base.tokenizer, EngineConfig(**kw).resolve())
     n = 4 * model.config.num_layers + 1  # qkv, o, gate_up, down; and the tied head's copy
     assert packed.runner.prepacked_linears == n
-    assert layer0.mlp.down_proj.weight.is_mkldnn and not model.embed_tokens.weight.is_mkldnn
+    assert prepacked.packed(layer0.mlp.down_proj.weight) and not prepacked.packed(model.embed_tokens.weight)
     assert torch.equal(layer0.mlp(hidden), want_mlp)
     assert _greedy(packed, prompts) == want
     again = Engine(model, base.tokenizer, EngineConfig(**kw).resolve())
     assert again.runner.prepacked_linears == 0  # already packed
-    assert f"linears: {n} bf16 weights prepacked for oneDNN (the tied LM head's as a copy" in again.runtime_summary()
+    kind = "for AMX tiles" if prepacked.amx_count(model) == n else "for oneDNN"  # kernels/amx_linear.py
+    assert f"linears: {n} bf16 weights prepacked {kind} (the tied LM head's as a copy" in again.runtime_summary()
     from llmd.kernels.native import build
 
     assert ("norms, RoPE, SwiGLU: C" in again.runtime_summary()) == (build.load_glue() is not None)
     assert weights_digest(model) == digest
     assert prepacked.unpack_model(model) == n
-    assert not layer0.mlp.down_proj.weight.is_mkldnn and torch.equal(layer0.mlp(hidden), want_mlp)
+    assert not prepacked.packed(layer0.mlp.down_proj.weight) and torch.equal(layer0.mlp(hidden), want_mlp)
 
 
 def test_plain_nn_linear_left_unpacked():
@@ -125,8 +129,8 @@ def test_tied_lm_head_packed_as_a_copy_under_the_cap(tmp_path, monkeypatch, cap)
                                                       attention_backend="cpu", kv_cache_memory=4 << 20,
                                                       weight_quant="gguf").resolve())
     line = engine.runtime_summary()
-    assert not model.embed_tokens.weight.is_mkldnn
-    assert head.dense.is_mkldnn == bool(cap)
+    assert not prepacked.packed(model.embed_tokens.weight)
+    assert prepacked.packed(head.dense) == bool(cap)
     assert ("the tied LM head's as a copy" in line) == bool(cap), line
     assert torch.equal(model.compute_logits(hidden), want)
     assert weights_digest(model) == digest  # disaggregation's handshake sees the same weights
@@ -148,9 +152,9 @@ def test_tied_head_without_weight_quant_gets_a_packed_copy(tmp_path):
     hidden = torch.randn(33, model.config.hidden_size).bfloat16()
     want = [(h @ table.t()).float() for h in (hidden, hidden[:1])]
     n = prepacked.prepack_model(model)
-    assert isinstance(model.logits_proj, prepacked.TiedHeadCopy) and model.logits_proj.dense.is_mkldnn
+    assert isinstance(model.logits_proj, prepacked.TiedHeadCopy) and prepacked.packed(model.logits_proj.dense)
     assert prepacked.head_copy_bytes(model) == table.nbytes and prepacked.packed_count(model) == n
-    assert not table.is_mkldnn
+    assert not prepacked.packed(table)
     assert all(torch.equal(model.compute_logits(h), w) for h, w in zip((hidden, hidden[:1]), want))
     assert set(model.state_dict()) == keys and weights_digest(model) == digest
     assert prepacked.prepack_model(model) == 0  # idempotent

@@ -1,0 +1,67 @@
+"""Dense bfloat16 linears on Intel AMX tiles (``kernels/native/amx_linear.c``), the CPU's layer
+matmuls where the tile unit is there.
+
+:func:`llmd.quant.prepacked.prepack_model` packs a bfloat16 model's layer weights once, either for
+oneDNN (its blocked layout) or, when :func:`install` has registered :func:`linear`, into the tile
+order of ``amx_linear.c`` (:func:`llmd.quant.prepacked.amx_pack`: the same bytes, no second copy).
+The kernel streams each weight once per call and keeps no per-shape state, where oneDNN's
+``brgemm`` builds a primitive per row count and at decode row counts reads the weights at ~60 % of
+this machine's bandwidth. Measured on the 2-core AMX Xeon (2026-12-07, SmolLM2's 120 layer
+matmuls, random weights from memory, ms for all of them, alternated in one process: oneDNN → AMX):
+M = 8 12.3–12.7 → 8.7–8.8, M = 32 14.8–15.0 → 10.9–11.0, M = 64 16.5–17.7 → 13.2–14.1, M = 128
+23.0–23.5 → 18.7–19.0, M = 512 63.6–65.6 → 59.0–60.4.
+
+Numerics: exact bfloat16 products summed in float32 per 32-column step, rounded once to bfloat16:
+equal to ``F.linear`` for most row counts and within one bfloat16 rounding of it for the others
+(oneDNN changes its blocking with M); a row's output never depends on the other rows of the call
+(``tests/kernels/test_amx_linear.py``). ``LLMD_AMX_LINEAR=0`` keeps oneDNN's packs (the A/B switch).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from llmd.kernels.native import build
+from llmd.quant import prepacked
+
+
+def available() -> bool:
+    """The library is built with AMX, the OS grants the tile state, and ``LLMD_AMX_LINEAR`` is not ``0``."""
+    if os.environ.get("LLMD_AMX_LINEAR", "1") == "0":
+        return False
+    lib = build.load_amx_linear()
+    return lib is not None and lib.llmd_amx_linear_ready() == 1
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [..., K] @ W.T`` → ``[..., N]`` in x's dtype (computed in bfloat16), for ``w`` =
+    :func:`llmd.quant.prepacked.amx_pack` of a bfloat16 ``W [N, K]`` (``uint16 [N, K]``).
+
+    Raises:
+        RuntimeError: the kernel refused the call (not granted the tile state, or a shape whose
+            K or N is not a multiple of 32: :func:`llmd.quant.prepacked.amx_packable` keeps those out).
+    """
+    n, k = w.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.dtype != torch.bfloat16 or x2.stride(-1) != 1 or x2.stride(0) < k:
+        x2 = x2.to(torch.bfloat16).contiguous()
+    y = torch.empty(x2.shape[0], n, dtype=torch.bfloat16, device=x.device)
+    if x2.shape[0]:
+        rc = build.load_amx_linear().llmd_amx_linear(x2.data_ptr(), x2.stride(0), w.data_ptr(), y.data_ptr(),
+                                                      x2.shape[0], k, n, torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"amx_linear: the kernel refused a [{x2.shape[0]}, {k}] x [{n}, {k}] product")
+    y = y.view(*lead, n)
+    return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
+
+
+def install() -> bool:
+    """Register :func:`linear` with :mod:`llmd.quant.prepacked` (which imports no kernels) when
+    :func:`available`; returns whether it did, i.e. whether ``prepack_model`` packs for AMX."""
+    if not available():
+        return False
+    prepacked.amx_linear = linear
+    return True

@@ -1,0 +1,96 @@
+"""bfloat16 linears on AMX tiles (kernels/amx_linear.py, kernels/native/amx_linear.c) against the
+float64 product and ``F.linear``; the packing; how ``prepack_model`` chooses AMX or oneDNN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmd.kernels import amx_linear
+from llmd.quant import prepacked
+
+pytestmark = pytest.mark.skipif(not amx_linear.available(), reason="no AMX tiles here (or LLMD_AMX_LINEAR=0)")
+
+
+@pytest.fixture(autouse=True)
+def _installed():
+    assert amx_linear.install()  # what the model runner does on a bfloat16 CPU model
+
+
+ROWS = (1, 2, 15, 16, 17, 31, 32, 33, 63, 100, 257, 512)
+
+
+def _ulp(t: torch.Tensor) -> torch.Tensor:
+    """One bfloat16 unit in the last place of each element of ``t`` (float64)."""
+    return torch.ldexp(torch.ones_like(t, dtype=torch.float64), torch.frexp(t.double()).exponent - 8)
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (64, 32), (3072, 576)])
+def test_rows_match_float64_and_f_linear_and_not_the_batch(n, k):
+    """Every row count from 1 to a prefill chunk: within a bfloat16 rounding (plus float32
+    summation error) of the float64 product, as ``F.linear`` is, ≥ 99.9 % of the elements equal to
+    ``F.linear``'s (all of them where oneDNN blocks alike), and each row equal to the same row
+    computed in any other call (batch invariance)."""
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    p = prepacked.amx_pack(w)
+    assert prepacked.is_amx(p) and p.shape == (n, k) and torch.equal(prepacked.dense(p), w)
+    x = torch.randn(max(ROWS), k, generator=g).bfloat16()
+    full = amx_linear.linear(x, p)
+    exact = x.double() @ w.double().T
+    # one bfloat16 rounding of the result plus float32 summation error (2^-20 of the |terms|' sum)
+    bound = _ulp(exact) + 2.0**-20 * (x.double().abs() @ w.double().abs().T)
+    assert ((full.double() - exact).abs() <= bound).all()
+    for m in ROWS:
+        y = prepacked.linear(x[:m], p)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+        assert torch.equal(y, full[:m]), m  # batch-invariant rows
+        ref = F.linear(x[:m], w)
+        assert ((ref.double() - exact[:m]).abs() <= bound[:m]).all(), m  # the bound holds for oneDNN too
+        assert (y == ref).double().mean() >= 0.999, m  # and nearly every element is its very bits
+
+
+def test_strided_and_batched_inputs_and_other_dtypes():
+    """A strided view, a 3-D input and a float32 input (computed in bfloat16, returned float32)."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 96, generator=g).bfloat16()
+    p = prepacked.amx_pack(w)
+    wide = torch.randn(7, 192, generator=g).bfloat16()[:, ::2]
+    assert torch.equal(amx_linear.linear(wide, p), amx_linear.linear(wide.contiguous(), p))
+    rows = torch.randn(5, 200, generator=g).bfloat16()[:, :96]  # rows with a longer stride, no copy
+    assert torch.equal(amx_linear.linear(rows, p), amx_linear.linear(rows.contiguous(), p))
+    x3 = torch.randn(2, 3, 96, generator=g).bfloat16()
+    assert torch.equal(amx_linear.linear(x3, p), amx_linear.linear(x3.reshape(6, 96), p).view(2, 3, 64))
+    xf = torch.randn(4, 96, generator=g)
+    y = amx_linear.linear(xf, p)
+    assert y.dtype == torch.float32 and torch.equal(y, amx_linear.linear(xf.bfloat16(), p).float())
+    assert amx_linear.linear(torch.empty(0, 96, dtype=torch.bfloat16), p).shape == (0, 64)
+
+
+def test_prepack_model_packs_for_amx_where_the_shape_fits_else_onednn():
+    """With the kernel installed, 32-multiple weights become AMX packs and the rest oneDNN's;
+    :func:`unpack_model` gives every weight back bit for bit."""
+    from llmd.models.layers import linear
+
+    layer = torch.nn.Module()
+    layer.fits = linear(64, 96, torch.bfloat16)
+    layer.odd = linear(24, 40, torch.bfloat16)
+    with torch.no_grad():
+        for m in (layer.fits, layer.odd):
+            m.weight.normal_()
+    plain = {name: m.weight.detach().clone() for name, m in (("fits", layer.fits), ("odd", layer.odd))}
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([layer])
+    x = torch.randn(3, 64).bfloat16()
+    want = layer.fits(x)
+    assert prepacked.prepack_model(model) == 2
+    assert prepacked.is_amx(layer.fits.weight) and layer.odd.weight.is_mkldnn and prepacked.amx_count(model) == 1
+    assert torch.equal(layer.fits(x), want)  # 3 rows: oneDNN and the tiles agree here
+    assert prepacked.unpack_model(model) == 2
+    assert torch.equal(layer.fits.weight, plain["fits"]) and torch.equal(layer.odd.weight, plain["odd"])
+
+
+def test_the_switch_turns_it_off(monkeypatch):
+    monkeypatch.setenv("LLMD_AMX_LINEAR", "0")
+    assert not amx_linear.available()
