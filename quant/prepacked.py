@@ -21,6 +21,12 @@ where prepacking measured no consistent gain); the module's ``weight`` Parameter
 packed tensor (``is_mkldnn``; ``to_dense()`` gives the plain one back bit for bit), so the model
 keeps one copy of its weights. ``LLMD_ONEDNN_PREPACK=0`` turns it off (the runner's A/B switch);
 on a CPU where oneDNN cannot pack bfloat16 (AVX2 only: Zen 1–3) nothing is packed.
+
+Where the AMX tile kernel is installed (:mod:`llmd.kernels.amx_linear` registers
+:data:`amx_linear`: this layer imports no kernels), weights whose sizes are multiples of 32 are
+packed in its tile order instead (:func:`amx_pack`, a ``uint16 [out, in]`` tensor of the same
+bytes; :func:`dense` unpacks it bit for bit) and :func:`linear` runs them through it; its numerics
+and speed are in that module.
 """
 
 from __future__ import annotations
