@@ -89,7 +89,8 @@ class ModelRunner:
         self.device = torch.device(device)
         # bfloat16 layer weights packed once: in AMX tile order where the tile unit is there
         # (kernels/amx_linear.py), else in oneDNN's blocked layout (quant/prepacked.py; same bits)
-        if self.device.type == "cpu" and model.embed_tokens.weight.dtype == torch.bfloat16:
+        emb = getattr(getattr(model, "embed_tokens", None), "weight", None)
+        if self.device.type == "cpu" and emb is not None and emb.dtype == torch.bfloat16:
             amx_linear.install()
         self.prepacked_linears = prepacked.prepack_model(model) if self.device.type == "cpu" else 0
         # float32 layer weights as fp16 for fbgemm where --dtype auto chose float32 (quant/fp16_linear.py)
