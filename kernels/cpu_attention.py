@@ -74,7 +74,8 @@ from llmd.kernels.cpu_flash import prefix_attention as _flash_prefix
 from llmd.kernels.metadata import AttentionMetadata, workspace_buffer
 from llmd.quant.kv import SCALE_FLOOR, PagedKVCache, planes_contiguous
 
-# LLMD_FLASH_CHUNKS=0: prefill chunks keep the gathered-scores path (_attend), the A/B switch of _flash_chunk
+# LLMD_FLASH_CHUNKS=0: float32 prefill chunks and bfloat16 cascade prefixes keep the gathered-scores path
+# (_attend): the A/B switch of kernels/cpu_flash.py
 _FLASH_CHUNKS = os.environ.get("LLMD_FLASH_CHUNKS", "1") != "0"
 FLASH_MIN_ROWS = 16  # query rows per KV head from which float32 attention takes torch's flash kernel (_attend)
 

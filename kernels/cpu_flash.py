@@ -49,9 +49,9 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     :mod:`llmd.kernels.cpu_cascade`) by the flash kernel, no mask: ``q [rows, gq, D]``, ``k``/``v``
     ``[rows, L, D]`` alike (bfloat16 or float32). Returns ``(out [rows, gq, D]`` in q's dtype,
     ``lse [rows, gq]`` float32). Measured on the 2-core AMX Xeon (2026-12-07, SmolLM2 bfloat16,
-    the peers' shared-prefix workload, fresh daemons alternated, with :func:`chunk_attention` on
-    too): 375–381 output tok/s and TTFT p50 767–819 ms, against 329–335 and 924–950 ms with the
-    scores kernel + softmax + ``bmm``."""
+    the peers' shared-prefix workload, fresh daemons alternated with ``LLMD_FLASH_CHUNKS=0``):
+    323 / 302 output tok/s and TTFT p50 983 / 1,143 ms, against 291 / 279 and 1,091 / 1,208 ms
+    with the scores kernel + softmax + ``bmm``."""
     o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q[None], k[None], v[None], 0.0, False,
                                                                           scale=scale)[:2]
     return o[0], lse[0]

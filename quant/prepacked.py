@@ -175,9 +175,11 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
 
 class TiedHeadCopy(nn.Module):
     """The LM head of a model whose head is its embedding table (tied) and that has no
-    ``logits_proj`` of its own (``--weight-quant none``): a oneDNN-packed copy of the table, made
-    by :func:`prepack_model` under :data:`HEAD_COPY_MAX_BYTES` as for a ``--weight-quant`` head.
-    ``forward(x [N, hidden] bfloat16) -> [N, vocab]``, bit for bit ``x @ table.T``. The copy is a
+    ``logits_proj`` of its own (``--weight-quant none``): a packed copy of the table (oneDNN's, or
+    the AMX kernel's where installed), made by :func:`prepack_model` under
+    :data:`HEAD_COPY_MAX_BYTES` as for a ``--weight-quant`` head. ``forward(x [N, hidden] bfloat16)
+    -> [N, vocab]``, bit for bit ``x @ table.T`` through oneDNN (the AMX kernel's bounds:
+    :mod:`llmd.kernels.amx_linear`). The copy is a
     plain attribute, not a parameter, so the model's state dict (and the weights' digest) is
     unchanged; :func:`unpack_model` removes it."""
 
