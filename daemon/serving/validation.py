@@ -152,8 +152,10 @@ def json_value(v, limit: int = 40) -> str:
 
 
 def _token_ids(v, name: str, vocab_size: int) -> list[int]:
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
-        raise ApiError(f"{name} must be a list of integer token ids", name)
+    wrong = [t for t in v if not isinstance(t, int) or isinstance(t, bool)]
+    if wrong:
+        got = "null" if wrong[0] is None else f"{json_type(wrong[0])} {json_value(wrong[0])}"
+        raise ApiError(f"{name} must be a list of integer token ids, got {got} in it", name)
     bad = [t for t in v if not 0 <= t < vocab_size]
     if bad:
         raise ApiError(f"{name} has token id {bad[0]} outside the vocabulary [0, {vocab_size})", name)
@@ -194,13 +196,14 @@ def _prompt(body: dict, vocab_size: int, max_model_len: int | None = None) -> st
         return _token_ids(p, "prompt", vocab_size)
     if p is None:
         raise ApiError("prompt is required (a string or a list of token ids)", "prompt")
-    raise ApiError(f"prompt must be a string or a list of token ids, got {json_type(p)}", "prompt")
+    raise ApiError(f"prompt must be a string or a list of token ids, got {json_type(p)} {json_value(p)}", "prompt")
 
 
 def _messages(body: dict) -> list[dict]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
-        raise ApiError("messages must be a non-empty list of {role, content} objects", "messages")
+        raise ApiError(f"messages must be a non-empty list of {{role, content}} objects, got {json_value(msgs)}",
+                       "messages")
     if len(msgs) > MAX_MESSAGES:
         raise ApiError(f"messages has {len(msgs)} entries, more than the limit of {MAX_MESSAGES}", "messages")
     out = []
@@ -359,7 +362,8 @@ def _stop(body: dict) -> list[str]:
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
-        raise ApiError(f"stop must be a non-empty string or a list of at most {MAX_STOP} non-empty strings", "stop")
+        raise ApiError(f"stop must be a non-empty string or a list of at most {MAX_STOP} non-empty strings, got "
+                       f"{json_value(body.get('stop'))}", "stop")
     for s in stop:
         if len(s) > MAX_STOP_CHARS:
             raise ApiError(f"stop has a string of {len(s)} characters, more than the limit of {MAX_STOP_CHARS}",

@@ -154,7 +154,9 @@ def test_priority_is_a_400_unless_the_daemon_schedules_by_priority(tmp_path):
 @pytest.mark.parametrize("field,value,quoted", [
     ("max_tokens", True, "got boolean true"), ("temperature", float("nan"), "got NaN"),
     ("stream", None, None), ("stream", "yes", 'got "yes"'), ("logprobs", 1.5, None), ("ignore_eos", 1, "got 1"),
-    ("temperature", 9.0, "got 9.0"), ("max_tokens", 0, "got 0"), ("stop", {"a": 1}, None),
+    ("temperature", 9.0, "got 9.0"), ("max_tokens", 0, "got 0"), ("stop", {"a": 1}, 'got {"a": 1}'),
+    ("stop", True, "got true"), ("prompt", True, "got boolean true"), ("prompt", [1, "a"], 'got string "a" in it'),
+    ("prompt", [1, None], "got null in it"),
 ])
 def test_errors_quote_the_value_in_json_not_python(field, value, quoted):
     """A bad field's 400 quotes what the client sent as JSON spells it (true, null, NaN, "text"),
@@ -169,3 +171,10 @@ def test_errors_quote_the_value_in_json_not_python(field, value, quoted):
     assert not any(w in msg for w in ("True", "False", "None", "nan", "'")), msg
     if quoted:
         assert quoted in msg, msg
+
+
+@pytest.mark.parametrize("messages,quoted", [([], "got []"), (None, "got null"), ("hi", 'got "hi"')])
+def test_a_bad_messages_field_is_quoted_as_json(messages, quoted):
+    with pytest.raises(ApiError) as ei:
+        parse_request({"messages": messages}, True, ["m"], 1000)
+    assert ei.value.status == 400 and ei.value.param == "messages" and quoted in ei.value.message
