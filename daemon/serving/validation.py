@@ -111,7 +111,7 @@ def _int(body: dict, name: str, default=None, lo: int | None = None, hi: int | N
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, int):
-        raise ApiError(f"{name} must be an integer, got {json_type(v)} {json_value(v)}", name)
+        raise ApiError(f"{name} must be an integer, got {typed_value(v)}", name)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         raise ApiError(f"{name} must be an integer in [{lo if lo is not None else '-inf'}, "
                        f"{hi if hi is not None else 'inf'}], got {json_value(v)}", name)
@@ -149,13 +149,16 @@ def json_value(v, limit: int = 40) -> str:
     return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
+def typed_value(v) -> str:
+    """``v``'s JSON type and value for an error message (``boolean true``, ``string "ten"``), or
+    ``null`` alone."""
+    return "null" if v is None else f"{json_type(v)} {json_value(v)}"
 
 
 def _token_ids(v, name: str, vocab_size: int) -> list[int]:
     wrong = [t for t in v if not isinstance(t, int) or isinstance(t, bool)]
     if wrong:
-        got = "null" if wrong[0] is None else f"{json_type(wrong[0])} {json_value(wrong[0])}"
-        raise ApiError(f"{name} must be a list of integer token ids, got {got} in it", name)
+        raise ApiError(f"{name} must be a list of integer token ids, got {typed_value(wrong[0])} in it", name)
     bad = [t for t in v if not 0 <= t < vocab_size]
     if bad:
         raise ApiError(f"{name} has token id {bad[0]} outside the vocabulary [0, {vocab_size})", name)
@@ -196,7 +199,7 @@ def _prompt(body: dict, vocab_size: int, max_model_len: int | None = None) -> st
         return _token_ids(p, "prompt", vocab_size)
     if p is None:
         raise ApiError("prompt is required (a string or a list of token ids)", "prompt")
-    raise ApiError(f"prompt must be a string or a list of token ids, got {json_type(p)} {json_value(p)}", "prompt")
+    raise ApiError(f"prompt must be a string or a list of token ids, got {typed_value(p)}", "prompt")
 
 
 def _messages(body: dict) -> list[dict]:
