@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmd.kernels import cpu_native
 from llmd.kernels.native import build
 from llmd.quant.kv import planes_contiguous
 
@@ -76,14 +77,14 @@ def why_not(hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int, b
             kv: torch.Tensor, mats: list[tuple]) -> str | None:
     """Why the kernel cannot run this model (None: it can). Its limits: hidden, inter and heads ·
     head_dim multiples of 32 up to 16,384, head_dim a multiple of 16 up to 256, ≤ 16 query heads per
-    KV head, blocks of ≤ 32 tokens, a float32/bfloat16 contiguous cache, every product packed
+    KV head, blocks of ≤ 128 tokens, a float32/bfloat16 contiguous cache, every product packed
     (:mod:`llmd.quant.native_packs`: rows a multiple of 16)."""
     if hidden % 32 or inter % 32 or heads * head_dim % 32 or max(hidden, inter, heads * head_dim) > 16384:
         return f"hidden {hidden} / intermediate {inter} / heads x head_dim not multiples of 32 up to 16384"
     if head_dim % 16 or head_dim > 256 or heads % kv_heads or heads // kv_heads > 16:
         return f"head_dim {head_dim} / {heads} heads over {kv_heads} KV heads past the kernel's limits"
-    if block_size > 32:
-        return f"block size {block_size} > 32"
+    if block_size > cpu_native.MAX_BLOCK:
+        return f"block size {block_size} > {cpu_native.MAX_BLOCK}"
     if kv.dtype not in _KV_DTYPES or not planes_contiguous(kv):
         return f"KV cache {str(kv.dtype).removeprefix('torch.')} (needs float32, bfloat16 or float16)"
     if any(m is None for m in mats):

@@ -28,7 +28,7 @@ V widened by two bit operations; :func:`dot_scores` says when, ``LLMD_BF16_DOT=0
 Both keep the position order per sequence, so S4 holds on them too.
 
 Not served here (the torch path runs instead): float64 models (the oracle's own dtype), grouped
-scales (``--kv-scale-group-size``), int4 caches, block sizes over 32, head_dim over 256 or not a
+scales (``--kv-scale-group-size``), int4 caches, block sizes over 128, head_dim over 256 or not a
 multiple of 16, more than 16 query heads per KV head, or when the kernel is unavailable (:func:`available`).
 """
 
@@ -47,7 +47,7 @@ _KV_LUT = 4  # any other 1-byte code (fp8): through a 256-entry table
 _BYTE_DTYPES = (torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2)
 _Q_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _luts: dict[torch.dtype, torch.Tensor] = {}
-MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 32  # paged_decode.c's fixed tile sizes
+MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 128  # paged_decode.c's fixed tile sizes
 
 
 def available() -> bool:
@@ -74,7 +74,7 @@ def _lib(head_dim: int, group: int):
 
 def serves(fmt: KVCacheFormat, cdt: torch.dtype, block_size: int) -> bool:
     """The KV formats, compute dtypes and block sizes the kernel reads (not grouped scales, not
-    int4, float32/bfloat16 compute, blocks of at most 32 tokens)."""
+    int4, float32/bfloat16 compute, blocks of at most 128 tokens)."""
     return cdt in _Q_CODES and not fmt.group_size and not fmt.k_per_block and block_size <= MAX_BLOCK
 
 

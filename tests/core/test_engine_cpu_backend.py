@@ -42,12 +42,15 @@ ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, max_prefill_chunk=48)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
-def test_fast_backend_greedy_tokens_equal_reference(model, request):
+@pytest.mark.parametrize("model,block_size", [("smollm2", 16), ("gemma3", 16), ("smollm2", 64)])
+def test_fast_backend_greedy_tokens_equal_reference(model, block_size, request):
+    """Block size 64: the C kernels take each block as runs of 16 slots (paged_decode.c)."""
     make = request.getfixturevalue("make_engine" if model == "smollm2" else "make_gemma_engine")
     results = {}
     for backend in ("torch", "cpu"):
-        engine = make(attention_backend=backend, **ENGINE)
+        engine = make(attention_backend=backend, block_size=block_size, **ENGINE)
+        if backend == "cpu":
+            assert engine.runner.native_decodes  # the C kernel, not the torch ops
         results[backend] = run(engine, prompts_for(engine.tokenizer))
     assert results["cpu"][0] == results["torch"][0]
     assert results["cpu"][1] == results["torch"][1] > 0  # prefix-cache hits on both

@@ -75,6 +75,7 @@ SHAPES = [  # hidden, inter, heads, kv_heads, head_dim, block_size, window
     (256, 512, 8, 2, 32, 32, None),
     (128, 192, 4, 1, 32, 16, 20),
     (256, 256, 2, 1, 128, 32, None),
+    (128, 192, 4, 1, 32, 64, 40),  # a block of 4 runs of 16 slots, a window starting inside one
 ]
 
 

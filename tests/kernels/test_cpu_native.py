@@ -237,7 +237,7 @@ def test_the_bf16_path_switches(env, report):
 @pytest.mark.parametrize("switch,takes", BF16_PATHS.values(), ids=BF16_PATHS.keys())
 def test_bf16_paths_on_random_shapes(switch, takes):
     """30 random steps through the tile or dot path (KV heads 1-8, so the heads-per-task split
-    varies; G 1-16, head_dim 32-256, blocks 16/32 (and 8/24 for the dot path), lengths 1-300,
+    varies; G 1-16, head_dim 32-256, blocks 16/32/64/128 (and 8/24/48 for the dot path), lengths 1-300,
     random window starts) against a float64 softmax(q Kᵀ) V and log-sum-exp computed here from
     the cache's rows (measured <= 5.6e-7 tile, <= 5.7e-7 dot)."""
     import random
@@ -246,7 +246,7 @@ def test_bf16_paths_on_random_shapes(switch, takes):
     from llmd.quant.kv import PagedKVCache, get_format
 
     rng = random.Random(1)
-    sizes = [16, 32] if takes is cpu_native.tile_scores else [8, 16, 24, 32]
+    sizes = [16, 32, 64, 128] if takes is cpu_native.tile_scores else [8, 16, 24, 32, 48, 128]
     for it in range(30):
         kvh, group = rng.choice([1, 2, 3, 4, 8]), rng.choice([1, 2, 3, 4, 5, 8, 16])
         hd, bs, batch = rng.choice([32, 64, 128, 256]), rng.choice(sizes), rng.randint(1, 12)
@@ -277,13 +277,13 @@ def test_unserved_reason_names_the_limit():
     from llmd.quant.kv import get_format
 
     auto, int8 = get_format("auto"), get_format("int8")
-    assert cpu_native.unserved_reason(auto, torch.bfloat16, 48, 64, 3) == "block size 48 > 32"
+    assert cpu_native.unserved_reason(auto, torch.bfloat16, 160, 64, 3) == "block size 160 > 128"
     assert cpu_native.unserved_reason(auto, torch.float64, 16, 64, 3).startswith("compute dtype float64")
     assert cpu_native.unserved_reason(get_format("int8", 32), torch.float32, 16, 64, 3).startswith("grouped KV")
     assert cpu_native.unserved_reason(auto, torch.float32, 16, 72, 3).startswith("head_dim 72")
     assert cpu_native.unserved_reason(auto, torch.float32, 16, 64, 17) == "17 query heads per KV head > 16"
     for fmt, cdt, bs, hd, g in [(auto, torch.bfloat16, 16, 64, 3), (int8, torch.float32, 32, 256, 16),
-                                (auto, torch.float32, 8, 128, 1)]:
+                                (auto, torch.float32, 8, 128, 1), (auto, torch.bfloat16, 128, 64, 3)]:
         assert cpu_native.unserved_reason(fmt, cdt, bs, hd, g) is None
         assert cpu_native.serves(fmt, cdt, bs) and cpu_native.supports_shape(hd, g)
 

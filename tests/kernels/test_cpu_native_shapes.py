@@ -22,11 +22,12 @@ pytestmark = pytest.mark.skipif(not cpu_native.available(), reason=f"no native k
 def test_float32_queries_on_random_shapes(fmt):
     """25 random steps per format: KV heads 1-8 (the heads-per-task split varies), G 1-16 (blocks
     of 3 query rows and their remainders), head_dim 16-256, blocks 8/16/24/32 (tiles of 8 keys
-    and partial ones), lengths 1-300, random window starts; within 1e-5 of float64."""
+    and partial ones) and 48/64/128 (taken as runs of 16 slots, 48's last run cut short), lengths
+    1-300, random window starts; within 1e-5 of float64."""
     rng = random.Random(hash(fmt) % 1000)
     for it in range(25):
         kvh, group = rng.choice([1, 2, 3, 4, 8]), rng.choice([1, 2, 3, 4, 5, 7, 8, 16])
-        hd, bs, batch = rng.choice([16, 48, 64, 128, 256]), rng.choice([8, 16, 24, 32]), rng.randint(1, 12)
+        hd, bs, batch = rng.choice([16, 48, 64, 128, 256]), rng.choice([8, 16, 24, 32, 48, 64, 128]), rng.randint(1, 12)
         g = torch.Generator().manual_seed(it)
         lens = [rng.randint(1, 300) for _ in range(batch)]
         tables, slots, nb = random_paged_layout(lens, bs, g)
