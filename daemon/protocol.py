@@ -14,6 +14,9 @@
 
     schema_version  int (1)
     model           served model id;  kv_cache_dtype  str;  uptime_s  float (seconds)
+    runtime         str: the engine's dtype, attention backend and kernels, threads and how the
+                    linears are packed (the startup line's; added later in schema 1, so a
+                    client reads it with a default)
     kv_cache        {block_size, num_blocks (incl. null block 0), total (usable), used,
                      cached_free (unused blocks still holding cached KV, evictable), free
                      (unused, no cached KV; used + cached_free + free == total), usage (0..1,

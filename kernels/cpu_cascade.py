@@ -70,7 +70,7 @@ def find_cascades(tables: torch.Tensor, lens: torch.Tensor, block_size: int, kv_
         tables: ``[N, max_blocks]`` int32 block tables of the step's sequences (host).
         lens: ``[N]`` int64 each one's first query position + 1 (a decode's sequence length,
             its new key included; a prefill chunk's cached context + 1).
-        key_rows: :func:`llmd.kernels.cpu_attention._key_rows` (passed in: this module sits below it).
+        key_rows: :func:`llmd.kernels.cpu_plan.key_rows` (passed in: this module sits below it).
     Returns:
         One :class:`Cascade` per first block shared by at least :data:`CASCADE_MIN_SEQS` sequences
         whose common leading blocks (full in every member, ending at or before its first query)

@@ -1,7 +1,7 @@
 """The CPU fast path's int4 (KIVI) branch: :func:`llmd.kernels.cpu_attention.paged_attention`
 calls :func:`paged_attention` here for an int4 cache.
 
-Same plans as the other formats (:class:`llmd.kernels.cpu_attention.StepPlan`: one gather of
+Same plans as the other formats (:class:`llmd.kernels.cpu_plan.StepPlan`: one gather of
 rows ``(sequence, KV head, key position)`` per decode bucket and per prefill chunk), with the
 read rule of :mod:`llmd.kernels.kivi`:
 
@@ -71,7 +71,7 @@ def _softmax_v(scores: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 def paged_attention(query: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata, scale: float,
                     sliding_window: int | None, tails: list, plan, cdt: torch.dtype) -> torch.Tensor:
     """int4 attention for the step (``query [T, num_heads, head_dim]``; ``plan`` the group's
-    :class:`~llmd.kernels.cpu_attention.StepPlan`; ``tails`` from :func:`llmd.kernels.kivi.store_keys`).
+    :class:`~llmd.kernels.cpu_plan.StepPlan`; ``tails`` from :func:`llmd.kernels.kivi.store_keys`).
     Returns ``[T, num_heads, head_dim]`` in ``cdt``."""
     t, num_heads, head_dim = query.shape
     heads = cache.data.shape[3]

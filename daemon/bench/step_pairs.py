@@ -101,7 +101,7 @@ def gather_reader(engine, inputs) -> Callable[[], None] | None:
     result) attends to, layer by layer through the step's block tables, and nothing else
     (:func:`llmd.kernels.cpu_native.gather_read`): the KV-gather floor. None on a GPU, without the
     C library, or for caches it does not read (int4, grouped scales)."""
-    from llmd.kernels import cpu_attention, cpu_native
+    from llmd.kernels import cpu_native, cpu_plan
     from llmd.kernels.native import build
 
     runner, cfg = engine.runner, engine.model_config
@@ -114,7 +114,7 @@ def gather_reader(engine, inputs) -> Callable[[], None] | None:
         if c.fmt.k_per_block or c.fmt.group_size:
             return None
         m = meta[i] if isinstance(meta, list) else meta
-        d = cpu_attention.build_plan(m, cfg.num_kv_heads, cfg.layer_window(i), group, cascade_ok=False, native=True)
+        d = cpu_plan.build_plan(m, cfg.num_kv_heads, cfg.layer_window(i), group, cascade_ok=False, native=True)
         work.append((c, d.native))
     return lambda: [cpu_native.gather_read(c, d) for c, d in work]
 

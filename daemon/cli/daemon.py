@@ -130,7 +130,8 @@ def ps(socket_path):
 @socket_option
 @one_line_errors
 def status(socket_path):
-    """Model, KV dtype, blocks used/total, prefix-cache hit rate, uptime."""
+    """Model, KV dtype, the engine (dtype, attention kernels, threads, how the linears are packed),
+    blocks used/total, prefix-cache hit rate, uptime."""
     from llmd.daemon.protocol import check_stats_schema
 
     c = client_for(socket_path)
@@ -140,6 +141,8 @@ def status(socket_path):
     hit = f"{pc['hits'] / pc['queries']:.1%}" if pc["queries"] else "n/a"
     click.echo(f"daemon:      {c.socket_path} (pid {c.health()['pid']}), up {st['uptime_s']:.0f} s")
     click.echo(f"model:       {st['model']}, KV cache dtype {st['kv_cache_dtype']}")
+    if st.get("runtime"):  # absent from daemons before 2026-12-07
+        click.echo(f"engine:      {st['runtime']}")
     click.echo(f"KV blocks:   {kv['used']}/{kv['total']} used ({kv['usage']:.1%}), block size {kv['block_size']}")
     click.echo(f"prefix hits: {hit} ({pc['hits']}/{pc['queries']} tokens)")
     click.echo(f"requests:    {sc['running']} running, {sc['waiting']} waiting; "

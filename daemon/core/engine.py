@@ -210,6 +210,7 @@ class Engine:
         self.rates = RateWindow(time.monotonic())
         self.log_stats = False
         self._iteration = IterationStats()
+        self._runtime: str | None = None  # runtime_summary(), for make_stats
         self._unreported: dict[str, Request] = {}  # this step's requests whose output is not made yet
         self.faults: FaultInjector | None = None  # test hooks (faults.py); None in production
         injector = FaultInjector.from_env()
@@ -616,7 +617,10 @@ class Engine:
         counters.num_preemptions = sched.num_preemptions
         c = self.config
         prompt_rate, generation_rate = self.rates.rates(now)
+        if self._runtime is None:  # fixed once the engine is built; walks the model's weights once
+            self._runtime = self.runtime_summary()
         return EngineStats(
+            runtime=self._runtime,
             kv_cache_dtype=c.dtype if c.kv_cache_dtype == "auto" else c.kv_cache_dtype,
             kv_cache=KVCacheStats(kv.block_size, kv.num_blocks, total, used, cached_free, free, self.bytes_per_token,
                                   self.num_blocks * self.block_bytes, kv.usage, groups, kv.block_pool.block_states()),

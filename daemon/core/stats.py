@@ -178,6 +178,7 @@ class EngineStats:
     counters: EngineCounters
     requests: list[RequestStats]
     kv_transfer: dict = field(default_factory=dict)  # KVExchange.stats(): pins, pulls, imports
+    runtime: str = ""  # Engine.runtime_summary(): dtype, attention backend and kernels, threads, linears
 
     def to_dict(self, model_id: str, uptime_s: float) -> dict:
         """The ``GET /v1/stats`` payload (schema ``STATS_SCHEMA_VERSION`` of ``protocol.py``)."""
@@ -186,6 +187,7 @@ class EngineStats:
             "schema_version": STATS_SCHEMA_VERSION,
             "model": model_id,
             "kv_cache_dtype": self.kv_cache_dtype,
+            "runtime": self.runtime,
             "uptime_s": uptime_s,
             "kv_cache": {"block_size": kv.block_size, "num_blocks": kv.num_blocks, "total": kv.total, "used": kv.used,
                          "cached_free": kv.cached_free, "free": kv.free, "bytes_per_token": kv.bytes_per_token,

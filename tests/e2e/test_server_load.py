@@ -205,6 +205,8 @@ def test_ps_and_status(llmd_daemon):
     r = CliRunner().invoke(cli_main, ["status", "--socket", llmd_daemon.path])
     assert r.exit_code == 0, r.output
     assert "smollm2-135m" in r.output and "KV blocks:" in r.output
+    engine = next(line for line in r.output.splitlines() if line.startswith("engine:"))
+    assert "dtype float32" in engine and "attention cpu" in engine and "thread" in engine  # the harness pins float32
     r = CliRunner().invoke(cli_main, ["ps", "--socket", llmd_daemon.path])
     assert r.exit_code == 0 and r.output.startswith("ID"), r.output
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from covering import pairwise
 
-from llmd.kernels import AttentionMetadata, cpu_attention, ops, reference
+from llmd.kernels import AttentionMetadata, cpu_plan, ops, reference
 from llmd.kernels.bench import random_paged_layout
 from llmd.quant.kv import PagedKVCache, get_format
 
@@ -102,7 +102,7 @@ def test_window_plan_reads_only_the_window():
     """A decode at position 300 with W = 40 gathers 40 keys per head, not 301."""
     meta = AttentionMetadata(torch.tensor([300]), torch.arange(1, 21, dtype=torch.int32)[None], torch.tensor([0, 1]),
                              torch.tensor([301]), [1], [301], 16, "cpu")
-    plan = cpu_attention.build_plan(meta, kv_heads=2, sliding_window=40)
+    plan = cpu_plan.build_plan(meta, kv_heads=2, sliding_window=40)
     (_, dec), = plan.decodes
     assert dec.bias.shape[-1] == 40 and dec.rows.numel() == 2 * 40
     assert bool(torch.isfinite(dec.bias).all())
@@ -127,7 +127,7 @@ def test_length_buckets_and_small_decodes_match_reference(kind, fmt, window, dty
     longest); <= 4 decodes of a bfloat16 model compute in float32. Same bounds as above."""
     case = {"kind": kind, "group": 3, "block_size": 16, "head_dim": 64, "fmt": fmt, "window": window, "dtype": dtype}
     meta, query, cache = make_step(case, seed=7)
-    plan = cpu_attention.get_plan(meta, 2, window, 3)
+    plan = cpu_plan.get_plan(meta, 2, window, 3)
     assert (len(plan.decodes) > 1) == kind.startswith("spread") or window is not None
     q = query.to(dtype)
     out = ops.paged_attention(q, cache, meta, 0.125, window)
@@ -136,11 +136,11 @@ def test_length_buckets_and_small_decodes_match_reference(kind, fmt, window, dty
 
 
 def test_length_buckets_split_only_where_it_pays():
-    assert cpu_attention.length_buckets([500] * 20) == [(0, 20)]
+    assert cpu_plan.length_buckets([500] * 20) == [(0, 20)]
     spans = [600, 590, 580, 570, 560, 550, 540, 530, 300, 290, 280, 270, 260, 250, 240, 230, 100, 90]
-    assert cpu_attention.length_buckets(spans) == [(0, 8), (8, 18)]  # the 18th cannot start a bucket of 8
-    assert cpu_attention.length_buckets(list(range(1000, 0, -10)), max_buckets=3)[-1][1] == 100
-    assert cpu_attention.length_buckets([]) == [(0, 0)] and cpu_attention.length_buckets([5]) == [(0, 1)]
+    assert cpu_plan.length_buckets(spans) == [(0, 8), (8, 18)]  # the 18th cannot start a bucket of 8
+    assert cpu_plan.length_buckets(list(range(1000, 0, -10)), max_buckets=3)[-1][1] == 100
+    assert cpu_plan.length_buckets([]) == [(0, 0)] and cpu_plan.length_buckets([5]) == [(0, 1)]
 
 
 @pytest.mark.parametrize("kind,fmt,group_size,dtype", [

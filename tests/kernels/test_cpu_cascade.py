@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from llmd.kernels import AttentionMetadata, cpu_attention, cpu_cascade, ops, reference
+from llmd.kernels import AttentionMetadata, cpu_cascade, cpu_plan, ops, reference
 from llmd.quant.kv import PagedKVCache, get_format
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # those of test_cpu_attention.py
@@ -75,7 +75,7 @@ def test_cascade_matches_float64_reference(block_size, group, fmt, dtype, prefil
     meta, query, cache = shared_prefix_step(block_size, group, fmt, dtype, block_size * 10 + group, prefill)
     q = query.to(dtype)
     out = ops.paged_attention(q, cache, meta, 0.125, None)
-    plan = cpu_attention.get_plan(meta, 2, None, group)
+    plan = cpu_plan.get_plan(meta, 2, None, group)
     assert sorted(c.prefix_len // block_size for c in plan.cascades) == [5, 7]  # both families found, loners not
     assert sorted(len(c.members) for c in plan.cascades) == ([3, 5] if prefill else [3, 4])
     assert (plan.chunk_tails is not None) == prefill and len(plan.prefills) == 0
@@ -94,7 +94,7 @@ def test_cascade_equals_the_plain_batched_path():
     cpu_cascade.CASCADE_MIN_BLOCKS = 10**6
     try:
         plain = ops.paged_attention(query, cache, meta, 0.125, None)
-        assert not cpu_attention.get_plan(meta, 2, None, 3).cascades
+        assert not cpu_plan.get_plan(meta, 2, None, 3).cascades
     finally:
         cpu_cascade.CASCADE_MIN_BLOCKS = old
     assert (with_cascade - plain).abs().max().item() <= 1e-5 * plain.abs().max().item()
@@ -120,8 +120,8 @@ def test_find_cascades_rules():
 def test_sliding_window_and_int4_plans_have_no_cascade():
     meta, query, cache = shared_prefix_step(16, 3, "auto", torch.float32, seed=2)
     ops.paged_attention(query, cache, meta, 0.125, 40)
-    assert not cpu_attention.get_plan(meta, 2, 40, 3).cascades
-    assert not cpu_attention.build_plan(meta, 2, None, 3, cascade_ok=False).cascades
+    assert not cpu_plan.get_plan(meta, 2, 40, 3).cascades
+    assert not cpu_plan.build_plan(meta, 2, None, 3, cascade_ok=False).cascades
 
 
 @pytest.mark.parametrize("dtype,fmt", [(torch.float32, "auto"), (torch.bfloat16, "int8"), (torch.float32, "fp8_e4m3")])
@@ -163,7 +163,7 @@ def test_prefill_chunks_on_one_cached_prompt_attend_to_it_once(dtype, fmt):
                              "cpu")
     query = torch.randn(sum(qlens), nkv * group, hd, generator=g).to(dtype)
     out = ops.paged_attention(query, cache, meta, 0.125, None)
-    (c,) = cpu_attention.get_plan(meta, nkv, None, group).cascades
+    (c,) = cpu_plan.get_plan(meta, nkv, None, group).cascades
     assert c.members.tolist() == list(range(7)) and c.prefix_len == shared * bs
     assert c.tokens.tolist() == list(range(sum(qlens) - 40))
     ref = reference.paged_attention(query.double(), cache, meta, 0.125, None, compute_dtype=torch.float64)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from test_cpu_attention import make_step, rel
 
-from llmd.kernels import AttentionMetadata, cpu_attention, cpu_native, reference
+from llmd.kernels import AttentionMetadata, cpu_attention, cpu_native, cpu_plan, reference
 from llmd.kernels.native import build
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason=f"no native kernel: {build.why_not}")
@@ -57,7 +57,7 @@ def test_log_sum_exp_and_untouched_rows():
     other tokens in ``out`` are left as they were."""
     case = dict(zip(KEYS, ("mixed", 3, 16, 64, "int8", None, torch.float32)))
     meta, query, cache = make_step(case, seed=2)
-    plan = cpu_attention.get_plan(meta, 2, None, 3, native=True)
+    plan = cpu_plan.get_plan(meta, 2, None, 3, native=True)
     out = torch.full_like(query, 7.0)
     lse = torch.zeros(query.shape[:2])
     cpu_native.decode(query, cache, plan.native, 0.125, out, lse)
@@ -106,7 +106,7 @@ def test_skewed_planes_read_like_a_contiguous_cache(values):
     dense = dataclasses.replace(cache, data=cache.data.contiguous(),
                                 scales=None if cache.scales is None else cache.scales.contiguous())
     assert dense.data.is_contiguous() and dense.data.stride(0) == dense.data[0].numel()
-    plan = cpu_attention.get_plan(meta, dense.data.shape[3], case["window"], case["group"], native=True)
+    plan = cpu_plan.get_plan(meta, dense.data.shape[3], case["window"], case["group"], native=True)
     q = query.to(case["dtype"])
     skewed, flat = torch.zeros_like(q), torch.zeros_like(q)
     cpu_native.decode(q, cache, plan.native, 0.125, skewed)
@@ -134,7 +134,7 @@ def test_the_shape_specialized_build_matches_the_generic_one():
     it computes what the runtime-shape build does (within float32 reassociation)."""
     case = dict(zip(KEYS, ("spread", 3, 16, 64, "int8", None, torch.float32)))
     meta, query, cache = make_step(case, seed=4)
-    plan = cpu_attention.get_plan(meta, 2, None, 3, native=True)
+    plan = cpu_plan.get_plan(meta, 2, None, 3, native=True)
     generic, special = torch.zeros_like(query), torch.zeros_like(query)
     cpu_native.decode(query, cache, plan.native, 0.125, generic)
     assert cpu_native.prepare(64, 3) and build.loaded((4, 3)) is not None
@@ -209,7 +209,7 @@ def test_bf16_paths_match_float64_and_the_vector_kernel(values, switch, takes):
         pytest.skip("the tile path takes blocks of a multiple of 16 slots")
     meta, query, cache = make_step(case, seed=5)
     q, scale = query.to(torch.bfloat16), case["head_dim"] ** -0.5
-    plan = cpu_attention.get_plan(meta, 2, case["window"], case["group"], native=True)
+    plan = cpu_plan.get_plan(meta, 2, case["window"], case["group"], native=True)
     outs = {}
     with only_path(switch, case["head_dim"], case["group"]):
         assert takes(cache.data.dtype, q.dtype, case["block_size"], case["head_dim"])
