@@ -84,7 +84,9 @@ def engine_options(fn):
                      help="torch CPU threads (default: $OMP_NUM_THREADS if set, else the cores this process may use; "
                           "two processes sharing the cores: split them, e.g. --threads 1 each on 2 cores)."),
         click.option("--device", default=None, help="cpu or cuda (default: cuda if available)."),
-        click.option("--block-size", default=16, show_default=True, type=int, help="Tokens per KV block."),
+        click.option("--block-size", default=16, show_default=True, type=int,
+                     help="Tokens per KV block. Prefix-cache hits are whole blocks; the CPU's C decode "
+                          "kernels take blocks of up to 128 tokens."),
         click.option("--kv-cache-memory", default=None, callback=parse_bytes_option,
                      help="KV cache size, e.g. 512MiB (default: 512MiB on CPU; on CUDA what "
                           "--gpu-memory-utilization leaves)."),
