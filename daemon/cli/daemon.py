@@ -146,7 +146,7 @@ def status(socket_path):
     click.echo(f"KV blocks:   {kv['used']}/{kv['total']} used ({kv['usage']:.1%}), block size {kv['block_size']}")
     click.echo(f"prefix hits: {hit} ({pc['hits']}/{pc['queries']} tokens)")
     click.echo(f"requests:    {sc['running']} running, {sc['waiting']} waiting; "
-               f"{st['throughput']['generation_tokens_per_s']:.1f} gen tok/s")
+               f"{st['throughput']['generation_tokens_per_s']:.1f} gen tok/s over the last 5 s")
 
 
 @click.command()

@@ -297,14 +297,16 @@ class EngineConfig:
         """Whether to pack the weights for the fused single-stream decode kernel too
         (:mod:`llmd.kernels.cpu_fused`): CPU, the cpu backend with its native kernels, ``gguf``
         weights (``--weight-quant auto`` on a bfloat16 CPU, or ``gguf``), an unquantized cache
-        (auto, float16, bfloat16) without rotation, a Llama-architecture file (``cfg``: its
+        (auto, float16, bfloat16) without rotation, blocks the C kernels take (``--block-size`` <=
+        ``cpu_native.MAX_BLOCK``), a Llama-architecture file (``cfg``: its
         :class:`~llmd.models.config.ModelConfig`), and the kernel builds for its shape here (~3 s
         the first time on a machine)."""
+        from llmd.kernels import cpu_fused, cpu_native
+
         if (self.device != "cpu" or self.attention_backend != "cpu" or self.disable_native_kernels
                 or self.weight_quant != "gguf" or self.kv_format.quantized or self.kv_rotation != "none"
-                or cfg.architecture not in ("llama",)):
+                or self.block_size > cpu_native.MAX_BLOCK or cfg.architecture not in ("llama",)):
             return False
-        from llmd.kernels import cpu_fused
 
         group = cfg.num_heads // max(1, cfg.num_kv_heads)
         return cfg.head_dim % 16 == 0 and group <= 16 and cpu_fused.available(cfg.head_dim, group)

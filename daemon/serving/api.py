@@ -110,6 +110,8 @@ async def error_middleware(request: web.Request, handler):
         resp = json_error(e.message, e.param, e.status, code=e.code)
         resp.headers.update(e.headers)
         return resp
+    except web.HTTPRequestEntityTooLarge as e:  # aiohttp's client_max_size: say the limit
+        return json_error(f"request body too large: the limit is {MAX_BODY_BYTES // 2**20} MiB", None, e.status)
     except web.HTTPException as e:
         if e.status < 400:
             raise

@@ -201,6 +201,11 @@ def test_bad_combinations_fail_before_loading(monkeypatch):
         ("float32", "gguf", True, True)
     gemma = type("Cfg", (), {"architecture": "gemma3", "num_heads": 4, "num_kv_heads": 1, "head_dim": 256})()
     assert auto32.settle_weight_quant(gemma) is False and auto32.weight_quant == "none"  # no fused kernel: dense
+    llama = type("Cfg", (), {"architecture": "llama", "num_heads": 9, "num_kv_heads": 3, "head_dim": 64})()
+    big = resolve(dtype="bfloat16", block_size=256)  # past the C kernels' blocks: no fused-decode copy of the packs
+    assert big.wants_fused_decode(llama) is False and big.weight_quant == "gguf"
+    from llmd.kernels import cpu_fused
+    assert resolve(dtype="bfloat16", block_size=128).wants_fused_decode(llama) is cpu_fused.available(64, 3)
     assert resolve(model="random:qwen3-0.6b").weight_quant == "none"
     assert (resolve(dtype="bfloat16", weight_quant="gguf").keep_dense) is False
 

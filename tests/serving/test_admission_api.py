@@ -178,3 +178,29 @@ def test_a_bad_messages_field_is_quoted_as_json(messages, quoted):
     with pytest.raises(ApiError) as ei:
         parse_request({"messages": messages}, True, ["m"], 1000)
     assert ei.value.status == 400 and ei.value.param == "messages" and quoted in ei.value.message
+
+
+def test_an_oversized_body_is_413_naming_the_limit(tmp_path):
+    """A body past aiohttp's ``client_max_size`` is a JSON 413 that states the limit (not its bare
+    "Request Entity Too Large"), and the next request is served."""
+    from llmd.daemon.serving.api import MAX_BODY_BYTES
+
+    async def go(loop):
+        eng = loop.engine
+        state = ServerState(engine_loop=loop, model_id="tiny", model_ids=("tiny",),
+                            vocab_size=eng.model_config.vocab_size, max_model_len=eng.max_model_len,
+                            shutdown=asyncio.Event())
+        async with TestClient(TestServer(make_app(state))) as client:
+            big = await client.post("/v1/completions", data=b"x" * (MAX_BODY_BYTES + 1),
+                                    headers={"Content-Type": "application/json"})
+            ok = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+            return big.status, await big.json(), ok.status
+
+    loop = EngineLoop(tiny_engine(tmp_path / "t.gguf"), "tiny").start()
+    try:
+        status, out, ok = asyncio.run(go(loop))
+    finally:
+        loop.stop()
+    assert status == 413 and out["error"]["code"] == 413, out
+    assert out["error"]["message"] == f"request body too large: the limit is {MAX_BODY_BYTES // 2**20} MiB"
+    assert ok == 200
