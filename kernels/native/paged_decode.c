@@ -7,8 +7,8 @@
  * For each (decode i, KV head h), one OpenMP task: the group's G = num_heads / kv_heads query rows
  * (in float32, pre-multiplied by the softmax scale) walk the sequence's keys [first[i], seq_len[i])
  * run by run through its block table (a run: a block's slots, at most SUB_RUN of them): a run's
- * K rows are converted to float32 in a small tile (bfloat16 by a 16-bit shift, float16 by conversion, 1-byte codes (int8 / fp8) through a
- * 256-entry table of their values), scored against the G queries (x the token's K scale for
+ * K rows are converted to float32 in a small tile (bfloat16 by a 16-bit shift, float16 by
+ * conversion, 1-byte codes (int8 / fp8) through a 256-entry table of their values), scored against the G queries (x the token's K scale for
  * quantized caches), folded into an online softmax (running max m and sum l per query row, as in
  * FlashAttention: Dao et al. 2022, "FlashAttention", Algorithm 1; vLLM's paged_attention_v1 reads
  * the cache the same way), and the run's V rows accumulated with the probabilities (x the V
@@ -260,7 +260,7 @@ static inline __attribute__((always_inline)) void lazy_rescale(vf sc, float *m, 
  * next, so a pass reads one contiguous span of rows and the next run (the one prefetched) is the
  * span right after it. With whole blocks as the unit, blocks of 64 / 128 slots made the batch-32 x
  * 512 decode 1.4-1.7x the time of its gather read on the Zen 4 (2026-12-07; 1.1x for 16); as runs
- * of 16 they read faster than blocks of 16 (llmd bench step; README "Larger KV blocks on a CPU").
+ * of 16 they measured level with blocks of 16 (README, "Blocks of up to 128 slots in the C kernels").
  * next_run: the first position of the run after the one holding pos; run_length: the slots of the
  * run at pos (none past seq_len). */
 static inline int64_t next_run(int64_t pos, int BS) {
