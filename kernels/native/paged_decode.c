@@ -6,14 +6,15 @@
  *
  * For each (decode i, KV head h), one OpenMP task: the group's G = num_heads / kv_heads query rows
  * (in float32, pre-multiplied by the softmax scale) walk the sequence's keys [first[i], seq_len[i])
- * run by run through its block table (a run: a block's slots, at most SUB_RUN of them): a run's
- * K rows are converted to float32 in a small tile (bfloat16 by a 16-bit shift, float16 by
- * conversion, 1-byte codes (int8 / fp8) through a 256-entry table of their values), scored
- * against the G queries (x the token's K scale for quantized caches), folded into an online softmax (running max m and sum l per query row, as in
- * FlashAttention: Dao et al. 2022, "FlashAttention", Algorithm 1; vLLM's paged_attention_v1 reads
- * the cache the same way), and the run's V rows accumulated with the probabilities (x the V
- * scale). Accumulation is in float32 in a fixed key order, so a sequence's result does not depend
- * on what else is in the batch. No key outside the range is read, so no mask is needed.
+ * run by run through its block table (a run: a block's slots, at most SUB_RUN of them): a run's K
+ * rows are converted to float32 in a small tile (bfloat16 by a 16-bit shift, float16 by conversion,
+ * 1-byte codes (int8 / fp8) through a 256-entry table of their values), scored against the G
+ * queries (x the token's K scale for quantized caches), folded into an online softmax (running max
+ * m and sum l per query row, as in FlashAttention: Dao et al. 2022, "FlashAttention", Algorithm 1;
+ * vLLM's paged_attention_v1 reads the cache the same way), and the run's V rows accumulated with
+ * the probabilities (x the V scale). Accumulation is in float32 in a fixed key order, so a
+ * sequence's result does not depend on what else is in the batch. No key outside the range is read,
+ * so no mask is needed.
  */
 #include <stdint.h>
 #include <stdlib.h>
