@@ -60,10 +60,14 @@ class WeightQuantSummary:
     bnb: int = 0
     layouts: list[str] = field(default_factory=list)
     native_bytes: int = 0  # the fused decode kernel's copy of the packs (quant/native_packs.py)
+    small_batch: int | None = None  # packs beside kept dense weights: steps of <= this many rows take the packs
 
     def describe(self) -> str:
-        """One line for the startup message, e.g. ``weights gguf: 210 int4 + 1 int8 layers, 71 MiB``
-        or ``weights nf4 (bitsandbytes, cpu layout): 211 nf4 layers, 72 MiB + 54 MiB dense``."""
+        """One line for the startup message, e.g. ``weights gguf: 210 int4 + 1 int8 layers, 71 MiB``,
+        ``weights nf4 (bitsandbytes, cpu layout): 211 nf4 layers, 72 MiB + 54 MiB dense``, or under
+        ``--weight-quant auto`` (dense weights kept) ``weights gguf: 120 int4 + 1 int8 layers, 90 MiB
+        for steps of <= 4 tokens + 257 MiB dense for larger steps + 92 MiB fused-decode copy
+        (batch-1 steps)``."""
         if self.mode == "none":
             return f"weights dense ({self.dense_bytes / 2**20:.0f} MiB)"
         if self.bnb:
@@ -74,10 +78,14 @@ class WeightQuantSummary:
             text = f"weights int8 (groups of 32): {self.int8} int8 layers, {self.pack_bytes / 2**20:.0f} MiB"
         else:
             text = f"weights {self.mode}: {self.int4} int4 + {self.int8} int8 layers, {self.pack_bytes / 2**20:.0f} MiB"
+        if self.small_batch:  # --weight-quant auto: the packs serve small steps, the dense weights the rest
+            text += f" for steps of <= {self.small_batch} tokens"
         if self.dense_bytes:
             text += f" + {self.dense_bytes / 2**20:.0f} MiB dense"
+            text += " for larger steps" if self.small_batch else " for steps the fused kernel does not take" \
+                if self.small_batch == 0 else ""
         if self.native_bytes:
-            text += f" + {self.native_bytes / 2**20:.0f} MiB fused-decode copy"
+            text += f" + {self.native_bytes / 2**20:.0f} MiB fused-decode copy (batch-1 steps)"
         if self.dense:
             text += f"; dense (no exact kernel): {', '.join(self.dense[:3])}"
             text += f" and {len(self.dense) - 3} more" if len(self.dense) > 3 else ""
@@ -195,6 +203,7 @@ def quantize_linears(model: nn.Module, tensors: dict, mode: str, *, keep_dense: 
     # torch's int4 kernel runs ~30x slower on float32 activations (README "Weights"): a float32 model
     # that keeps its dense weights uses them for every step the fused kernel does not take
     small_batch = 0 if keep_dense and dtype == torch.float32 else SMALL_BATCH
+    summary.small_batch = small_batch if keep_dense and not bnb else None
     targets = [(mod_name, mod) for mod_name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
     for mod_name, mod in targets:
         names = [n for _, n in sorted(by_param.get(f"{mod_name}.weight", []))]

@@ -106,8 +106,13 @@ def test_engine_tokens_equal_dense_in_float32_and_auto_dispatch(tmp_path):
         m.dense.data.fill_(float("nan"))
     # one sequence at a time: every step has <= 3 rows (prompts of <= 3 tokens, then decodes)
     assert _tokens(both, path, max_num_seqs=1)[:2] == dense_tokens[:2]
-    assert "weights gguf: 9 int4 + 0 int8 layers" in Engine(both, ByteTokenizer(), EngineConfig(
-        model=str(path), dtype="float32", **KW)).runtime_summary()
+    line = Engine(both, ByteTokenizer(), EngineConfig(model=str(path), dtype="float32", **KW)).runtime_summary()
+    assert "weights gguf: 9 int4 + 0 int8 layers" in line
+    assert "MiB dense for steps the fused kernel does not take" in line  # the line says which weights serve what
+    bf16 = load_model(str(path), torch.bfloat16, weight_quant="gguf", keep_dense=True)[0].weight_quant_summary
+    assert " MiB for steps of <= 4 tokens + " in bf16.describe() and " MiB dense for larger steps" in bf16.describe()
+    packs_only = load_model(str(path), torch.bfloat16, weight_quant="gguf")[0].weight_quant_summary.describe()
+    assert "for steps" not in packs_only and "dense for" not in packs_only
 
 
 @pytest.mark.parametrize("fmt,dtype", [("nf4", torch.bfloat16), ("fp4", torch.float32)])
