@@ -127,8 +127,10 @@ class InputProcessor:
 
         Raises:
             RequestError: an empty prompt, one that leaves no room to generate, prompt +
-                ``max_tokens`` beyond the context under "stop" (``param`` "max_tokens"), or
-                ``truncate_prompt_tokens`` not below the context.
+                ``max_tokens`` beyond the context under "stop" (``param`` "max_tokens"),
+                ``truncate_prompt_tokens`` not below the context, or under "shift" an ``n_keep``
+                that leaves no whole block to discard (-1: a prompt longer than that, when
+                prompt + ``max_tokens`` passes the context).
         """
         field = prompt_field(prompt)
         ids = self.tokenize(prompt)
@@ -160,4 +162,9 @@ class InputProcessor:
             raise RequestError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
                                f"exceeds the context of {context} tokens (context_overflow \"shift\" or "
                                "--context-overflow shift goes on past it)", "max_tokens")
+        elif n + params.max_tokens > context and params.n_keep == -1 and n > self.max_keep:
+            # the explicit n_keep check above, for -1 once the prompt's length is known: it would never shift
+            raise RequestError(f"n_keep -1 keeps the whole prompt ({n} tokens), which leaves no whole block of the "
+                               f"{context}-token context to discard (at most {self.max_keep}): give a smaller "
+                               f"n_keep, a shorter prompt, or max_tokens <= {context - n}", "n_keep")
         return ProcessedPrompt(ids, defaulted)

@@ -175,12 +175,22 @@ def test_int4_shift_rotates_the_open_blocks_residual(shift_engine):
     _assert_residual_free(eng)
 
 
-def test_keep_covering_the_context_stops_at_length(shift_engine):
-    """n_keep -1 (the whole prompt) with a 60-token prompt leaves nothing to discard: the
-    request ends with finish_reason length at the context, as under stop."""
+def test_keep_covering_the_context_is_refused_unless_it_fits(shift_engine):
+    """n_keep -1 (the whole prompt) with a 60-token prompt leaves nothing to discard in a 64-token
+    context of 16-token blocks: when prompt + max_tokens passes the context it is a RequestError
+    naming n_keep, as an explicit n_keep of 60 is (it would never shift); within the context it
+    runs, and ends with finish_reason length."""
     eng = shift_engine()
-    out = _run(eng, {"k": ("z" * 60, greedy(30, logprobs=None, n_keep=-1))})["k"]
+    ids = eng.input_processor.tokenize("z" * 60)
+    assert len(ids) == 60
+    with pytest.raises(RequestError) as e:
+        eng.add_request(ids, greedy(30, logprobs=None, n_keep=-1))
+    assert e.value.param == "n_keep" and "whole prompt (60 tokens)" in str(e.value)
+    assert "max_tokens <= 4" in str(e.value)
+    out = _run(eng, {"k": ("z" * 60, greedy(CTX - 60, logprobs=None, n_keep=-1))})["k"]
     assert out["finish"] == "length" and len(out["tokens"]) == CTX - 60
+    out = _run(eng, {"s": ("z" * 20, greedy(60, logprobs=None, n_keep=-1))})["s"]  # 20 <= 32: it shifts
+    assert len(out["tokens"]) == 60 and eng.scheduler.num_context_shifts >= 1
 
 
 def test_a_keep_that_leaves_nothing_to_discard_is_refused(shift_engine):
