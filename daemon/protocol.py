@@ -28,7 +28,7 @@
                     states "null" / "free" / "cached" (free, evictable) / "used"; with ``?cells=K`` instead
                     {encoding: "cells", cells: [used fraction of each of K equal ranges]}
     prefix_cache    {queries, hits (tokens), enabled (bool), evictions (blocks)}
-    scheduler       {running, waiting, preempted}
+    scheduler       {running, waiting, preempted, context_shifts (cumulative; added later in schema 1)}
     throughput      {prompt_tokens_per_s, generation_tokens_per_s}  (over the last ~5 s)
     counters        {prompt_tokens, generation_tokens, requests_finished: {stop, length, abort, error},
                      requests_rejected, num_preemptions}

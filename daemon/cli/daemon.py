@@ -145,7 +145,8 @@ def status(socket_path):
         click.echo(f"engine:      {st['runtime']}")
     click.echo(f"KV blocks:   {kv['used']}/{kv['total']} used ({kv['usage']:.1%}), block size {kv['block_size']}")
     click.echo(f"prefix hits: {hit} ({pc['hits']}/{pc['queries']} tokens)")
-    click.echo(f"requests:    {sc['running']} running, {sc['waiting']} waiting; "
+    shifts = f", {sc['context_shifts']} context shifts" if sc.get("context_shifts") else ""
+    click.echo(f"requests:    {sc['running']} running, {sc['waiting']} waiting{shifts}; "
                f"{st['throughput']['generation_tokens_per_s']:.1f} gen tok/s over the last 5 s")
 
 

@@ -627,7 +627,7 @@ class Engine:
             prefix_cache=PrefixCacheStats(kv.prefix_cache_queries, kv.prefix_cache_hits, kv.enable_caching,
                                           kv.block_pool.num_evictions),
             scheduler=SchedulerStats(len(sched.running), len(sched.waiting),
-                                     sum(1 for r in sched.waiting if r.num_preemptions)),
+                                     sum(1 for r in sched.waiting if r.num_preemptions), sched.num_context_shifts),
             prompt_tokens_per_s=prompt_rate, generation_tokens_per_s=generation_rate,
             counters=counters, requests=requests, kv_transfer=self.kv_exchange.stats(),
         )

@@ -145,6 +145,7 @@ class SchedulerStats:
     running: int
     waiting: int
     preempted: int
+    context_shifts: int = 0  # cumulative: context shifts done (--context-overflow shift)
 
 
 @dataclass

@@ -14,7 +14,9 @@ The vLLM metric set under an ``llmd:`` prefix, every series labelled ``model_nam
   ``e2e_request_latency_seconds`` (engine arrival → finish);
 * ``engine_errors_total`` (``llmd:`` only; vLLM has no such series): engine steps that failed
   as a whole, each ending every live sequence with ``finished_reason="error"``
-  (:meth:`DaemonMetrics.engine_error`, from the engine loop).
+  (:meth:`DaemonMetrics.engine_error`, from the engine loop);
+* ``num_context_shifts_total`` (``llmd:`` only; vLLM has no context shift): context shifts done
+  (``--context-overflow shift``), synced from the stats snapshot on each scrape.
 
 ``--metrics-compat vllm`` registers the same metrics a second time under vLLM's own names
 (``vllm:`` prefix, e.g. ``vllm:kv_cache_usage_perc``), so existing Grafana dashboards and
@@ -93,6 +95,9 @@ class DaemonMetrics:
         self._engine_errors = Counter(PREFIX + "engine_errors", "Engine steps that failed as a whole (every live "
                                       "sequence then ended with finish_reason error).", ["model_name"],
                                       registry=self.registry).labels(model_name)
+        self._shifts = Counter(PREFIX + "num_context_shifts", "Cumulative number of context shifts "
+                               "(--context-overflow shift).", ["model_name"], registry=self.registry).labels(model_name)
+        self._shifts_synced = 0
 
     # ---- fan-out over prefixes ----------------------------------------------------------
     def _inc(self, name: str, amount: float = 1.0) -> None:
@@ -144,6 +149,10 @@ class DaemonMetrics:
             if delta > 0:  # counters only go up; the snapshot may lag, never rewind
                 self._inc(name, delta)
                 self._synced[name] = total
+        shifts = getattr(stats.scheduler, "context_shifts", 0)
+        if shifts > self._shifts_synced:
+            self._shifts.inc(shifts - self._shifts_synced)
+            self._shifts_synced = shifts
 
     def render(self) -> bytes:
         """The registry in Prometheus text format (``content_type``)."""

@@ -34,3 +34,25 @@ def test_generate_truncate_prompt_tokens(tmp_path, monkeypatch):
     assert ok.exit_code == 0 and "finish_reason=length" in ok.output, ok.output
     refused = CliRunner().invoke(main, ["generate", "--max-tokens", "4", long])
     assert refused.exit_code != 0 and "--truncate-prompt-tokens" in refused.output, refused.output
+
+
+def test_status_counts_context_shifts(tmp_path, monkeypatch):
+    """``llmd status``'s requests line names the daemon's context shifts once there are any (from
+    ``/v1/stats`` ``scheduler.context_shifts``): a tiny engine's real stats after a shifting request."""
+    from types import SimpleNamespace
+
+    from llmd.daemon.cli import daemon as daemon_cli
+    from llmd.daemon.cli.main import main
+    from llmd.daemon.core.request import SamplingParams
+
+    engine = tiny_engine(tmp_path / "s.gguf", max_model_len=64, context_overflow="shift")
+    engine.add_request(list(range(40, 76)), SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    shifts = engine.scheduler.num_context_shifts
+    assert shifts >= 1
+    st = engine.make_stats().to_dict("tiny", 1.0)
+    fake = SimpleNamespace(stats=lambda: st, health=lambda: {"pid": 1}, socket_path="/tmp/x.sock")
+    monkeypatch.setattr(daemon_cli, "client_for", lambda path: fake)
+    out = CliRunner().invoke(main, ["status", "--socket", "/tmp/x.sock"]).output
+    assert f"0 running, 0 waiting, {shifts} context shifts; " in out, out

@@ -48,6 +48,7 @@ def test_shift_generates_past_the_context_and_frees_blocks(shift_engine, kv):
     assert out["finish"] == "length" and len(out["tokens"]) == 120 and out["num_output"] == 120
     assert out["req"].total_prompt_tokens == 36
     assert eng.scheduler.num_context_shifts == (36 + 120 - CTX) // 16 + 1 == 6
+    assert eng.make_stats().to_dict("m", 0.0)["scheduler"]["context_shifts"] == 6  # /v1/stats, llmd status
     assert max(held) == CTX // 16 and min(held[5:]) >= 3  # a 64-token context never holds more than 4
     assert eng.kv_manager.num_free_blocks == eng.kv_manager.num_usable_blocks
     _assert_residual_free(eng)

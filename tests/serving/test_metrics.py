@@ -108,3 +108,20 @@ def test_serve_has_metrics_compat_option():
 
     out = CliRunner().invoke(main, ["serve", "--help"]).output
     assert "--metrics-compat" in out and "vllm" in out
+
+
+def test_context_shifts_are_an_llmd_counter():
+    """``llmd:num_context_shifts_total`` follows the stats' cumulative count (synced, never
+    re-added), under the ``llmd:`` prefix only (vLLM has no context shift)."""
+    m = DaemonMetrics("tiny", compat="vllm")
+
+    def stats(shifts):
+        return SimpleNamespace(scheduler=SimpleNamespace(running=0, waiting=0, context_shifts=shifts),
+                               kv_cache=SimpleNamespace(usage=0.0), prefix_cache=SimpleNamespace(queries=0, hits=0),
+                               counters=SimpleNamespace(num_preemptions=0))
+
+    for shifts in (3, 5, 5):
+        m.refresh(stats(shifts))
+    samples = parse(m.render().decode())
+    assert samples[("llmd:num_context_shifts_total", ())] == 5
+    assert not any(k[0].startswith("vllm:num_context_shifts") for k in samples)
