@@ -143,7 +143,9 @@ def status(socket_path):
     click.echo(f"model:       {st['model']}, KV cache dtype {st['kv_cache_dtype']}")
     if st.get("runtime"):  # absent from daemons before 2026-12-07
         click.echo(f"engine:      {st['runtime']}")
-    click.echo(f"KV blocks:   {kv['used']}/{kv['total']} used ({kv['usage']:.1%}), block size {kv['block_size']}")
+    cached = f", {kv['cached_free']} free ones holding prefix-cache KV" if kv.get("cached_free") else ""
+    click.echo(f"KV blocks:   {kv['used']}/{kv['total']} used ({kv['usage']:.1%}){cached}, "
+               f"block size {kv['block_size']}")
     click.echo(f"prefix hits: {hit} ({pc['hits']}/{pc['queries']} tokens)")
     shifts = f", {sc['context_shifts']} context shifts" if sc.get("context_shifts") else ""
     click.echo(f"requests:    {sc['running']} running, {sc['waiting']} waiting{shifts}; "

@@ -56,3 +56,5 @@ def test_status_counts_context_shifts(tmp_path, monkeypatch):
     monkeypatch.setattr(daemon_cli, "client_for", lambda path: fake)
     out = CliRunner().invoke(main, ["status", "--socket", "/tmp/x.sock"]).output
     assert f"0 running, 0 waiting, {shifts} context shifts; " in out, out
+    cached = st["kv_cache"]["cached_free"]  # the finished request's full blocks stay cached
+    assert cached > 0 and f"0/{st['kv_cache']['total']} used (0.0%), {cached} free ones holding prefix-cache KV" in out
