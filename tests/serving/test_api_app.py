@@ -144,7 +144,7 @@ def test_tokenize_stats_health_models_metrics_abort(engine_loop):
     st = out["stats"]
     assert st["schema_version"] == STATS_SCHEMA_VERSION and st["model"] == "tiny"
     assert st["counters"]["generation_tokens"] >= 3 and st["counters"]["requests_finished"]["length"] >= 1
-    assert st["scheduler"] == {"running": 0, "waiting": 0, "preempted": 0} and st["requests"] == []
+    assert st["scheduler"] == {"running": 0, "waiting": 0, "preempted": 0, "context_shifts": 0} and st["requests"] == []
     assert st["kv_cache"]["used"] == 0 and st["block_map"]["encoding"] == "rle"
     assert out["cells"]["block_map"]["encoding"] == "cells" and len(out["cells"]["block_map"]["cells"]) == 4
     status, text = out["metrics"]
