@@ -82,8 +82,10 @@ class WeightQuantSummary:
             text += f" for steps of <= {self.small_batch} tokens"
         if self.dense_bytes:
             text += f" + {self.dense_bytes / 2**20:.0f} MiB dense"
-            text += " for larger steps" if self.small_batch else " for steps the fused kernel does not take" \
-                if self.small_batch == 0 else ""
+            if self.small_batch == 0:  # a float32 model: the packs serve only the fused kernel
+                text += " for steps the fused kernel does not take"
+            elif self.small_batch:
+                text += " for larger steps"
         if self.native_bytes:
             text += f" + {self.native_bytes / 2**20:.0f} MiB fused-decode copy (batch-1 steps)"
         if self.dense:

@@ -91,13 +91,15 @@ class DaemonMetrics:
             success = Counter(prefix + "request_success", "Count of finished sequences.",
                               ["model_name", "finished_reason"], registry=self.registry)
             self._success.append({r: success.labels(model_name, r) for r in FINISH_REASONS})
-        self._synced = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
+        self._synced = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0,
+                        "num_context_shifts": 0}
         self._engine_errors = Counter(PREFIX + "engine_errors", "Engine steps that failed as a whole (every live "
                                       "sequence then ended with finish_reason error).", ["model_name"],
                                       registry=self.registry).labels(model_name)
-        self._shifts = Counter(PREFIX + "num_context_shifts", "Cumulative number of context shifts "
-                               "(--context-overflow shift).", ["model_name"], registry=self.registry).labels(model_name)
-        self._shifts_synced = 0
+        # llmd: only (vLLM has no context shift), synced from the stats with the other cumulative counters
+        self._m["num_context_shifts"] = [Counter(PREFIX + "num_context_shifts", "Cumulative number of context shifts "
+                                                 "(--context-overflow shift).", ["model_name"],
+                                                 registry=self.registry).labels(model_name)]
 
     # ---- fan-out over prefixes ----------------------------------------------------------
     def _inc(self, name: str, amount: float = 1.0) -> None:
@@ -143,16 +145,13 @@ class DaemonMetrics:
         self._set("num_requests_waiting", stats.scheduler.waiting)
         self._set("kv_cache_usage_perc", min(1.0, max(0.0, float(stats.kv_cache.usage))))
         totals = {"prefix_cache_queries": stats.prefix_cache.queries, "prefix_cache_hits": stats.prefix_cache.hits,
-                  "num_preemptions": stats.counters.num_preemptions}
+                  "num_preemptions": stats.counters.num_preemptions,
+                  "num_context_shifts": getattr(stats.scheduler, "context_shifts", 0)}
         for name, total in totals.items():
             delta = total - self._synced[name]
             if delta > 0:  # counters only go up; the snapshot may lag, never rewind
                 self._inc(name, delta)
                 self._synced[name] = total
-        shifts = getattr(stats.scheduler, "context_shifts", 0)
-        if shifts > self._shifts_synced:
-            self._shifts.inc(shifts - self._shifts_synced)
-            self._shifts_synced = shifts
 
     def render(self) -> bytes:
         """The registry in Prometheus text format (``content_type``)."""
