@@ -119,7 +119,7 @@ def context_shift_report(model, tokenizer, ids: list[int], max_model_len: int, k
         lines += [f"  {label:<14}" + " ".join(f"{d:+6.2f}%" for d in ds) for label, ds in drift_rows]
     prompt = ids[:max_model_len // 2]
     shifted, n_shift = greedy_continuation(model, tokenizer, prompt, new_tokens, max_model_len=max_model_len,
-                                           **engine_kw)
+                                           keep=keep, **engine_kw)
     whole, _ = greedy_continuation(model, tokenizer, prompt, new_tokens, **engine_kw)
     lines.append(f"greedy {new_tokens} tokens after {len(prompt)}: repeated 4-grams "
                  f"{100 * repeated_4grams(shifted):.1f} % "

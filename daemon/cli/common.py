@@ -147,7 +147,8 @@ def engine_options(fn):
                           "drop the oldest half of the rest, re-rotate the cached keys, go on)."),
         click.option("--keep", default=0, show_default=True, type=int,
                      help="Tokens a context shift keeps at the head, e.g. the system prompt (rounded up to whole "
-                          "blocks; -1 = the whole prompt); llama.cpp's --keep."),
+                          "blocks, at least the first block: the attention sink; -1 = the whole prompt); "
+                          "llama.cpp's --keep."),
     ]
     for o in reversed(opts):
         fn = o(fn)

@@ -110,7 +110,9 @@ class EngineConfig:
             the oldest half of the rest in whole blocks, re-rotate the kept keys and go on;
             :mod:`llmd.daemon.core.context_shift`). A request's ``context_overflow`` overrides it.
         keep: tokens a shift keeps at the head (llama.cpp's ``--keep``; rounded up to whole
-            blocks; -1 = the whole prompt); a request's ``n_keep`` overrides it.
+            blocks, at least the first block: the attention sink,
+            :func:`llmd.daemon.core.context_shift.keep_blocks`; -1 = the whole prompt); a
+            request's ``n_keep`` overrides it.
         threads: torch intra-op threads, set once when the engine is built
             (``torch.set_num_threads``); ``None`` = ``$OMP_NUM_THREADS`` if set, else the cores
             this process may use (``len(os.sched_getaffinity(0))``).

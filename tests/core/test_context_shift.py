@@ -208,6 +208,28 @@ def test_a_keep_that_leaves_nothing_to_discard_is_refused(shift_engine):
         shift_engine(keep=48)
 
 
+def test_keep_0_still_keeps_the_attention_sink_block(shift_engine):
+    """n_keep 0 keeps the first block (the attention sink): after every shift of a 36-token
+    prompt + 60 tokens in a 64-token context the sequence still starts with the prompt's first 16
+    tokens, and the blocks after it were dropped. In a 32-token context (no block to discard
+    after a sink block) n_keep 0 drops from the start instead of stopping at the context."""
+    eng = shift_engine()
+    ids = eng.input_processor.tokenize(PROMPT)
+    heads = []
+
+    def check(e):
+        for r in e.scheduler.requests.values():
+            if r.num_context_shifts:
+                heads.append(list(r.all_token_ids[:16]))
+    out = drive(eng, {"a": (ids, greedy(60, logprobs=None, n_keep=0))}, check=check, integrity=True)["a"]
+    assert out["req"].num_context_shifts >= 2 and len(out["tokens"]) == 60
+    assert heads and all(h == ids[:16] for h in heads)
+    assert out["req"].num_shifted_prompt_tokens == 20  # the prompt's tokens 16-35 went, 0-15 stayed
+    small = shift_engine(max_model_len=32, keep=0)
+    tiny = drive(small, {"t": (ids[:8], greedy(40, logprobs=None))}, integrity=True)["t"]
+    assert len(tiny["tokens"]) == 40 and tiny["req"].num_context_shifts > 0 and tiny["req"].all_token_ids[:8] != ids[:8]
+
+
 def test_truncate_prompt_tokens_keeps_the_end(shift_engine):
     """A 100-token prompt in a 64-token context is a 400 naming the prompt unless
     truncate_prompt_tokens opts in: then it equals sending its last k tokens."""
