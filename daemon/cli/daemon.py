@@ -135,11 +135,18 @@ def status(socket_path):
     from llmd.daemon.protocol import check_stats_schema
 
     c = client_for(socket_path)
+    health = c.health(ready_only=False) or {}
+    if health.get("status") == "loading":  # /v1/stats answers 503 until the engine is built
+        click.echo(f"daemon:      {c.socket_path} (pid {health['pid']}), up {health.get('uptime_s', 0):.0f} s, "
+                   "loading the model (`llmd status` again once it is up)")
+        click.echo(f"model:       {health.get('model', '?')}")
+        return
     st = c.stats()
     check_stats_schema(st)
     kv, pc, sc = st["kv_cache"], st["prefix_cache"], st["scheduler"]
     hit = f"{pc['hits'] / pc['queries']:.1%}" if pc["queries"] else "n/a"
-    click.echo(f"daemon:      {c.socket_path} (pid {c.health()['pid']}), up {st['uptime_s']:.0f} s")
+    pid = health.get("pid") or c.health(ready_only=False)["pid"]
+    click.echo(f"daemon:      {c.socket_path} (pid {pid}), up {st['uptime_s']:.0f} s")
     click.echo(f"model:       {st['model']}, KV cache dtype {st['kv_cache_dtype']}")
     if st.get("runtime"):  # absent from daemons before 2026-12-07
         click.echo(f"engine:      {st['runtime']}")

@@ -52,9 +52,30 @@ def test_status_counts_context_shifts(tmp_path, monkeypatch):
     shifts = engine.scheduler.num_context_shifts
     assert shifts >= 1
     st = engine.make_stats().to_dict("tiny", 1.0)
-    fake = SimpleNamespace(stats=lambda: st, health=lambda: {"pid": 1}, socket_path="/tmp/x.sock")
+    fake = SimpleNamespace(stats=lambda: st, health=lambda ready_only=True: {"status": "ok", "pid": 1},
+                           socket_path="/tmp/x.sock")
     monkeypatch.setattr(daemon_cli, "client_for", lambda path: fake)
     out = CliRunner().invoke(main, ["status", "--socket", "/tmp/x.sock"]).output
     assert f"0 running, 0 waiting, {shifts} context shifts; " in out, out
     cached = st["kv_cache"]["cached_free"]  # the finished request's full blocks stay cached
     assert cached > 0 and f"0/{st['kv_cache']['total']} used (0.0%), {cached} free ones holding prefix-cache KV" in out
+
+
+def test_status_of_a_loading_daemon(monkeypatch):
+    """``llmd status`` while the daemon loads its model (``/health`` 503 ``loading``, ``/v1/stats``
+    503): the daemon line says so and the command succeeds, instead of an error about a 503."""
+    from types import SimpleNamespace
+
+    from llmd.daemon.cli import daemon as daemon_cli
+    from llmd.daemon.cli.main import main
+
+    def stats():
+        raise AssertionError("/v1/stats answers 503 while loading")
+    body = {"status": "loading", "pid": 7, "model": "smollm2-135m", "model_ids": ["smollm2-135m"], "uptime_s": 3.2,
+            "reason": "the model is loading"}  # daemon/serving/api.py health()'s body
+    fake = SimpleNamespace(stats=stats, health=lambda ready_only=True: None if ready_only else body,
+                           socket_path="/tmp/x.sock")
+    monkeypatch.setattr(daemon_cli, "client_for", lambda path: fake)
+    r = CliRunner().invoke(main, ["status", "--socket", "/tmp/x.sock"])
+    assert r.exit_code == 0, r.output
+    assert "(pid 7), up 3 s, loading the model" in r.output and "model:       smollm2-135m" in r.output, r.output
