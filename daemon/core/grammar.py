@@ -159,6 +159,7 @@ class GrammarState:
         import xgrammar as xgr
 
         self.matcher = xgr.GrammarMatcher(compiled)
+        self.vocab_size = compiled.tokenizer_info.vocab_size
 
     def accept(self, token_id: int) -> bool:
         """Advance past ``token_id``; False (state unchanged) if the grammar does not allow it."""
@@ -173,6 +174,20 @@ class GrammarState:
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted."""
         return self.matcher.is_terminated()
+
+    def only_stop_next(self) -> bool:
+        """The grammar is complete and allows nothing but its stop tokens next: the reply is
+        whole, one more token could only end it (the scheduler then finishes it with "stop" at
+        ``max_tokens`` or the context instead of "length"). One bitmask fill (~0.05 ms), only
+        once ``is_completed()`` (xgrammar: the root rule matched) holds."""
+        if not self.matcher.is_completed():
+            return False
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        self.matcher.fill_next_token_bitmask(bitmask, 0)
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")[:self.vocab_size]
+        return set(np.flatnonzero(bits).tolist()) <= set(self.matcher.stop_token_ids)
 
 
 def allowed_tokens(states: Sequence[GrammarState], vocab: int) -> torch.Tensor:

@@ -350,6 +350,9 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED
         if req.grammar is not None and req.grammar.is_terminated:  # its stop token, under ignore_eos
             return RequestStatus.FINISHED_STOPPED
+        at_limit = req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len
+        if at_limit and req.grammar is not None and req.grammar.only_stop_next():
+            return RequestStatus.FINISHED_STOPPED  # complete: the next token could only be its stop token
         if req.num_output_tokens >= sp.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         if req.num_tokens >= self.max_model_len:

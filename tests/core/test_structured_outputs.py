@@ -171,6 +171,23 @@ def test_regex_choice_grammar_length_cut_and_bad_specs(make_engine, smollm2_toke
     assert not eng.has_unfinished_requests()
 
 
+def test_a_grammar_completed_at_max_tokens_stops(make_engine, smollm2_tokenizer):
+    """A reply whose grammar completes on its max_tokens-th token (nothing but the stop token
+    could follow) ends with "stop", as with one more token of budget; a grammar that could go on
+    (a regex that matched but allows more) still ends with "length"."""
+    eng = make_engine()
+    prompt = chat(smollm2_tokenizer, "Pick a fruit.")
+    choice = GrammarSpec("choice", choices=("apple", "banana"))
+    roomy = eng.generate([prompt], SamplingParams(max_tokens=20, temperature=0, structured=choice))[0]
+    n = len(roomy["token_ids"]) - 1  # the text's tokens; the last one is the stop token
+    assert roomy["finish_reason"] == "stop" and n >= 1
+    exact = eng.generate([prompt], SamplingParams(max_tokens=n, temperature=0, structured=choice))[0]
+    assert exact["finish_reason"] == "stop" and exact["text"] == roomy["text"], exact
+    more = GrammarSpec("regex", "[0-9]+")
+    cut = eng.generate([prompt], SamplingParams(max_tokens=2, temperature=0, structured=more))[0]
+    assert cut["finish_reason"] == "length" and len(cut["token_ids"]) == 2
+
+
 def test_device_sampler_masks_only_constrained_rows(batched):
     """The batched (CUDA-path) sampler, run on CPU tensors: constrained rows draw only allowed
     tokens, as the host sampler does; the free row's token is its plain argmax; logprobs are raw."""
