@@ -56,7 +56,8 @@ def check_params(params: dict) -> None:
     Raises:
         LlmdError: one naming the option, e.g. ``--max-tokens must be >= 1, got 0``.
     """
-    checks = (("max_tokens", params["max_tokens"] >= 1, ">= 1"), ("temperature", params["temperature"] >= 0, ">= 0"),
+    checks = (("max_tokens", params["max_tokens"] >= 1, ">= 1"),
+              ("temperature", 0 <= params["temperature"] <= 2, "in [0, 2] (the API's range)"),
               ("top_k", params["top_k"] >= 0, ">= 0 (0 = off)"), ("top_p", 0 < params["top_p"] <= 1, "in (0, 1]"),
               ("repetition_penalty", params["repetition_penalty"] > 0, "> 0"))
     for name, ok, rule in checks:

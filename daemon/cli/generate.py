@@ -21,7 +21,8 @@ from llmd.daemon.core.errors import LlmdError
 @click.option("--seed", default=None, type=int, help="Sampling seed (default: random).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--beam-width", default=1, show_default=True, type=click.IntRange(1),
-              help="Beam search with this many beams (greedy; >= 2), printing every beam, best first.")
+              help="Beam search with this many beams (>= 2; greedy), printing every beam, best first; 1 = no beam "
+                   "search (--length-penalty and --early-stopping then do nothing).")
 @click.option("--length-penalty", default=1.0, show_default=True, type=float,
               help="Beam search: score = cumulative logprob / length ** this (vLLM's).")
 @click.option("--early-stopping", default="false", show_default=True, type=click.Choice(["true", "false", "never"]),
@@ -52,8 +53,12 @@ def generate(prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, be
         params.validate()
         if beam:
             check_beam_params(params, beam_width)
-    except ValueError as e:
-        raise LlmdError("--" + str(e).replace("_", "-")) from None  # "--top-p must be in (0, 1], got 2.0"
+    except ValueError as e:  # "--top-p must be in (0, 1], got 2.0"; beam refusals in the CLI's words
+        text = str(e).replace("use_beam_search", "beam search (--beam-width)").replace(" (stop_token_ids are)", "")
+        if text.startswith("beam search"):
+            raise LlmdError(text.replace("temperature must", "--temperature must")) from None
+        name, _, rest = text.partition(" ")
+        raise LlmdError(f"--{name.replace('_', '-')} {rest}") from None
     if chat:  # fail before loading the weights (the GGUF header read is cached for the load)
         from llmd.models.gguf_loader import load_config
         from llmd.models.registry import resolve_model

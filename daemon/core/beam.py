@@ -56,7 +56,8 @@ def num_candidates(beam_width: int, num_stop_ids: int) -> int:
 def check_beam_params(params: SamplingParams, n: int) -> None:
     """Refuse what beam search does not combine with; raises :class:`RequestError` naming
     the field (HTTP 400): temperature > 0, penalties, logprobs, stop strings, structured
-    outputs, an ``early_stopping`` other than true / false / "never", beam width < 2."""
+    outputs (named by their own field), logit_bias, an ``early_stopping`` other than true /
+    false / "never", beam width < 2."""
     if n < 2:
         raise RequestError(f"use_beam_search needs n >= 2 beams, got {n}", "n")
     if params.temperature != 0.0:
@@ -72,8 +73,11 @@ def check_beam_params(params: SamplingParams, n: int) -> None:
         raise RequestError("logprobs is not supported with use_beam_search", "logprobs")
     if params.stop:
         raise RequestError("stop strings are not supported with use_beam_search (stop_token_ids are)", "stop")
-    if params.structured is not None or getattr(params, "logit_bias", None):
-        raise RequestError("structured outputs are not supported with use_beam_search", "response_format")
+    if params.structured is not None:
+        field = params.structured.param or "response_format"
+        raise RequestError(f"structured outputs ({field}) are not supported with use_beam_search", field)
+    if getattr(params, "logit_bias", None):
+        raise RequestError("logit_bias is not supported with use_beam_search", "logit_bias")
     if not (isinstance(params.early_stopping, bool) or params.early_stopping == "never"):
         raise RequestError(f"early_stopping must be true, false or \"never\", got {params.early_stopping!r}",
                            "early_stopping")

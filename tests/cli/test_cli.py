@@ -111,7 +111,8 @@ def test_chat_options_fail_before_a_daemon_starts(tmp_path):
     sock = str(tmp_path / "none.sock")
     for args, text in ((["--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
                        (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
-                       (["--repetition-penalty", "0"], "--repetition-penalty must be > 0")):
+                       (["--repetition-penalty", "0"], "--repetition-penalty must be > 0"),
+                       (["--temperature", "5"], "--temperature must be in [0, 2] (the API's range), got 5.0")):
         r = run_cli(["chat", "--socket", sock, "-p", "hi", *args])
         assert_one_line_error(r, text)
         assert "starting a daemon" not in r.output and not os.path.exists(sock), r.output

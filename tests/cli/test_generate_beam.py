@@ -29,3 +29,8 @@ def test_generate_beam_refuses_temperature_in_one_line(monkeypatch):
     assert result.exit_code == 1, result.output
     last = result.output.strip().splitlines()[-1]
     assert last.startswith("llmd: error: ") and "temperature must be 0" in last, result.output
+    # in the CLI's words: its flags, not the API's fields (there is no --use-beam-search or --stop-token-ids)
+    assert last == "llmd: error: beam search (--beam-width) is greedy: --temperature must be 0, got 0.5", last
+    stop = CliRunner().invoke(main, ["generate", "hi", "--beam-width", "2", "--stop", "x"])
+    assert stop.output.strip().splitlines()[-1] == \
+        "llmd: error: --stop strings are not supported with beam search (--beam-width)", stop.output

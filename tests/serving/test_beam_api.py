@@ -64,6 +64,9 @@ def test_beam_choices_over_http(engine_loop, tmp_path):
     ({"stop": ["x"]}, "stop"),
     ({"early_stopping": "sometimes"}, "early_stopping"),
     ({"length_penalty": "long"}, "length_penalty"),
+    ({"logit_bias": {"5": 1}}, "logit_bias"),
+    ({"guided_regex": "a+"}, "guided_regex"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
 ])
 def test_invalid_beam_combinations_are_400s(engine_loop, extra, param):
     body = {"prompt": "hi", "max_tokens": 3, "n": 2, "use_beam_search": True, **extra}
