@@ -17,3 +17,8 @@ class ModelNotFoundError(LlmdError):
 
 class GGUFLoadError(LlmdError):
     """The GGUF file is unreadable, of an unsupported architecture, or its tensors do not map."""
+
+
+class NoChatTemplateError(LlmdError):
+    """Chat messages were given to a model whose GGUF has no chat template (a base model); the
+    caller words what to do instead (the HTTP API: a 400 naming ``messages``)."""

@@ -22,7 +22,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from llmd.models.config import ModelConfig
-from llmd.models.errors import LlmdError, ModelNotFoundError
+from llmd.models.errors import LlmdError, ModelNotFoundError, NoChatTemplateError
 
 if TYPE_CHECKING:
     import torch
@@ -129,7 +129,8 @@ class NumericTokenizer:
         return list(text.encode("utf-8"))
 
     def apply_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        raise LlmdError(f"model {self.config.name} has no chat template; drop --chat / use /v1/completions")
+        raise NoChatTemplateError("this model has no chat template (a base model), so it cannot format chat "
+                                 "messages: send a plain prompt (/v1/completions, llmd generate without --chat)")
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids)

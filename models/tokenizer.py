@@ -18,7 +18,7 @@ import shutil
 import tempfile
 
 from llmd.models.config import ModelConfig
-from llmd.models.errors import LlmdError
+from llmd.models.errors import LlmdError, NoChatTemplateError
 from llmd.models.fast_tokenizer import FastTokenizer, describe, read_meta, write_meta
 from llmd.models.paths import cache_dir as default_cache_dir
 from llmd.models.paths import ensure_cache_dir
@@ -71,7 +71,8 @@ class Tokenizer:
                 in vLLM too).
         """
         if not self.has_chat_template:
-            raise LlmdError(f"model {self.config.name} has no chat template; drop --chat / use /v1/completions")
+            raise NoChatTemplateError("this model has no chat template (a base model), so it cannot format chat "
+                                     "messages: send a plain prompt (/v1/completions, llmd generate without --chat)")
         from jinja2 import TemplateError  # transformers renders chat templates with jinja2
 
         try:

@@ -110,6 +110,22 @@ def check_kv_layout(cfg: ModelConfig, kv_cache_dtype: "str | KVCacheFormat", kv_
         raise LlmdError(str(e)) from None
 
 
+def glue_ops(model) -> str:
+    """The layer ops of ``model`` that llmd's C glue runs (kernels/cpu_glue.py) for the startup
+    line: RoPE always; RMSNorm unless it is Gemma's float32 one (``GemmaRMSNorm``, torch's);
+    SwiGLU when every MLP is SiLU-gated (Gemma's GeLU-tanh stays torch's)."""
+    from llmd.models.layers import GatedMLP, GemmaRMSNorm, RMSNorm
+
+    mods = list(model.modules())
+    ops = ["norms"] if any(type(m) is RMSNorm for m in mods) and not any(isinstance(m, GemmaRMSNorm) for m in mods) \
+        else []
+    ops.append("RoPE")
+    mlps = [m for m in mods if isinstance(m, GatedMLP)]
+    if mlps and all(m.act is torch.nn.functional.silu for m in mlps):
+        ops.append("SwiGLU")
+    return ", ".join(ops)
+
+
 class Engine:
     """Continuous-batching engine over a paged KV cache.
 
@@ -304,7 +320,7 @@ class Engine:
 
                 fused = glue_forward.why_not(self.runner.model, self.runner.layer_caches, check_active=False) is None
                 if fused or c.dtype == "bfloat16":  # a float32 model's glue exists only fused (layer_glue_f32.h)
-                    attn += "; norms, RoPE, SwiGLU: C" + (", fused across ops" if fused else "")
+                    attn += f"; {glue_ops(self.runner.model)}: C" + (", fused across ops" if fused else "")
             attn += ")"
         packed = prepacked.packed_count(self.runner.model)
         copy = prepacked.head_copy_bytes(self.runner.model)

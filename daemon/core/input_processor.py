@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from llmd.daemon.core.errors import RequestError
 from llmd.daemon.core.request import SamplingParams
+from llmd.models.errors import NoChatTemplateError
 
 #: characters per token no real prompt exceeds; text longer than this × the context cannot fit
 MAX_CHARS_PER_TOKEN = 64
@@ -106,13 +107,17 @@ class InputProcessor:
         """Token ids of text, chat messages (the model's template) or token ids (checked).
 
         Raises:
-            LlmdError: a model without a chat template was given messages.
-            RequestError: token ids outside the vocabulary.
+            RequestError: token ids outside the vocabulary; chat messages for a model without a
+                chat template (``param`` "messages").
+            LlmdError: the chat template refused the messages.
         """
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         if is_chat(prompt):
-            return self.tokenizer.apply_chat(prompt)
+            try:
+                return self.tokenizer.apply_chat(prompt)
+            except NoChatTemplateError as e:
+                raise RequestError(str(e), "messages") from None
         ids = list(prompt)
         if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
             raise RequestError(f"prompt token ids must be integers in [0, {self.vocab_size})", "prompt")

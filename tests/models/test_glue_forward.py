@@ -177,3 +177,15 @@ def test_float32_forward_beside_the_fp16_packs(tmp_path, monkeypatch, window, kv
         torch.testing.assert_close(ca.data.float(), cb.data.float(), rtol=2e-3, atol=1e-4)
     plain = engine(False)
     assert not plain.runner.native_glue and "SwiGLU: C" not in plain.runtime_summary()
+
+
+def test_the_startup_line_names_only_the_ops_the_glue_runs():
+    """Gemma's float32 norm and GeLU-tanh MLP keep torch's ops, so its startup line names RoPE
+    alone; a Llama-style model (RMSNorm, SiLU-gated MLP) names all three."""
+    from llmd.daemon.core.engine import glue_ops
+    from llmd.models.layers import GatedMLP, GemmaRMSNorm, RMSNorm
+
+    llama = torch.nn.ModuleList([RMSNorm(8, 1e-6, torch.float32), GatedMLP(8, 16, torch.float32, "silu")])
+    gemma = torch.nn.ModuleList([GemmaRMSNorm(8, 1e-6, torch.float32), GatedMLP(8, 16, torch.float32, "gelu_tanh")])
+    assert glue_ops(llama) == "norms, RoPE, SwiGLU"
+    assert glue_ops(gemma) == "RoPE"

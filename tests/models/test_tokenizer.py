@@ -42,3 +42,12 @@ def test_no_chat_template_is_a_clear_error(smollm2_tokenizer):
     plain = Tokenizer(tok.hf, dataclasses.replace(tok.config, chat_template=None))
     with pytest.raises(LlmdError, match="has no chat template"):
         plain.apply_chat([{"role": "user", "content": "Hi"}])
+    # through the engine's input processor: a request error naming `messages` (HTTP 400), worded
+    # for any caller (no GGUF general.name, which is not the served name)
+    from llmd.daemon.core.errors import RequestError
+    from llmd.daemon.core.input_processor import InputProcessor
+
+    with pytest.raises(RequestError) as e:
+        InputProcessor(plain, 49152, 2048).tokenize([{"role": "user", "content": "Hi"}])
+    assert e.value.param == "messages" and str(e.value).startswith("this model has no chat template"), e.value
+    assert tok.config.name not in str(e.value)

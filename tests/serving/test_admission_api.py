@@ -85,7 +85,7 @@ def test_engine_rejections_name_the_endpoints_prompt_field():
     from llmd.daemon.core.errors import LlmdError, RequestError
     from llmd.daemon.serving.api import engine_error
 
-    e = LlmdError("model gemma3-270m has no chat template; drop --chat / use /v1/completions")
+    e = LlmdError("the chat template of gemma3-270m refused the messages: roles must alternate")
     assert engine_error(e, chat=True).param == "messages"
     assert engine_error(e, chat=False).param == "prompt"
     too_long = RequestError("prompt has 9000 tokens but the context is 8192 tokens", "prompt")
