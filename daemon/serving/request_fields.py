@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 
-from llmd.daemon.serving.validation import MAX_LOGIT_BIAS, ApiError, json_type, json_value
+from llmd.daemon.serving.validation import MAX_LOGIT_BIAS, ApiError, json_typed, json_value
 
 #: field → (endpoints it is refused on, why); refused when present and not null / false / empty
 REFUSED: dict[str, tuple[tuple[str, ...], str]] = {
@@ -87,7 +87,7 @@ def parse_logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
     if bias is None or bias == {}:
         return None
     if not isinstance(bias, dict):
-        raise ApiError(f"logit_bias must be an object of token id → bias, got {json_type(bias)}", "logit_bias")
+        raise ApiError(f"logit_bias must be an object of token id → bias, got {json_typed(bias)}", "logit_bias")
     if len(bias) > MAX_LOGIT_BIAS:
         raise ApiError(f"logit_bias has {len(bias)} entries, more than the limit of {MAX_LOGIT_BIAS}", "logit_bias")
     out: dict[int, float] = {}
@@ -123,6 +123,6 @@ def parse_stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
     for name in ("include_usage", "continuous_usage_stats"):
         v = opts.get(name)
         if v is not None and not isinstance(v, bool):
-            raise ApiError(f"stream_options.{name} must be a boolean, got {json_type(v)}", f"stream_options.{name}")
+            raise ApiError(f"stream_options.{name} must be a boolean, got {json_typed(v)}", f"stream_options.{name}")
         flags.append(bool(v))
     return flags[0], flags[0] and flags[1]

@@ -34,7 +34,7 @@ import uuid
 from dataclasses import dataclass
 
 from llmd.daemon.core.grammar import GrammarSpec
-from llmd.daemon.serving.validation import ApiError, json_type, json_value
+from llmd.daemon.serving.validation import ApiError, json_typed, json_value
 
 MAX_GRAMMAR_CHARS = 100_000  # characters of a schema's JSON text, a regex or a grammar
 MAX_CHOICES = 256
@@ -58,7 +58,7 @@ class ToolCalling:
 
 def _text(v, field: str) -> str:
     if not isinstance(v, str) or not v:
-        raise ApiError(f"{field} must be a non-empty string, got {json_type(v)}", field)
+        raise ApiError(f"{field} must be a non-empty string, got {json_typed(v)}", field)
     if len(v) > MAX_GRAMMAR_CHARS:
         raise ApiError(f"{field} has {len(v)} characters, more than the limit of {MAX_GRAMMAR_CHARS}", field)
     return v
@@ -71,7 +71,7 @@ def _schema(v, field: str) -> GrammarSpec:
         except json.JSONDecodeError as e:
             raise ApiError(f"{field} is not valid JSON: {e}", field) from None
     if not isinstance(v, dict):
-        raise ApiError(f"{field} must be a JSON schema object, got {json_type(v)}", field)
+        raise ApiError(f"{field} must be a JSON schema object, got {json_typed(v)}", field)
     spec = GrammarSpec.json_schema(v, field)
     if len(spec.value) > MAX_GRAMMAR_CHARS:
         raise ApiError(f"{field} has {len(spec.value)} characters of JSON, more than the limit of "
@@ -94,14 +94,14 @@ def _spec(kind: str, v, field: str) -> GrammarSpec | None:
         return _choices(v, field)
     if kind == "json_object":
         if v is not True and v is not False:
-            raise ApiError(f"{field} must be a boolean, got {json_type(v)}", field)
+            raise ApiError(f"{field} must be a boolean, got {json_typed(v)}", field)
         return GrammarSpec("json_object", param=field) if v else None
     return GrammarSpec(kind, _text(v, field), param=field)
 
 
 def _response_format(rf) -> GrammarSpec | None:
     if not isinstance(rf, dict):
-        raise ApiError(f"response_format must be an object, got {json_type(rf)}", "response_format")
+        raise ApiError(f"response_format must be an object, got {json_typed(rf)}", "response_format")
     kind = rf.get("type")
     if kind == "text":
         return None
@@ -191,7 +191,7 @@ def parse_structured(body: dict, chat: bool) -> tuple[GrammarSpec | None, ToolCa
     so = body.get("structured_outputs")
     if so is not None:
         if not isinstance(so, dict):
-            raise ApiError(f"structured_outputs must be an object, got {json_type(so)}", "structured_outputs")
+            raise ApiError(f"structured_outputs must be an object, got {json_typed(so)}", "structured_outputs")
         if so.get("structural_tag") is not None:
             raise ApiError("structured_outputs.structural_tag is not supported by llmd",
                            "structured_outputs.structural_tag")

@@ -138,6 +138,13 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
     return v
 
 
+def json_typed(v) -> str:
+    """A value for "got ..." in an error message: its JSON type, and for a scalar the value as
+    the client wrote it (``string "yes"``, ``boolean true``, ``null``; ``array`` / ``object`` alone)."""
+    t = json_type(v)
+    return t if t in ("null", "array", "object") else f"{t} {json_value(v)}"
+
+
 def json_value(v, limit: int = 40) -> str:
     """A decoded request value as the client wrote it, in JSON (``true``, ``null``, ``"text"``,
     ``NaN``), cut to ``limit`` characters with ``...``: error messages quote the client's
@@ -228,7 +235,7 @@ def _messages(body: dict) -> list[dict]:
                                f"{where}.content")
             content = "".join(c["text"] for c in content)
         if not isinstance(content, str):
-            raise ApiError(f"{where}.content must be a string or a list of text parts, got {json_type(content)}",
+            raise ApiError(f"{where}.content must be a string or a list of text parts, got {json_typed(content)}",
                            f"{where}.content")
         if not content:
             raise ApiError(f"{where}.content is empty", f"{where}.content")
@@ -245,7 +252,7 @@ def parse_prompt(body, chat: bool, vocab_size: int, max_model_len: int | None = 
         ApiError: naming the field and its limit.
     """
     if not isinstance(body, dict):
-        raise ApiError(f"the request body must be a JSON object, got {json_type(body)}")
+        raise ApiError(f"the request body must be a JSON object, got {json_typed(body)}")
     return _messages(body) if chat else _prompt(body, vocab_size, max_model_len)
 
 
@@ -263,7 +270,7 @@ def parse_request(body, chat: bool, model_ids: tuple[str, ...], vocab_size: int,
         ApiError: naming the field and its limit.
     """
     if not isinstance(body, dict):
-        raise ApiError(f"the request body must be a JSON object, got {json_type(body)}")
+        raise ApiError(f"the request body must be a JSON object, got {json_typed(body)}")
     model = body.get("model")
     if model is not None and model not in model_ids:
         raise ApiError(f"model {json_value(model)} is not served here; available: {', '.join(model_ids)}", "model",

@@ -120,6 +120,11 @@ def test_deeply_nested_json_is_400_and_type_names_are_json_names():
         parse_request({"prompt": 3.5}, False, ["m"], 1000)
     with pytest.raises(ApiError, match="got array"):
         parse_request([1], False, ["m"], 1000)
+    # a scalar of the wrong type is quoted as the client wrote it
+    with pytest.raises(ApiError, match='^stream_options.include_usage must be a boolean, got string "yes"$'):
+        parse_request({"prompt": "hi", "stream": True, "stream_options": {"include_usage": "yes"}}, False, ["m"], 1000)
+    with pytest.raises(ApiError, match="got number 3.5"):
+        parse_request({"prompt": 3.5}, False, ["m"], 1000)
 
 
 def test_priority_is_a_400_unless_the_daemon_schedules_by_priority(tmp_path):

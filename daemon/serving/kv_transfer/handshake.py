@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from llmd.daemon.core.kv_transfer import fingerprint_mismatch
 from llmd.daemon.serving.kv_transfer.config import KVTransferConfig
 from llmd.daemon.serving.kv_transfer.connector import KVPullError, RemoteKV
-from llmd.daemon.serving.validation import ApiError, json_type
+from llmd.daemon.serving.validation import ApiError, json_typed
 
 log = logging.getLogger("llmd.kv_transfer")
 PARAM = "kv_transfer_params"
@@ -66,10 +66,10 @@ def parse_params(body: dict) -> dict | None:
     if kv is None:
         return None
     if not isinstance(kv, dict):
-        raise ApiError(f"{PARAM} must be an object, got {json_type(kv)}", PARAM)
+        raise ApiError(f"{PARAM} must be an object, got {json_typed(kv)}", PARAM)
     for flag in ("do_remote_decode", "do_remote_prefill"):
         if kv.get(flag) is not None and not isinstance(kv[flag], bool):
-            raise ApiError(f"{PARAM}.{flag} must be a boolean, got {json_type(kv[flag])}", f"{PARAM}.{flag}")
+            raise ApiError(f"{PARAM}.{flag} must be a boolean, got {json_typed(kv[flag])}", f"{PARAM}.{flag}")
     if kv.get("do_remote_decode") and kv.get("do_remote_prefill"):
         raise ApiError(f"{PARAM}: do_remote_decode and do_remote_prefill cannot both be true", PARAM)
     return kv
@@ -88,7 +88,7 @@ def _remote(cfg: KVTransferConfig, kv: dict) -> RemoteKV | str:
     host, port, tid = kv.get("remote_host"), kv.get("remote_port"), kv.get("llmd_transfer_id")
     for name, v, types in (("remote_host", host, str), ("remote_port", port, int), ("llmd_transfer_id", tid, str)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, types)):
-            raise ApiError(f"{PARAM}.{name} must be a {types.__name__}, got {json_type(v)}", f"{PARAM}.{name}")
+            raise ApiError(f"{PARAM}.{name} must be a {types.__name__}, got {json_typed(v)}", f"{PARAM}.{name}")
     if port is not None and not 1 <= port <= 65535:
         raise ApiError(f"{PARAM}.remote_port must be in [1, 65535], got {port}", f"{PARAM}.remote_port")
     if not host or port is None:
