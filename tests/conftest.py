@@ -21,6 +21,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # test_weights_cache.py turns it on with its own cache dir, and the real-model subprocesses share a
 # cache of the session's own (daemon_harness.SESSION_WEIGHTS_CACHE). LLMD_WEIGHTS_CACHE=1 pytest ... opts in.
 os.environ.setdefault("LLMD_WEIGHTS_CACHE", "0")
+# a fixed thread count: exact-token comparisons must not depend on what else the machine runs
+# (the adaptive threads are tested on their own, tests/core/test_thread_governor.py)
+os.environ.setdefault("LLMD_ADAPTIVE_THREADS", "0")
 
 import torch  # noqa: E402
 

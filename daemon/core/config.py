@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -113,9 +114,11 @@ class EngineConfig:
             blocks, at least the first block: the attention sink,
             :func:`llmd.daemon.core.context_shift.keep_blocks`; -1 = the whole prompt); a
             request's ``n_keep`` overrides it.
-        threads: torch intra-op threads, set once when the engine is built
+        threads: torch intra-op threads, set when the engine is built
             (``torch.set_num_threads``); ``None`` = ``$OMP_NUM_THREADS`` if set, else the cores
-            this process may use (``len(os.sched_getaffinity(0))``).
+            this process may use (``len(os.sched_getaffinity(0))``), and then on a CPU fewer
+            while other processes keep some of those cores busy
+            (:mod:`llmd.daemon.core.thread_governor`).
     """
 
     model: str = "smollm2-135m"
@@ -162,6 +165,8 @@ class EngineConfig:
             raise LlmdError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.threads is None:
             self.threads = default_threads()
+            # neither --threads nor $OMP_NUM_THREADS: the CPU engine adapts (daemon/core/thread_governor.py)
+            self.threads_auto = not os.environ.get("OMP_NUM_THREADS", "").strip()
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
             raise LlmdError(f"--threads must be an integer >= 1, got {self.threads!r}")
         if self.max_num_batched_tokens is None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import time
 
 import torch
@@ -154,6 +155,12 @@ class Engine:
         if not dtype_given and loaded != self.config.dtype:  # a model loaded already: "auto" is its dtype
             self.config.dtype, self.config.dtype_auto = loaded, False
         self.config.apply_threads()  # torch.set_num_threads(--threads), once per engine
+        self.thread_governor = None  # fewer threads while other processes keep our cores busy
+        if self.config.device == "cpu" and getattr(self.config, "threads_auto", False) and self.config.threads > 1 \
+                and os.environ.get("LLMD_ADAPTIVE_THREADS", "1") != "0":
+            from llmd.daemon.core.thread_governor import ThreadGovernor
+
+            self.thread_governor = ThreadGovernor(self.config.threads)
         self.model_config: ModelConfig = model.config
         self.tokenizer = tokenizer
         cfg = self.model_config
@@ -293,6 +300,8 @@ class Engine:
             why = " (auto: CUDA)" if on_cuda else (" (auto: native bf16 on this CPU)" if cpu_has_native_bf16()
                                                    else " (auto: no native bf16 on this CPU)")
         threads = f"{c.threads} thread{'' if c.threads == 1 else 's'}"
+        if self.thread_governor is not None:
+            threads += " (fewer while other processes keep cores busy)"
         wq = getattr(self.runner.model, "weight_quant_summary", None)
         weights = f", {wq.describe()}" if wq is not None and wq.mode != "none" else ""
         attn = c.attention_backend
@@ -500,6 +509,8 @@ class Engine:
         self.last_scheduler_output = sched
         if not sched:
             return []
+        if self.thread_governor is not None:
+            self.thread_governor.tick()  # every 0.5 s: a /proc/stat read, maybe torch.set_num_threads
         reqs = {s.request_id: self.scheduler.requests[s.request_id] for s in sched.scheduled}
         self.kv_exchange.apply_scheduled(reqs)  # pulled KV into the blocks admitted with it, before the forward
         sampling, rows = sampling_rows(sched.scheduled, reqs)  # followers fork now: their leader's row
