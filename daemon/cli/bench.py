@@ -16,12 +16,24 @@ def bench():
     """Benchmarks that print side-by-side ratios measured in one run."""
 
 
+def check_ranges(**bounds: int) -> None:
+    """``--min-X`` <= ``--max-X`` for each pair given as ``min_X=..., max_X=...``, before any weights load.
+
+    Raises:
+        LlmdError: one naming both options and values.
+    """
+    for name, lo in bounds.items():
+        if name.startswith("min_") and lo > bounds["max_" + name[4:]]:
+            what = name[4:]
+            raise LlmdError(f"--min-{what} ({lo}) must be <= --max-{what} ({bounds['max_' + what]})")
+
+
 @bench.command("throughput")
-@click.option("--num-requests", default=32, show_default=True, type=int)
-@click.option("--min-prompt", default=16, show_default=True, type=int)
-@click.option("--max-prompt", default=256, show_default=True, type=int)
-@click.option("--min-output", default=8, show_default=True, type=int)
-@click.option("--max-output", default=128, show_default=True, type=int)
+@click.option("--num-requests", default=32, show_default=True, type=click.IntRange(1))
+@click.option("--min-prompt", default=16, show_default=True, type=click.IntRange(1))
+@click.option("--max-prompt", default=256, show_default=True, type=click.IntRange(1))
+@click.option("--min-output", default=8, show_default=True, type=click.IntRange(1))
+@click.option("--max-output", default=128, show_default=True, type=click.IntRange(1))
 @click.option("--seed", default=0, show_default=True, type=int)
 @engine_options
 @one_line_errors
@@ -29,6 +41,7 @@ def bench_throughput(num_requests, min_prompt, max_prompt, min_output, max_outpu
     """Continuous vs static batching on the same seeded mixed-length requests."""
     from llmd.daemon.bench.throughput import run_throughput_bench
 
+    check_ranges(min_prompt=min_prompt, max_prompt=max_prompt, min_output=min_output, max_output=max_output)
     engine = build_engine(**engine_kw)
     run_throughput_bench(engine, num_requests, (min_prompt, max_prompt), (min_output, max_output), seed,
                          echo=click.echo)
@@ -37,10 +50,13 @@ def bench_throughput(num_requests, min_prompt, max_prompt, min_output, max_outpu
 @bench.command("single")
 @click.option("--formats", default="none,auto,gguf,int8", show_default=True,
               help="Comma-separated --weight-quant formats, one row each (the first is the ratio's base; "
-                   "nf4 / fp4 need bitsandbytes).")
-@click.option("--prompt", "prompt_len", default=512, show_default=True, type=int, help="Prompt tokens (one step).")
-@click.option("--decode", default=128, show_default=True, type=int, help="Greedy tokens decoded at batch 1.")
-@click.option("--repeats", default=3, show_default=True, type=int, help="Runs per format; the best is shown.")
+                   "nf4 / fp4 need bitsandbytes); they replace --weight-quant here.")
+@click.option("--prompt", "prompt_len", default=512, show_default=True, type=click.IntRange(1),
+              help="Prompt tokens (one step).")
+@click.option("--decode", default=128, show_default=True, type=click.IntRange(1),
+              help="Greedy tokens decoded at batch 1.")
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1),
+              help="Runs per format; the best is shown.")
 @engine_options
 @one_line_errors
 def bench_single(formats, prompt_len, decode, repeats, weight_quant, **engine_kw):
@@ -50,7 +66,10 @@ def bench_single(formats, prompt_len, decode, repeats, weight_quant, **engine_kw
 
     fmts = [f.strip() for f in formats.split(",") if f.strip()]
     for f in fmts:  # every format checked (bitsandbytes present, device, dtype) before the first row runs
-        EngineConfig(**{k: v for k, v in engine_kw.items() if k != "name"}, weight_quant=f).resolve()
+        try:
+            EngineConfig(**{k: v for k, v in engine_kw.items() if k != "name"}, weight_quant=f).resolve()
+        except LlmdError as e:
+            raise LlmdError(f"--formats {f}: {str(e).replace('--weight-quant ', '')}") from None
     try:
         single_stream(lambda f: build_engine(**engine_kw, weight_quant=f), fmts, prompt_len, decode, repeats,
                       echo=click.echo)
@@ -159,8 +178,9 @@ def bench_kernels(block_n):
 
 @bench.command("prefix")
 @click.option("--system-tokens", default=1000, show_default=True, type=int, help="System prompt length (tokens).")
-@click.option("--users", default=4, show_default=True, type=int, help="Chats in the sequential scenario.")
-@click.option("--turns", default=3, show_default=True, type=int, help="Turns per chat (history resent each turn).")
+@click.option("--users", default=4, show_default=True, type=click.IntRange(1), help="Chats in the sequential scenario.")
+@click.option("--turns", default=3, show_default=True, type=click.IntRange(1),
+              help="Turns per chat (history resent each turn).")
 @click.option("--max-tokens", default=16, show_default=True, type=int, help="New tokens per request (greedy).")
 @engine_options
 @one_line_errors
@@ -173,9 +193,10 @@ def bench_prefix(system_tokens, users, turns, max_tokens, **engine_kw):
 
 @bench.command("cascade")
 @click.option("--system-tokens", default=1000, show_default=True, type=int, help="Shared system prompt (tokens).")
-@click.option("--users", default=32, show_default=True, type=int, help="Chats queued at once.")
+@click.option("--users", default=32, show_default=True, type=click.IntRange(1), help="Chats queued at once.")
 @click.option("--max-tokens", default=32, show_default=True, type=int, help="New tokens per request (greedy).")
-@click.option("--repeats", default=2, show_default=True, type=int, help="Alternating runs per setting; best shown.")
+@click.option("--repeats", default=2, show_default=True, type=click.IntRange(1),
+              help="Alternating runs per setting; best shown.")
 @engine_options
 @one_line_errors
 def bench_cascade(system_tokens, users, max_tokens, repeats, **engine_kw):
@@ -189,7 +210,8 @@ def bench_cascade(system_tokens, users, max_tokens, repeats, **engine_kw):
 
 
 @bench.command("beam")
-@click.option("--prompt-tokens", default=64, show_default=True, type=int, help="Prompt length (a fixed text).")
+@click.option("--prompt-tokens", default=64, show_default=True, type=click.IntRange(1),
+              help="Prompt length (a fixed text).")
 @click.option("--output-tokens", default=64, show_default=True, type=int, help="New tokens per beam (ignore_eos).")
 @click.option("--beam-width", default=4, show_default=True, type=int, help="Beams (and independent requests).")
 @engine_options
@@ -208,7 +230,7 @@ def bench_beam(prompt_tokens, output_tokens, beam_width, **engine_kw):
 @bench.command("hybrid")
 @click.option("--seq-tokens", default=2048, show_default=True, type=int, help="Tokens per sequence (prompt + new).")
 @click.option("--new-tokens", default=16, show_default=True, type=int, help="Greedy tokens generated per sequence.")
-@click.option("--num-requests", default=None, type=int,
+@click.option("--num-requests", default=None, type=click.IntRange(1),
               help="Sequences (default: one more than the hybrid layout fits).")
 @engine_options
 @one_line_errors
@@ -222,7 +244,8 @@ def bench_hybrid(seq_tokens, new_tokens, num_requests, **engine_kw):
 
 @bench.command("chunked-prefill")
 @click.option("--num-decoders", default=4, show_default=True, type=int, help="Requests decoding throughout.")
-@click.option("--decode-tokens", default=32, show_default=True, type=int, help="Greedy tokens each decoder generates.")
+@click.option("--decode-tokens", default=32, show_default=True, type=click.IntRange(1),
+              help="Greedy tokens each decoder generates.")
 @click.option("--long-prompt", default=1024, show_default=True, type=int, help="Tokens of each periodic long prompt.")
 @click.option("--period", default=8, show_default=True, type=int, help="A long prompt every this many decoded tokens.")
 @engine_options
@@ -246,6 +269,18 @@ def int_list(ctx, param, value):
 def name_list(ctx, param, value):
     return [x.strip() for x in value.split(",") if x.strip()]
 
+
+def choice_list(*choices: str):
+    """A click callback: a comma-separated list of ``choices``; an unknown name is click's
+    one-line usage error, before any weights load or the bandwidth probe runs."""
+    def callback(ctx, param, value):
+        names = name_list(ctx, param, value)
+        bad = [n for n in names if n not in choices]
+        if bad or not names:
+            raise click.BadParameter(f"{', '.join(bad) or 'nothing'} is not one of {', '.join(choices)}")
+        return names
+    return callback
+
 # bench step takes --dtype / --attention-backend as lists, sizes the KV pool itself and
 # bypasses the scheduler, so those engine options are left off (the rest apply as usual)
 not_for_step = {"dtype", "attention_backend", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
@@ -261,9 +296,11 @@ def step_engine_options(fn):
               help="Batch sizes (decoding sequences), comma-separated.")
 @click.option("--context", default="256,1024", show_default=True, callback=int_list,
               help="Tokens cached per sequence, comma-separated.")
-@click.option("--dtype", "dtypes", default="float32,bfloat16", show_default=True, callback=name_list,
+@click.option("--dtype", "dtypes", default="float32,bfloat16", show_default=True,
+              callback=choice_list("auto", "float32", "bfloat16", "float16", "float64"),
               help="Model dtypes, comma-separated (weights loaded once each).")
-@click.option("--attention-backend", "backends", default="torch,cpu", show_default=True, callback=name_list,
+@click.option("--attention-backend", "backends", default="torch,cpu", show_default=True,
+              callback=choice_list("cpu", "torch", "triton"),
               help="Attention backends, comma-separated (torch = the reference).")
 @click.option("--reps", default=5, show_default=True, type=click.IntRange(min=1),
               help="Timed repetitions per component (median; after one warm-up).")
@@ -287,12 +324,12 @@ def bench_step(batch, context, dtypes, backends, reps, bandwidth_mib, **engine_k
 
 @bench.command("serve")
 @socket_option
-@click.option("--num-requests", default=64, show_default=True, type=int)
+@click.option("--num-requests", default=64, show_default=True, type=click.IntRange(1))
 @click.option("--rate", default=4.0, show_default=True, type=float, help="Poisson arrival rate, requests/s.")
-@click.option("--min-prompt", default=16, show_default=True, type=int)
-@click.option("--max-prompt", default=256, show_default=True, type=int)
-@click.option("--min-output", default=8, show_default=True, type=int)
-@click.option("--max-output", default=128, show_default=True, type=int)
+@click.option("--min-prompt", default=16, show_default=True, type=click.IntRange(1))
+@click.option("--max-prompt", default=256, show_default=True, type=click.IntRange(1))
+@click.option("--min-output", default=8, show_default=True, type=click.IntRange(1))
+@click.option("--max-output", default=128, show_default=True, type=click.IntRange(1))
 @click.option("--seed", default=0, show_default=True, type=int)
 @one_line_errors
 def bench_serve(socket_path, num_requests, rate, min_prompt, max_prompt, min_output, max_output, seed):
@@ -301,14 +338,17 @@ def bench_serve(socket_path, num_requests, rate, min_prompt, max_prompt, min_out
 
     if rate <= 0 or num_requests < 1:
         raise LlmdError("--rate must be > 0 and --num-requests >= 1")
+    check_ranges(min_prompt=min_prompt, max_prompt=max_prompt, min_output=min_output, max_output=max_output)
     asyncio.run(run_serve_bench(socket_path_of(socket_path), num_requests, rate, (min_prompt, max_prompt),
                                 (min_output, max_output), seed, echo=click.echo))
 
 
 @bench.command("routing")
 @click.option("--replicas", default=3, show_default=True, type=int, help="llmd serve processes (--threads 1 each).")
-@click.option("--users", default=8, show_default=True, type=int, help="Chats at once, each with its own document.")
-@click.option("--turns", default=3, show_default=True, type=int, help="Turns per chat (the history resent each turn).")
+@click.option("--users", default=8, show_default=True, type=click.IntRange(1),
+              help="Chats at once, each with its own document.")
+@click.option("--turns", default=3, show_default=True, type=click.IntRange(1),
+              help="Turns per chat (the history resent each turn).")
 @click.option("--max-tokens", default=32, show_default=True, type=int, help="New tokens per reply (greedy).")
 @click.option("--doc-words", default=None, type=int,
               help="Words of each user's document (default: all 816, ~1,000 SmolLM2 tokens).")
@@ -388,7 +428,8 @@ def bench_startup(model, runs, modes, timeout, serve_args):
 @bench.command("kv-transfer")
 @click.option("--prompt-tokens", default="256,1024,2048", show_default=True,
               help="Comma-separated prompt lengths, one row each.")
-@click.option("--repeats", default=3, show_default=True, type=int, help="Measured rounds per length (medians).")
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1),
+              help="Measured rounds per length (medians).")
 @click.option("--compare-gloo", is_flag=True, default=False,
               help="Also send the same byte counts with torch.distributed gloo send/recv between two processes.")
 @engine_options

@@ -187,9 +187,13 @@ class Engine:
         self.residual_bytes = kv_residual_bytes(cfg, self.kv_cache_groups, config.block_size,
                                                 self.config.kv_cache_dtype, self.config.max_num_seqs)
         if memory - self.residual_bytes < 2 * self.block_bytes:
-            raise LlmdError(f"--kv-cache-memory {memory} B leaves no room for blocks beside int4's open-block residual "
-                            f"({self.residual_bytes} B for --max-num-seqs {self.config.max_num_seqs}); "
-                            f"raise --kv-cache-memory or lower --max-num-seqs")
+            if self.residual_bytes:
+                raise LlmdError(f"--kv-cache-memory {memory} B leaves no room for blocks beside int4's open-block "
+                                f"residual ({self.residual_bytes} B for --max-num-seqs {self.config.max_num_seqs}); "
+                                f"raise --kv-cache-memory or lower --max-num-seqs")
+            raise LlmdError(f"--kv-cache-memory {memory} B holds fewer than 2 KV blocks of {self.block_bytes} B "
+                            f"({config.block_size} tokens x {cfg.num_layers} layers, {self.config.kv_cache_dtype}); "
+                            f"give at least {2 * self.block_bytes} B")
         self.num_blocks = num_kv_blocks(memory - self.residual_bytes, config.block_size, self.block_bytes)
         if self.residual_bytes:  # int4: the residual's share of the pool, spread over its tokens
             self.bytes_per_token = round(self.bytes_per_token * (1 + self.residual_bytes /

@@ -46,4 +46,4 @@ def test_a_format_that_cannot_run_is_refused_before_any_row(tmp_path, monkeypatc
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` raises
     r = CliRunner().invoke(main, [*ARGS, "--model", str(path), "--formats", "none,nf4"])
     assert r.exit_code == 1 and "loading" not in r.output, r.output
-    assert r.output.strip().splitlines()[-1].startswith("llmd: error: --weight-quant nf4 needs bitsandbytes")
+    assert r.output.strip().splitlines()[-1].startswith("llmd: error: --formats nf4: nf4 needs bitsandbytes")

@@ -105,6 +105,25 @@ def test_bad_sampling_values_fail_before_the_weights_load():
         assert_one_line_error(run_cli(args), text, exit_code=2)
 
 
+def test_bench_options_fail_in_one_line_before_the_weights_load():
+    """Counts of 0, a min above its max, unknown formats / dtypes / backends: one line each, no
+    traceback, nothing loaded (they crashed with ZeroDivisionError, IndexError, ValueError or
+    ran with a silent default before)."""
+    for args, text, code in ((["bench", "throughput", "--num-requests", "0"], "'--num-requests': 0 is not in", 2),
+                             (["bench", "throughput", "--min-output", "10", "--max-output", "5"],
+                              "--min-output (10) must be <= --max-output (5)", 1),
+                             (["bench", "single", "--repeats", "0"], "'--repeats': 0 is not in the range", 2),
+                             (["bench", "single", "--decode", "0"], "'--decode': 0 is not in the range", 2),
+                             (["bench", "single", "--formats", "foo"], "--formats foo: must be one of", 1),
+                             (["bench", "prefix", "--users", "0"], "'--users': 0 is not in the range", 2),
+                             (["bench", "hybrid", "--num-requests", "0"], "'--num-requests': 0 is not in the range", 2),
+                             (["bench", "step", "--attention-backend", "foo"], "foo is not one of cpu, torch", 2),
+                             (["bench", "step", "--dtype", "foo"], "foo is not one of auto, float32", 2)):
+        r = run_cli(args)
+        assert_one_line_error(r, text, exit_code=code)
+        assert "loading" not in r.output, r.output
+
+
 def test_chat_options_fail_before_a_daemon_starts(tmp_path):
     """`llmd chat --max-tokens 0` (and other out-of-range sampling options) is a one-line error
     at once: no daemon is started for it (it used to load one, then fail on the first message)."""

@@ -125,3 +125,16 @@ def test_triton_backend_refuses_an_unsupported_head_dim_at_engine_configuration(
                                                     kv_cache_memory=2**20, threads=1))
     assert "\n" not in str(e.value)
     Engine(model, ByteTokenizer(), EngineConfig(device="cpu", dtype="float32", kv_cache_memory=2**20, threads=1))
+
+
+def test_a_kv_cache_memory_below_two_blocks_names_the_block_size(tmp_path):
+    """--kv-cache-memory too small for 2 blocks: one line with the block's bytes and the least
+    memory that works (int4's residual wording only when there is a residual)."""
+    from tiny_engine import tiny_engine
+
+    with pytest.raises(LlmdError) as e:
+        tiny_engine(tmp_path / "t.gguf", kv_cache_memory=1024)
+    msg = str(e.value)
+    assert "holds fewer than 2 KV blocks of" in msg and "int4" not in msg, msg
+    with pytest.raises(LlmdError, match="beside int4's open-block residual"):
+        tiny_engine(tmp_path / "u.gguf", kv_cache_memory=1024, kv_cache_dtype="int4", attention_backend="cpu")
