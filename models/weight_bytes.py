@@ -105,3 +105,29 @@ def weight_bytes(tensors: dict, layer_tensors: dict, mode: str, elem_bytes: int,
         else:
             total += n * k * elem_bytes
     return total
+
+
+HEAD_COPY_MAX_BYTES = 128 << 20  #: llmd.quant.prepacked.HEAD_COPY_MAX_BYTES (torch-free here; a test keeps them equal)
+
+
+def cpu_packs_bf16() -> bool:
+    """Whether oneDNN can prepack bfloat16 weights on this CPU (AVX512-BW/VL/DQ; torch-free, from
+    ``/proc/cpuinfo``, for estimates: :func:`llmd.quant.prepacked.cpu_supported` probes torch)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return False
+    return {"avx512bw", "avx512vl", "avx512dq"} <= flags
+
+
+def tied_head_copy_bytes(tensors: dict, elem_bytes: int = 2) -> int:
+    """Bytes of the packed copy of a tied LM head's table an engine adds on a CPU that prepacks
+    bfloat16 weights (:func:`llmd.quant.prepacked._pack_tied_head`: a model whose head is its
+    embedding table, the table within :data:`HEAD_COPY_MAX_BYTES`), else 0. Not part of
+    :func:`weight_bytes` (a loaded model's bytes): the engine makes it, after the load."""
+    if "output.weight" in tensors or elem_bytes != 2:
+        return 0
+    emb = tensors["token_embd.weight"]
+    n = int(emb.shape[0]) * int(emb.shape[1]) * elem_bytes
+    return n if n <= HEAD_COPY_MAX_BYTES else 0

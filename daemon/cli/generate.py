@@ -147,7 +147,13 @@ def _what_fits(model: str, cfg, context: int, total: int, block_size: int) -> No
     from llmd.models.header_cache import header_info
     from llmd.models.registry import layer_tensors as layer_tensors_of
     from llmd.models.registry import resolve_model
-    from llmd.models.weight_bytes import cpu_has_avx512_bf16, cpu_runs_fused_decode, weight_bytes
+    from llmd.models.weight_bytes import (
+        cpu_has_avx512_bf16,
+        cpu_packs_bf16,
+        cpu_runs_fused_decode,
+        tied_head_copy_bytes,
+        weight_bytes,
+    )
 
     tensors = {t.name: t for t in header_info(resolve_model(model)).tensors}  # the cached header's tensor infos
     layer_tensors = layer_tensors_of(cfg.architecture)  # torch-free (not the model class)
@@ -155,9 +161,12 @@ def _what_fits(model: str, cfg, context: int, total: int, block_size: int) -> No
     click.echo(f"{'--weight-quant':<16}{'weights MiB':>12}{'KV MiB':>10}{'sequences':>11}")
     bnb_cpu = cpu_has_avx512_bf16()  # nf4 in bitsandbytes' CPU layout (bfloat16 absmax) on this CPU
     fused = cfg.architecture == "llama" and cpu_runs_fused_decode()  # + the fused batch-1 kernel's copy
+    head_copy = tied_head_copy_bytes(tensors) if cpu_packs_bf16() else 0
     for label, mode, keep in (("none", "none", False), ("auto", "gguf", True), ("gguf", "gguf", False),
                               ("int8", "int8", False), ("nf4", "nf4", False)):
         w = weight_bytes(tensors, layer_tensors, mode, 2, keep, bnb_cpu_layout=bnb_cpu, fused=fused and mode == "gguf")
+        # the engine's packed copy of a tied head (startup line: "the tied LM head's as a copy"); nf4 keeps none
+        w += head_copy if mode != "nf4" else 0
         left = total - w
         seqs = 0.0
         if left > 0:  # the bfloat16 KV row, by name

@@ -353,3 +353,31 @@ def test_kv_size_what_fits(capsys):
     assert set(rows) == {"none", "auto", "gguf", "int8", "nf4"}
     assert float(rows["nf4"][0]) < float(rows["gguf"][0]) < float(rows["none"][0]) < float(rows["auto"][0])  # MiB
     assert float(rows["gguf"][2]) > float(rows["none"][2])  # more sequences fit beside smaller weights
+
+
+def test_kv_size_counts_the_engines_tied_head_copy(tmp_path):
+    """`llmd kv-size --total-memory`'s weights are what an engine holds: on a CPU that prepacks
+    bfloat16 weights, a tied head's packed copy (the startup line's "+N MiB") is in every row but
+    nf4's, and the estimate's constant is prepacked's."""
+    from llmd.models.gguf_loader import open_gguf
+    from llmd.models.weight_bytes import HEAD_COPY_MAX_BYTES, cpu_packs_bf16, tied_head_copy_bytes
+    from llmd.quant import prepacked
+
+    assert HEAD_COPY_MAX_BYTES == prepacked.HEAD_COPY_MAX_BYTES
+    path = tmp_path / "m.gguf"
+    write_tiny_llama(path, layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256)
+    tensors = {t.name: t for t in open_gguf(str(path)).tensors}
+    assert tied_head_copy_bytes(tensors) == 256 * 64 * 2 and tied_head_copy_bytes(tensors, 4) == 0
+    if not (cpu_packs_bf16() and prepacked.enabled()):
+        pytest.skip("this CPU does not prepack bfloat16 weights")
+    from tiny_engine import ByteTokenizer
+
+    from llmd.daemon.core.config import EngineConfig
+    from llmd.daemon.core.engine import Engine
+
+    for mode in ("none", "int8"):
+        model, _ = load_model(str(path), torch.bfloat16, weight_quant=mode)
+        cfg = EngineConfig(model=str(path), device="cpu", dtype="bfloat16", attention_backend="cpu",
+                           kv_cache_memory=4 << 20, weight_quant=mode).resolve()
+        engine = Engine(model, ByteTokenizer(), cfg)
+        assert prepacked.head_copy_bytes(engine.runner.model) == tied_head_copy_bytes(tensors), mode
