@@ -650,8 +650,12 @@ class Engine:
         prompt_rate, generation_rate = self.rates.rates(now)
         if self._runtime is None:  # fixed once the engine is built; walks the model's weights once
             self._runtime = self.runtime_summary()
+        runtime, g = self._runtime, self.thread_governor
+        if g is not None and g.threads < g.max_threads:  # llmd status's engine: line says so
+            runtime += (f"; now {g.threads} thread{'' if g.threads == 1 else 's'}: other processes kept "
+                        f"~{g.others:.1f} of {g.max_threads} cores busy")
         return EngineStats(
-            runtime=self._runtime,
+            runtime=runtime,
             kv_cache_dtype=c.dtype if c.kv_cache_dtype == "auto" else c.kv_cache_dtype,
             kv_cache=KVCacheStats(kv.block_size, kv.num_blocks, total, used, cached_free, free, self.bytes_per_token,
                                   self.num_blocks * self.block_bytes, kv.usage, groups, kv.block_pool.block_states()),

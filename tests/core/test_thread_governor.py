@@ -79,6 +79,8 @@ def test_an_engine_adapts_only_when_its_threads_were_not_given(tmp_path, monkeyp
             fake.advance(tg.INTERVAL_S, others=eng.config.threads - 1)  # a busy process on all cores but one
             eng.step()
         assert torch.get_num_threads() == 1 and g.threads == 1
+        runtime = eng.make_stats().to_dict("tiny", 1.0)["runtime"]  # /v1/stats, llmd status's engine: line
+        assert runtime.endswith(f"; now 1 thread: other processes kept ~{g.others:.1f} of {g.max_threads} cores busy")
         assert tiny_engine(tmp_path / "u.gguf", threads=2).thread_governor is None  # --threads given: fixed
     finally:
         torch.set_num_threads(before)
