@@ -16,7 +16,7 @@ import torch
 from llmd.daemon.core.kv_size import KV_SIZE_ROWS, kv_cache_block_bytes, kv_cache_bytes_per_token, kv_size_rows
 from llmd.daemon.kv import make_kv_cache_groups
 from llmd.models.presets import preset_config
-from llmd.models.weight_bytes import cpu_has_avx512_bf16, cpu_runs_fused_decode
+from llmd.models.weight_bytes import cpu_has_avx512_bf16, cpu_packs_bf16, cpu_runs_fused_decode
 from llmd.quant.kv_format import ITEMSIZE, KV_CACHE_FORMATS
 
 KV_SIZE_IN_A_BARE_PROCESS = textwrap.dedent("""
@@ -39,19 +39,32 @@ fp8               12,240     100,270,080      2741        5.35     1.88x
 int8              12,240     100,270,080      2741        5.35     1.88x
 int4               8,098      64,880,640      4143        8.09     2.85x
 """
-SMOLLM2_TOTAL_MEMORY = """\
+# keyed by cpu_packs_bf16(): the engine's 54 MiB packed copy of the tied head (every row but nf4's)
+SMOLLM2_TOTAL_MEMORY = {False: """\
 --weight-quant   weights MiB    KV MiB  sequences
 none                     257      1791       9.95
-"""
-# auto / gguf: + the fused batch-1 kernel's 92 MiB copy of the 4/8-bit blocks on an AVX512-VNNI CPU
-SMOLLM2_GGUF_ROWS = {True: """\
+""", True: """\
+--weight-quant   weights MiB    KV MiB  sequences
+none                     311      1737       9.65
+"""}
+# auto / gguf: + the fused batch-1 kernel's 92 MiB copy of the 4/8-bit blocks on an AVX512-VNNI CPU;
+# keyed by (cpu_runs_fused_decode(), cpu_packs_bf16())
+SMOLLM2_GGUF_ROWS = {(True, False): """\
 auto                     439      1609       8.94
 gguf                     236      1812      10.06
 int8                     214      1834      10.19
-""", False: """\
+""", (False, False): """\
 auto                     347      1701       9.45
 gguf                     144      1904      10.57
 int8                     214      1834      10.19
+""", (True, True): """\
+auto                     493      1555       8.64
+gguf                     290      1758       9.76
+int8                     268      1780       9.89
+""", (False, True): """\
+auto                     401      1647       9.15
+gguf                     198      1850      10.27
+int8                     268      1780       9.89
 """}
 # nf4: bitsandbytes' CPU layout keeps a bfloat16 absmax per 64 weights on an AVX512-BF16 CPU, float32 elsewhere
 SMOLLM2_NF4 = {True: "nf4                      122      1926      10.70",
@@ -72,8 +85,9 @@ def kv_size_without_torch(tmp_path, *commands: str) -> str:
 def test_kv_size_imports_no_torch_and_prints_todays_numbers(tmp_path, smollm2_path):
     out = kv_size_without_torch(tmp_path, "", "--total-memory 2GiB", "--model random:qwen3-0.6b")
     assert SMOLLM2_TABLE in out
-    rows = SMOLLM2_GGUF_ROWS[cpu_runs_fused_decode()]
-    assert SMOLLM2_TOTAL_MEMORY + rows in out
+    packs = cpu_packs_bf16()
+    rows = SMOLLM2_GGUF_ROWS[cpu_runs_fused_decode(), packs]
+    assert SMOLLM2_TOTAL_MEMORY[packs] + rows in out
     assert rows.splitlines()[-1] + "\n" + SMOLLM2_NF4[cpu_has_avx512_bf16()] in out
     # random:qwen3-0.6b (int4: its 64-sequence residual out of the 512 MiB)
     assert "int4              44,266   1,614,807,040       758        0.30     2.60x" in out
