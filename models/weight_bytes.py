@@ -24,25 +24,26 @@ def bnb_4bit_bytes(n: int, k: int, cpu_layout: bool) -> int:
     return (n * k + 1) // 2 + blocks * absmax
 
 
+def cpu_flags() -> set[str]:
+    """The first CPU's ``flags`` in ``/proc/cpuinfo`` (torch-free); empty where the file is absent."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
 def cpu_has_avx512_bf16() -> bool:
     """Whether ``/proc/cpuinfo`` lists ``avx512_bf16`` (torch-free: what selects bitsandbytes' CPU
     layout, whose own probe is its native ``has_avx512bf16_cpu``); False where the file is absent."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " avx512_bf16" in line for line in f)
-    except OSError:
-        return False
+    return "avx512_bf16" in cpu_flags()
 
 
 def cpu_runs_fused_decode() -> bool:
     """Whether ``/proc/cpuinfo`` lists what the fused decode kernel is built for
     (``kernels/native/fused_decode.c``): AVX512-VNNI with AVX512-BW/VL, or AVX2 with FMA and F16C
     (torch-free); False where the file is absent."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        return False
+    flags = cpu_flags()
     return {"avx512_vnni", "avx512bw", "avx512vl"} <= flags or {"avx2", "fma", "f16c"} <= flags
 
 
@@ -113,12 +114,7 @@ HEAD_COPY_MAX_BYTES = 128 << 20  #: llmd.quant.prepacked.HEAD_COPY_MAX_BYTES (to
 def cpu_packs_bf16() -> bool:
     """Whether oneDNN can prepack bfloat16 weights on this CPU (AVX512-BW/VL/DQ; torch-free, from
     ``/proc/cpuinfo``, for estimates: :func:`llmd.quant.prepacked.cpu_supported` probes torch)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        return False
-    return {"avx512bw", "avx512vl", "avx512dq"} <= flags
+    return {"avx512bw", "avx512vl", "avx512dq"} <= cpu_flags()
 
 
 def tied_head_copy_bytes(tensors: dict, elem_bytes: int = 2) -> int:
