@@ -96,7 +96,9 @@ def generate(prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, be
 
 @click.command("kv-size")
 @model_option
-@click.option("--context", default=None, type=int, help="Tokens per sequence (default: the model's context length).")
+@click.option("--context", default=None, type=int,
+              help="Tokens per sequence (default and upper bound: the model's context length; a larger value is "
+                   "capped at it, as --max-model-len is).")
 @click.option("--memory", default="512MiB", show_default=True, callback=parse_bytes_option, help="KV cache budget.")
 @click.option("--block-size", default=16, show_default=True, type=int)
 @click.option("--max-num-seqs", default=64, show_default=True, type=int,
@@ -108,10 +110,14 @@ def generate(prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, be
 def kv_size(model, context, memory, block_size, max_num_seqs, total_memory):
     """KV cache bytes per token and sequences that fit, per cache dtype (GGUF metadata only);
     with --total-memory, the weights per --weight-quant format and what fits beside them."""
-    from llmd.daemon.core.kv_size import group_summary, kv_size_rows
+    from llmd.daemon.core.kv_size import check_kv_memory, group_summary, kv_size_rows
     from llmd.daemon.kv import make_kv_cache_groups
     from llmd.models.presets import is_random_model, preset_config
 
+    # before the model is resolved; EngineConfig.resolve's rule and wording for the engine's options
+    for name, value in (("context", context), ("block_size", block_size), ("max_num_seqs", max_num_seqs)):
+        if value is not None and value < 1:
+            raise LlmdError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if is_random_model(model):
         cfg = preset_config(model)
     else:
@@ -119,17 +125,23 @@ def kv_size(model, context, memory, block_size, max_num_seqs, total_memory):
         from llmd.models.registry import resolve_model
 
         cfg = load_config(resolve_model(model))
-    context = context or cfg.max_position
+    if context is None:
+        context = cfg.max_position
+    elif context > cfg.max_position:  # as the engine's model_context() caps --max-model-len
+        click.echo(f"llmd: --context {context} is capped at the model's context length, {cfg.max_position} tokens",
+                   err=True)
+        context = cfg.max_position
     if total_memory is not None:
         if is_random_model(model):
             raise LlmdError("--total-memory needs a GGUF model (a random preset has no file to size)")
         _what_fits(model, cfg, context, total_memory, block_size)
         return
-    click.echo(f"{cfg.name}: {cfg.num_layers} layers, {cfg.num_kv_heads} KV heads x {cfg.head_dim} dims; "
-               f"context {context} tokens; memory {memory} B ({memory / 2**20:.0f} MiB)")
     windows = cfg.layer_windows
     layouts = ([(True, "")] if all(w is None for w in windows)
                else [(True, " (hybrid KV cache groups)"), (False, " (every layer global)")])
+    check_kv_memory(cfg, memory, block_size, [hybrid for hybrid, _ in layouts])  # as the engine's 2-block minimum
+    click.echo(f"{cfg.name}: {cfg.num_layers} layers, {cfg.num_kv_heads} KV heads x {cfg.head_dim} dims; "
+               f"context {context} tokens; memory {memory} B ({memory / 2**20:.0f} MiB)")
     for hybrid, title in layouts:
         click.echo(group_summary(make_kv_cache_groups(windows, hybrid), block_size) + title)
         click.echo(f"{'kv dtype':<12}{'B/token':>12}{'B/sequence':>16}{'blocks':>10}{'sequences':>12}"

@@ -115,6 +115,16 @@ def _dim(text: str) -> None:
     click.echo(click.style(text, dim=True), err=True)
 
 
+def context_full(e: Exception) -> str | None:
+    """The REPL's words for a conversation that fills the model's context (the API's 400 names
+    ``messages`` and the API's own remedies), else None."""
+    msg = getattr(e, "message", "")
+    if getattr(e, "param", None) != "messages" or "leaving no room to generate" not in msg:
+        return None
+    return msg.split(" (truncate_prompt_tokens")[0].replace("prompt has", "the conversation has", 1) + \
+        "; /reset starts a new one"
+
+
 def _reply(backend, messages: list[dict], params: dict, verbose: bool = False, repl: bool = False) -> str | None:
     """Stream one reply to stdout; None if cancelled with Ctrl-C or, in the ``repl``, failed
     (the error is printed, the REPL goes on). Then ``[stopped at N tokens]`` when the reply hit
@@ -139,7 +149,7 @@ def _reply(backend, messages: list[dict], params: dict, verbose: bool = False, r
         if not repl:
             raise
         sys.stdout.write("\n" if parts else "")
-        click.echo(f"llmd: error: {e}" + ("; this reply is dropped" if parts else ""), err=True)
+        click.echo(f"llmd: error: {context_full(e) or e}" + ("; this reply is dropped" if parts else ""), err=True)
         return None
     sys.stdout.write("\n")
     sys.stdout.flush()

@@ -559,7 +559,7 @@ class Engine:
                 req.stop_reason = hyp.output_token_ids[-1] if hyp.stopped else None
                 self.scheduler.finish_request(req.request_id, status)
                 detok = self.detokenizers.pop(req.request_id)
-                text = detok.update(hyp.output_token_ids) + detok.finish()
+                text = detok.update(hyp.output_token_ids[:-1] if hyp.stopped else hyp.output_token_ids) + detok.finish()
                 self._finished(req, status.finish_reason)
                 outputs.append(RequestOutput(
                     request_id=req.request_id, new_token_ids=list(hyp.output_token_ids), new_text=text,
@@ -572,7 +572,9 @@ class Engine:
         if self.faults is not None:
             self.faults.check_postprocess(req)
         detok = self.detokenizers[req.request_id]
-        text = detok.update([token])
+        # a stop token (stop_token_ids, EOS) ends the text without its own, as vLLM's detokenizer
+        # leaves it out; its id and logprob stay in the output
+        text = "" if req.is_finished and req.stop_reason == token else detok.update([token])
         if detok.stop_matched is not None and not req.is_finished:
             req.stop_reason = detok.stop_matched
             self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from llmd.daemon.core.errors import LlmdError
 from llmd.daemon.kv.groups import KVCacheGroupSpec, make_kv_cache_groups
 from llmd.models.config import ModelConfig
 from llmd.quant.kv_format import KVCacheFormat, get_format
@@ -130,6 +131,28 @@ def kv_size_rows(cfg: ModelConfig, context: int, memory: int, block_size: int, h
             per_token = round(per_token * (1 + residual / (blocks * block)))
         rows.append(KVSizeRow(name, per_token, block * per_seq, blocks, blocks / per_seq))
     return rows
+
+
+#: the engine refuses a KV cache of fewer blocks (``Engine.__init__``: one of them is never handed out)
+MIN_KV_BLOCKS = 2
+
+
+def check_kv_memory(cfg: ModelConfig, memory: int, block_size: int, hybrids: list[bool]) -> None:
+    """Refuse a ``memory``-byte KV cache that holds fewer than :data:`MIN_KV_BLOCKS` blocks of
+    any :data:`KV_SIZE_ROWS` format in any of the ``hybrids`` layouts (the largest block: float32's),
+    in the engine's words for ``--kv-cache-memory``.
+
+    Raises:
+        LlmdError: ``--memory 1024 B holds fewer than 2 KV blocks of 737280 B (...); give at least ...``.
+    """
+    block, name, layers = max(
+        (kv_cache_block_bytes(cfg, groups, block_size, kv_cache_dtype, model_dtype), name,
+         max(len(g.layer_ids) for g in groups))
+        for groups in (make_kv_cache_groups(cfg.layer_windows, hybrid) for hybrid in hybrids)
+        for name, kv_cache_dtype, model_dtype in KV_SIZE_ROWS)
+    if memory < MIN_KV_BLOCKS * block:
+        raise LlmdError(f"--memory {memory} B holds fewer than {MIN_KV_BLOCKS} KV blocks of {block} B "
+                        f"({block_size} tokens x {layers} layers, {name}); give at least {MIN_KV_BLOCKS * block} B")
 
 
 def group_summary(groups: list[KVCacheGroupSpec], block_size: int) -> str:

@@ -42,6 +42,11 @@ class RequestStatus(enum.IntEnum):
         }.get(self)
 
 
+#: the smallest temperature above 0 that sampling uses: lower ones are raised to it, as vLLM's
+#: ``SamplingParams`` does (its ``_MAX_TEMP``), because dividing float32 logits by them overflows
+MIN_TEMPERATURE = 1e-2
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling settings (OpenAI / vLLM semantics).
@@ -49,7 +54,7 @@ class SamplingParams:
     Attributes:
         max_tokens: new tokens to generate at most; ``None`` means "the remaining context"
             (``max_model_len - prompt_tokens``), resolved by the engine at admission.
-        temperature: 0 means greedy (argmax).
+        temperature: 0 means greedy (argmax); values in (0, :data:`MIN_TEMPERATURE`) are raised to it.
         top_k: keep the k most likely tokens; 0 or -1 disables.
         top_p: nucleus sampling mass in (0, 1]; 1 disables.
         min_p: drop tokens whose probability is below ``min_p * p_max``; 0 disables.
@@ -114,6 +119,8 @@ class SamplingParams:
         self.stop_token_ids = frozenset(self.stop_token_ids)
         if self.seed is None:
             self.seed = secrets.randbits(63)
+        if 0.0 < self.temperature < MIN_TEMPERATURE:  # logits / 1e-38 overflow to inf: NaN probabilities
+            self.temperature = MIN_TEMPERATURE
 
     def validate(self) -> None:
         """Check ranges; raises :class:`~llmd.daemon.core.errors.RequestError` (a ``ValueError``)

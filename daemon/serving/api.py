@@ -143,7 +143,7 @@ async def read_json(request: web.Request):
         if len(raw) > JSON_OFF_LOOP_BYTES:  # keep the event loop (other streams' writes) moving
             return await asyncio.get_running_loop().run_in_executor(None, json.loads, raw)
         return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer past Python's 4,300-digit limit
         raise ApiError(f"the request body is not valid JSON: {e}") from None
     except RecursionError:
         raise ApiError("the request body is JSON nested too deeply") from None

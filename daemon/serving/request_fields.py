@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 
-from llmd.daemon.serving.validation import MAX_LOGIT_BIAS, ApiError, json_typed, json_value
+from llmd.daemon.serving.validation import MAX_LOGIT_BIAS, ApiError, json_typed, json_value, typed_value
 
 #: field → (endpoints it is refused on, why); refused when present and not null / false / empty
 REFUSED: dict[str, tuple[tuple[str, ...], str]] = {
@@ -70,6 +70,9 @@ def check_refused(body: dict, chat: bool) -> None:
     if chat and body.get("modalities") not in (None, [], ["text"]):
         got = json_value(body["modalities"], 60)
         raise ApiError(f"modalities must be [\"text\"] (llmd answers text only), got {got}", "modalities")
+    mt = body.get("min_tokens")  # accepted and not applied, but checked as vLLM checks it
+    if mt is not None and (not isinstance(mt, int) or isinstance(mt, bool) or mt < 0):
+        raise ApiError(f"min_tokens must be an integer >= 0, got {typed_value(mt)}", "min_tokens")
     if body.get("skip_special_tokens") is False:
         raise ApiError("skip_special_tokens: false is not supported; llmd always leaves special tokens out of "
                        "the text", "skip_special_tokens")

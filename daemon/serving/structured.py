@@ -149,8 +149,8 @@ def _tools(tools) -> dict[str, dict]:
 def _tool_constraint(body: dict, chat: bool) -> tuple[GrammarSpec | None, ToolCalling | None]:
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools in (None, []):
-        if choice not in (None, "none", "auto"):
-            raise ApiError("tool_choice needs tools", "tool_choice")
+        if choice not in (None, "none"):  # OpenAI and vLLM refuse "auto" without tools too
+            raise ApiError("tool_choice needs tools (only 'none' may come without them)", "tool_choice")
         return None, None
     if not chat:
         raise ApiError("tools are only supported on /v1/chat/completions", "tools")

@@ -195,6 +195,10 @@ def _prompt(body: dict, vocab_size: int, max_model_len: int | None = None) -> st
         if all(isinstance(x, (str, list)) for x in p):
             raise ApiError(f"prompt batches are not supported (got {len(p)} prompts); send one prompt per request",
                            "prompt")
+        if isinstance(p[0], (str, list)):  # a list of prompts with something else in it (a token-id list: below)
+            odd = next(x for x in p if not isinstance(x, (str, list)))
+            raise ApiError(f"prompt mixes prompts (strings or token lists) with {typed_value(odd)}; send a string, "
+                           "a list of token ids, or a list of prompts", "prompt")
         if max_model_len is not None:  # counted before any id is checked; truncation opts in to longer lists
             truncating = body.get("truncate_prompt_tokens") is not None
             limit = MAX_CHARS_PER_TOKEN * max_model_len if truncating else max_model_len - 1
@@ -229,10 +233,15 @@ def _messages(body: dict) -> list[dict]:
 
             content = tool_calls_text(m["tool_calls"], f"{where}.tool_calls")
         if isinstance(content, list):  # [{"type": "text", "text": ...}]
-            if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
-                       for c in content):
-                raise ApiError(f"{where}.content parts must be {{type: 'text', text: str}} (no images)",
-                               f"{where}.content")
+            for j, c in enumerate(content):
+                part = f"{where}.content[{j}]"
+                if not isinstance(c, dict) or c.get("type") != "text":
+                    got = json_value(c.get("type")) if isinstance(c, dict) else json_typed(c)
+                    raise ApiError(f"{part} must be a text part {{type: 'text', text: str}} (no images), got {got}",
+                                   f"{where}.content")
+                if not isinstance(c.get("text"), str):
+                    raise ApiError(f"{part}.text must be a string, got {typed_value(c.get('text'))}",
+                                   f"{where}.content")
             content = "".join(c["text"] for c in content)
         if not isinstance(content, str):
             raise ApiError(f"{where}.content must be a string or a list of text parts, got {json_typed(content)}",

@@ -91,6 +91,27 @@ def test_repl_notes_a_capped_reply_and_survives_a_failed_one(monkeypatch, capsys
     assert sent[-1] == ["sing", "la la", "again"]  # the failed turn left no trace
 
 
+def test_repl_says_a_full_context_in_its_own_words(monkeypatch, capsys):
+    """A conversation past the context gets the REPL's remedy (/reset), not the API's
+    (truncate_prompt_tokens, llmd generate's flag); other 400s keep the daemon's words."""
+    from llmd.daemon.client import chat
+    from llmd.daemon.client.client import ApiResponseError
+
+    class Backend:
+        def stream_chat(self, messages, params):
+            raise ApiResponseError(400, {"error": {"param": "messages", "message": (
+                "prompt has 431 tokens but the context is 256 tokens (max-model-len), leaving no room to generate "
+                "(truncate_prompt_tokens, llmd generate --truncate-prompt-tokens, keeps its end)")}})
+            yield ""
+
+    type_lines(monkeypatch, ["hello"])
+    chat.run_chat(Backend(), {})
+    err = capsys.readouterr().err
+    assert ("llmd: error: the conversation has 431 tokens but the context is 256 tokens (max-model-len), "
+            "leaving no room to generate; /reset starts a new one") in err, err
+    assert "truncate" not in err
+
+
 def test_lock_files_are_removed_and_a_lock_on_a_removed_file_is_taken_again(tmp_path):
     """``protocol.lock_file`` / ``unlock_file``: the holder removes the file before letting go;
     a waiter that then wins the lock on the removed file drops it and locks the new file, so two

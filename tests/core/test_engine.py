@@ -94,6 +94,23 @@ def test_stop_string_ends_request(make_engine, smollm2_tokenizer):
     assert engine.kv_manager.num_used_blocks == 0
 
 
+def test_stop_token_ends_request_without_its_text(make_engine, smollm2_tokenizer):
+    """A ``stop_token_ids`` token ends the request with its id (and logprob) in the output and
+    its text left out, as vLLM's detokenizer does (found by a user: ``" 3,"`` for a stop on ``,``)."""
+    engine = make_engine()
+    p = smollm2_tokenizer.encode("Count: 1, 2, 3, 4, 5,")
+    [full] = engine.generate([p], greedy(12))
+    ids = full["token_ids"]
+    k = 2
+    stop = ids[k]
+    assert smollm2_tokenizer.decode([stop]).strip() and ids.index(stop) == k
+    [cut] = engine.generate([p], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop]))
+    assert cut["finish_reason"] == "stop"
+    assert cut["token_ids"] == ids[: k + 1]
+    assert cut["text"] == smollm2_tokenizer.decode(ids[:k])
+    assert engine.kv_manager.num_used_blocks == 0
+
+
 def test_seeded_sampling_is_reproducible_across_batches(make_engine, smollm2_tokenizer):
     p = smollm2_tokenizer.encode("My favourite animal is")
     params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=1234)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from llmd.daemon.core.request import Request, SamplingParams
+from llmd.daemon.core.request import MIN_TEMPERATURE, Request, SamplingParams
 from llmd.daemon.core.sampler import Sampler, SamplerOutput, row_seed
 
 V = 64
@@ -320,3 +320,17 @@ def test_top_logprobs_list_ties_in_greedys_order():
     (tok,), (lp,) = out.sampled_token_ids, out.logprobs
     assert tok == 7 and [t for t, _ in lp.top] == [7, 23, 40, 11]
     assert lp.top[0][0] == tok and lp.top[0][1] == lp.logprob
+
+
+def test_tiny_temperature_is_raised_to_the_minimum():
+    """A temperature far below 1 but above 0 (1e-38, valid in the API's [0, 2]) overflowed the
+    logits to inf and drew an arbitrary token from NaN probabilities; it is raised to
+    MIN_TEMPERATURE (vLLM's clamp), where the draw follows the distribution."""
+    assert SamplingParams(temperature=1e-38).temperature == MIN_TEMPERATURE
+    assert SamplingParams(temperature=0.0).temperature == 0.0
+    assert SamplingParams(temperature=0.5).temperature == 0.5
+    logits = rand_logits(4, seed=5)
+    logits[torch.arange(4), logits.argmax(dim=-1)] += 0.5  # at 0.01 the runner-up has < e^-50 of the top's mass
+    out = sampler(logits, [make_req(rid=str(i), temperature=t, seed=i, logprobs=1)
+                           for i, t in enumerate([1e-38, 1e-300, 5e-324, 1e-5])])
+    assert out.sampled_token_ids == logits.argmax(dim=-1).tolist()

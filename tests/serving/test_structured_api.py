@@ -166,6 +166,7 @@ def test_tool_choice_named_and_required_return_tool_calls(engine_loop):
     ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "auto"}, "tool_choice"),  # OpenAI and vLLM refuse it without tools too
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}], "tool_choice": "required"},
      "tools[0].function.name"),
 ])

@@ -1,0 +1,81 @@
+"""``llmd kv-size``'s option values: one line ``llmd: error: ...`` in the words ``llmd generate`` /
+``llmd serve`` use for the same options (they were ZeroDivisionError tracebacks, negative block
+counts, or a silent fallback), and ``--context`` capped at the model's context as ``--max-model-len``
+is. A ``random:`` preset's shapes only: no GGUF file, no weights."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from llmd.daemon.cli.main import main
+from llmd.daemon.core.kv_size import KV_SIZE_ROWS, MIN_KV_BLOCKS, kv_cache_block_bytes
+from llmd.daemon.kv import make_kv_cache_groups
+from llmd.models.presets import preset_config
+
+MODEL = "random:llama-3-8b"  # an 8,192-token context, 32 layers, 8 KV heads x 128
+
+
+def run_kv_size(*args: str):
+    return CliRunner().invoke(main, ["kv-size", "--model", MODEL, *args])
+
+
+def assert_one_line_error(result, text: str) -> None:
+    assert result.exit_code == 1, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert result.output.strip().splitlines() == [f"llmd: error: {text}"], result.output
+
+
+def largest_block_bytes(block_size: int = 16) -> int:
+    cfg = preset_config(MODEL)
+    groups = make_kv_cache_groups(cfg.layer_windows, True)
+    return max(kv_cache_block_bytes(cfg, groups, block_size, kv, dt) for _, kv, dt in KV_SIZE_ROWS)
+
+
+@pytest.mark.parametrize("args, text", [
+    (["--context", "-5"], "--context must be >= 1, got -5"),  # was ZeroDivisionError
+    (["--context", "0"], "--context must be >= 1, got 0"),  # was the model's 8192, silently
+    (["--block-size", "0"], "--block-size must be >= 1, got 0"),  # was ZeroDivisionError
+    (["--block-size", "-16"], "--block-size must be >= 1, got -16"),  # was exit 0, negative blocks
+    (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1, got 0"),
+    (["--max-num-seqs", "-1"], "--max-num-seqs must be >= 1, got -1"),
+    (["--context", "0", "--total-memory", "1GiB"], "--context must be >= 1, got 0"),  # the --total-memory path too
+])
+def test_counts_below_one_are_one_line_errors(args, text):
+    assert_one_line_error(run_kv_size(*args), text)
+
+
+def test_counts_are_checked_before_the_model_resolves(tmp_path):
+    missing = str(tmp_path / "nope.gguf")
+    result = CliRunner().invoke(main, ["kv-size", "--model", missing, "--block-size", "0"])
+    assert_one_line_error(result, "--block-size must be >= 1, got 0")
+
+
+def test_memory_below_the_engines_two_blocks_is_one_line_error():
+    """The engine's minimum and words (``--kv-cache-memory 1024 B holds fewer than 2 KV blocks of ...``),
+    for the table's largest block (float32); --memory 1KiB was a ZeroDivisionError."""
+    block = largest_block_bytes()
+    assert MIN_KV_BLOCKS == 2
+    assert_one_line_error(run_kv_size("--memory", "1KiB"),
+                          f"--memory 1024 B holds fewer than 2 KV blocks of {block} B (16 tokens x 32 layers, "
+                          f"float32); give at least {2 * block} B")
+    result = run_kv_size("--memory", str(2 * block - 1))
+    assert result.exit_code == 1 and "holds fewer than 2 KV blocks" in result.output, result.output
+    result = run_kv_size("--memory", str(2 * block))
+    assert result.exit_code == 0, result.output
+    rows = {line.split()[0]: line.split() for line in result.output.splitlines()[2:]}
+    assert rows["float32"][3] == "2" and rows["bf16/fp16"][3] == "4", result.output
+    # a larger --block-size needs larger blocks: the bound scales with it
+    result = run_kv_size("--memory", str(2 * block), "--block-size", "32")
+    assert result.exit_code == 1 and f"give at least {2 * largest_block_bytes(32)} B" in result.output
+
+
+def test_context_beyond_the_model_is_capped_with_a_note():
+    """As --max-model-len: capped at the model's context length (8,192), with one note on stderr."""
+    capped = run_kv_size("--context", "100000")
+    assert capped.exit_code == 0, capped.output
+    assert capped.stderr.strip() == "llmd: --context 100000 is capped at the model's context length, 8192 tokens"
+    assert "context 8192 tokens" in capped.stdout
+    assert capped.stdout == run_kv_size("--context", "8192").stdout == run_kv_size().stdout
+    within = run_kv_size("--context", "4096")
+    assert within.exit_code == 0 and within.stderr == "" and "context 4096 tokens" in within.stdout
