@@ -164,10 +164,11 @@ class IncrementalDetokenizer:
     def finish(self) -> str:
         """End of generation (EOS or length): release everything still held back.
 
-        Held stop-prefix text is real text now; a dangling incomplete UTF-8 character is
-        released as decoded (U+FFFD). A stop string completed only by this flush still
-        cuts the text and sets :attr:`stop_matched`. Idempotent.
+        Held stop-prefix text is real text now; a dangling incomplete UTF-8 character (the
+        output cut by ``max_tokens`` inside it) is left out, as vLLM never releases the
+        U+FFFD its incremental decode holds back. A stop string completed only by this flush
+        still cuts the text and sets :attr:`stop_matched`. Idempotent.
         """
         if self.stop_matched is not None:
             return ""
-        return self._release(self._decode_step(force=True), final=True)
+        return self._release(self._decode_step(force=True).rstrip(_REPLACEMENT), final=True)

@@ -24,13 +24,13 @@ def expected_text(tok, ids, stop, chunk: int = 1):
     """What generation returns when tokens arrive ``chunk`` at a time: it stops after the first
     chunk whose text contains a stop string, cut where the earliest one present then starts (so
     with overlapping stops, ``"\n"`` and ``"a\na"`` on ``a, \n, a``, one token at a time stops at
-    ``"\n"``: the rest is never generated)."""
+    ``"\n"``: the rest is never generated); an incomplete character at the very end is left out."""
     for end in [*range(chunk, len(ids), chunk), len(ids)]:
         text = tok.decode(ids[:end], skip_special_tokens=True)
         cuts = [i for i in (text.find(s) for s in stop) if i != -1]
         if cuts:
             return text[:min(cuts)]
-    return tok.decode(ids, skip_special_tokens=True)
+    return tok.decode(ids, skip_special_tokens=True).rstrip("\ufffd")  # a character cut at the end is left out
 
 
 def stream(tok, ids, stop=(), prompt=()):
@@ -118,6 +118,16 @@ def test_prompt_ending_mid_character(tok):
     prompt, out = ids[:split], ids[split:]
     deltas, _ = stream(tok, out, prompt=prompt)
     assert "".join(deltas) == tok.decode(out, skip_special_tokens=True)
+
+
+def test_output_cut_inside_a_character_leaves_it_out(tok):
+    """``max_tokens`` ending the output between the bytes of one character: the text stops
+    before it (vLLM's), not with U+FFFD (found by a user: an emoji list cut mid-emoji)."""
+    ids = tok.encode("ok 🙂🙂")
+    cut = next(i for i in range(1, len(ids) + 1) if tok.decode(ids[:i]).endswith("\ufffd"))
+    deltas, d = stream(tok, ids[:cut], prompt=tok.encode("Say: "))
+    assert "".join(deltas) == tok.decode(ids[:cut]).rstrip("\ufffd") == d.output_text
+    assert all("\ufffd" not in x for x in deltas)
 
 
 def test_empty_stop_string_rejected(tok):
