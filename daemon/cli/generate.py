@@ -8,7 +8,7 @@ import time
 import click
 
 from llmd.daemon.cli.common import build_engine, engine_options, model_option, one_line_errors, parse_bytes_option
-from llmd.daemon.core.errors import LlmdError
+from llmd.daemon.core.errors import LlmdError, require_at_least_one
 
 
 @click.command()
@@ -114,10 +114,7 @@ def kv_size(model, context, memory, block_size, max_num_seqs, total_memory):
     from llmd.daemon.kv import make_kv_cache_groups
     from llmd.models.presets import is_random_model, preset_config
 
-    # before the model is resolved; EngineConfig.resolve's rule and wording for the engine's options
-    for name, value in (("context", context), ("block_size", block_size), ("max_num_seqs", max_num_seqs)):
-        if value is not None and value < 1:
-            raise LlmdError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    require_at_least_one(context=context, block_size=block_size, max_num_seqs=max_num_seqs)  # before the model resolves
     if is_random_model(model):
         cfg = preset_config(model)
     else:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmd.daemon.core.errors import LlmdError
+from llmd.daemon.core.errors import LlmdError, require_at_least_one
 from llmd.daemon.core.option_values import parse_bytes, parse_kv_scales  # noqa: F401 (re-exported)
 from llmd.quant.kv_format import KVCacheFormat, get_format
 
@@ -177,9 +177,8 @@ class EngineConfig:
             self.max_num_seqs = MAX_NUM_SEQS_CUDA if on_cuda else MAX_NUM_SEQS_CPU
         if not 0 < self.gpu_memory_utilization <= 1:
             raise LlmdError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "max_num_waiting"):
-            if getattr(self, name) < 1:
-                raise LlmdError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        require_at_least_one(**{name: getattr(self, name) for name in (
+            "block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "max_num_waiting")})
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise LlmdError(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                             f"got {self.scheduling_policy!r}")

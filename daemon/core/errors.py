@@ -48,3 +48,12 @@ class ServerBusyError(RequestError):
 
 class QueueFullError(ServerBusyError):
     """The waiting queue is at ``max_num_waiting``; the caller should retry later."""
+
+
+def require_at_least_one(**flags: int | None) -> None:
+    """The CLI's rule for counts (``--block-size``, ``--max-num-seqs``, ...): raises
+    :class:`LlmdError` ``--block-size must be >= 1, got 0`` for the first of ``flags`` (option
+    name in snake case → value) below 1; None (not given) passes."""
+    for name, value in flags.items():
+        if value is not None and value < 1:
+            raise LlmdError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
