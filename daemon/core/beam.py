@@ -55,7 +55,7 @@ def num_candidates(beam_width: int, num_stop_ids: int) -> int:
 
 def check_beam_params(params: SamplingParams, n: int) -> None:
     """Refuse what beam search does not combine with; raises :class:`RequestError` naming
-    the field (HTTP 400): temperature > 0, penalties, logprobs, stop strings, structured
+    the field (HTTP 400): temperature > 0, penalties, min_tokens, logprobs, stop strings, structured
     outputs (named by their own field), logit_bias, an ``early_stopping`` other than true /
     false / "never", beam width < 2."""
     if n < 2:
@@ -64,7 +64,7 @@ def check_beam_params(params: SamplingParams, n: int) -> None:
         raise RequestError(f"use_beam_search is greedy: temperature must be 0, got {params.temperature}",
                            "temperature")
     for name, off in (("top_p", 1.0), ("min_p", 0.0), ("repetition_penalty", 1.0), ("frequency_penalty", 0.0),
-                      ("presence_penalty", 0.0)):
+                      ("presence_penalty", 0.0), ("min_tokens", 0)):
         if getattr(params, name) != off:
             raise RequestError(f"{name} is not supported with use_beam_search", name)
     if params.top_k not in (0, -1):

@@ -55,6 +55,8 @@ class IncrementalDetokenizer:
         prompt_token_ids: the prompt; only its last few tokens are used, as decode context.
         stop: stop strings (non-empty ``str``); ``[]`` for none.
         skip_special_tokens: drop special tokens from the text (OpenAI / vLLM default).
+        min_tokens: stop strings are looked for only in the text of the tokens after the first
+            ``min_tokens`` (vLLM's ``stop_check_offset``); the text before is released as it comes.
 
     Attributes:
         output_text: all text released so far (``str``; the concatenation of every delta).
@@ -66,7 +68,7 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], stop: Sequence[str] = (),
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, min_tokens: int = 0) -> None:
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError("stop strings must be non-empty strings")
         self.tokenizer = tokenizer
@@ -75,6 +77,7 @@ class IncrementalDetokenizer:
         self._special = special_token_ids(tokenizer) if skip_special_tokens else frozenset()
         self.output_text = ""
         self.stop_matched: str | None = None
+        self._min_tokens, self._num_tokens = min_tokens, 0  # output tokens seen, special ones included
         self._pending = ""  # decoded, complete text not yet released (possible stop prefix)
         self._tokens: list[str] = []
         self._prefix_offset = 0
@@ -155,11 +158,18 @@ class IncrementalDetokenizer:
         """
         if self.stop_matched is not None:
             return ""
+        self._num_tokens += len(new_token_ids)
         ids = [t for t in new_token_ids if t not in self._special]
         if not ids:
             return ""
         self._tokens.extend(self.tokenizer.convert_ids_to_tokens(ids))
-        return self._release(self._decode_step(force=False), final=False)
+        delta = self._decode_step(force=False)
+        if self._num_tokens <= self._min_tokens:  # before min_tokens: no stop string looked for
+            self._pending += delta
+            out, self._pending = self._pending, ""
+            self.output_text += out
+            return out
+        return self._release(delta, final=False)
 
     def finish(self) -> str:
         """End of generation (EOS or length): release everything still held back.

@@ -444,7 +444,8 @@ class Engine:
         if parent_id is not None:
             self.parallel.add(parent_id, request_ids)
         for rid in request_ids:
-            self.detokenizers[rid] = IncrementalDetokenizer(self.tokenizer.hf, ids, params.stop)
+            self.detokenizers[rid] = IncrementalDetokenizer(self.tokenizer.hf, ids, params.stop,
+                                                            min_tokens=params.min_tokens)
         return request_ids
 
     def reset_prefix_cache(self) -> int:

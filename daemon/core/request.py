@@ -70,6 +70,9 @@ class SamplingParams:
         seed: per-request seed; ``None`` draws a random one at creation, so a request's
             own choices are reproducible regardless of batch composition.
         stop: strings that end generation; the matched string is not returned.
+        min_tokens: output tokens before EOS, ``stop_token_ids`` or a ``stop`` string may end the
+            request (vLLM's): until then the sampler masks the stop tokens and the stop strings
+            are not looked for; 0 disables.
         stop_token_ids: token ids that end generation (added to the model's EOS ids); kept as a
             frozenset, so the per-token stop check is O(1) however many a client sends.
         ignore_eos: keep generating past the model's end-of-sequence tokens.
@@ -104,6 +107,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+    min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
     structured: GrammarSpec | None = None
@@ -142,6 +146,11 @@ class SamplingParams:
                                "frequency_penalty")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise RequestError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}", "presence_penalty")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise RequestError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}", "min_tokens")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise RequestError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+                               "min_tokens")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise RequestError("stop strings must be non-empty strings", "stop")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:

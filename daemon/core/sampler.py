@@ -217,15 +217,26 @@ def filter_candidates(logits: torch.Tensor, top_k: int, top_p: float,
 
 
 def constrained_masks(requests: Sequence[Request], vocab: int) -> dict[int, torch.Tensor]:
-    """Row → ``[V]`` bool mask of the tokens its grammar allows, for the rows with a grammar
-    only (empty, and xgrammar never imported, when no request is constrained)."""
+    """Row → ``[V]`` bool mask of the tokens it may sample, for the constrained rows only: those
+    with a grammar (the tokens it allows) and those short of ``min_tokens`` (every token but
+    their stop tokens: EOS unless ``ignore_eos``, and ``stop_token_ids``; vLLM's min-tokens
+    logits processor). Empty, and xgrammar never imported, when no row is constrained."""
     rows = [b for b, req in enumerate(requests) if req.grammar is not None]
-    if not rows:
-        return {}
-    from llmd.daemon.core.grammar import allowed_tokens
+    out = {}
+    if rows:
+        from llmd.daemon.core.grammar import allowed_tokens
 
-    masks = allowed_tokens([requests[b].grammar for b in rows], vocab)
-    return {b: masks[i] for i, b in enumerate(rows)}
+        masks = allowed_tokens([requests[b].grammar for b in rows], vocab)
+        out = {b: masks[i] for i, b in enumerate(rows)}
+    for b, req in enumerate(requests):
+        sp = req.sampling_params
+        if req.num_output_tokens < sp.min_tokens:
+            stops = [t for t in (*req.eos_token_ids, *sp.stop_token_ids) if 0 <= t < vocab]
+            if stops:
+                mask = out[b].clone() if b in out else torch.ones(vocab, dtype=torch.bool)
+                mask[stops] = False
+                out[b] = mask
+    return out
 
 
 def top_logprobs(raw_logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:

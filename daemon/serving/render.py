@@ -13,7 +13,7 @@ built as in ``vllm/entrypoints/serve/render/serving.py``): ``{"request_id": "cmp
 ``sampling_params`` carries vLLM's names for what the request asked (``n``, ``temperature``,
 ``top_p``, ``top_k``, ``min_p``, the three penalties, ``seed`` as sent or null, ``stop``,
 ``stop_token_ids``, ``ignore_eos``, ``max_tokens`` resolved as generation resolves it: the
-remaining context when omitted, ``logprobs``, ``logit_bias``, ``skip_special_tokens``).
+remaining context when omitted, ``min_tokens``, ``logprobs``, ``logit_bias``, ``skip_special_tokens``).
 
 The body is validated exactly as the generating endpoint validates it (``validation.parse_request``:
 the same 400s naming the field, 404 for another ``model``) and tokenized by the same input
@@ -49,6 +49,7 @@ def sampling_params_body(parsed: ParsedRequest, body: dict, max_tokens: int) -> 
             "repetition_penalty": p.repetition_penalty, "presence_penalty": p.presence_penalty,
             "frequency_penalty": p.frequency_penalty, "seed": body.get("seed"), "stop": list(p.stop),
             "stop_token_ids": sorted(p.stop_token_ids), "ignore_eos": p.ignore_eos, "max_tokens": max_tokens,
+            "min_tokens": p.min_tokens,
             "logprobs": p.logprobs, "skip_special_tokens": True,
             "logit_bias": {str(k): v for k, v in p.logit_bias.items()} if p.logit_bias else None}
 

@@ -5,8 +5,8 @@ Policy (the README's parameter table lists every field of the ``openai`` SDK's
 ``CompletionCreateParams`` and chat ``CompletionCreateParamsBase``): a field llmd can honour is
 honoured; a field that changes nothing about the reply (bookkeeping a router or the SDK adds:
 ``user``, ``metadata``, ``store``, ``service_tier``, ``safety_identifier``,
-``prompt_cache_key``, ``prompt_cache_retention``, ``prompt_cache_options``, vLLM's
-``min_tokens``, ``skip_special_tokens: true``, ``stream_options.include_obfuscation``) is
+``prompt_cache_key``, ``prompt_cache_retention``, ``prompt_cache_options``,
+``skip_special_tokens: true``, ``stream_options.include_obfuscation``) is
 accepted and ignored; a field whose meaning llmd cannot deliver is refused with a 400 naming
 it (:data:`REFUSED`), never silently dropped. Fields no SDK sends stay ignored (OpenAI-compatible
 servers' convention), see ``validation.py``.
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 
-from llmd.daemon.serving.validation import MAX_LOGIT_BIAS, ApiError, json_typed, json_value, typed_value
+from llmd.daemon.serving.validation import MAX_LOGIT_BIAS, ApiError, json_typed, json_value
 
 #: field → (endpoints it is refused on, why); refused when present and not null / false / empty
 REFUSED: dict[str, tuple[tuple[str, ...], str]] = {
@@ -70,9 +70,6 @@ def check_refused(body: dict, chat: bool) -> None:
     if chat and body.get("modalities") not in (None, [], ["text"]):
         got = json_value(body["modalities"], 60)
         raise ApiError(f"modalities must be [\"text\"] (llmd answers text only), got {got}", "modalities")
-    mt = body.get("min_tokens")  # accepted and not applied, but checked as vLLM checks it
-    if mt is not None and (not isinstance(mt, int) or isinstance(mt, bool) or mt < 0):
-        raise ApiError(f"min_tokens must be an integer >= 0, got {typed_value(mt)}", "min_tokens")
     if body.get("skip_special_tokens") is False:
         raise ApiError("skip_special_tokens: false is not supported; llmd always leaves special tokens out of "
                        "the text", "skip_special_tokens")

@@ -103,7 +103,8 @@ def test_eos_counts_only_within_the_first_width_ranks_and_early_stopping():
 @pytest.mark.parametrize("field,change", [("temperature", {"temperature": 0.7}), ("n", {}),
                                           ("stop", {"stop": ["x"]}), ("logprobs", {"logprobs": 1}),
                                           ("early_stopping", {"early_stopping": "sometimes"}),
-                                          ("repetition_penalty", {"repetition_penalty": 1.2})])
+                                          ("repetition_penalty", {"repetition_penalty": 1.2}),
+                                          ("min_tokens", {"min_tokens": 2})])
 def test_invalid_combinations_name_the_field(field, change):
     params = SamplingParams(**{"temperature": 0.0, "use_beam_search": True, **change})
     with pytest.raises(RequestError) as e:

@@ -130,6 +130,18 @@ def test_output_cut_inside_a_character_leaves_it_out(tok):
     assert all("\ufffd" not in x for x in deltas)
 
 
+def test_min_tokens_defers_stop_strings(tok):
+    """With min_tokens, a stop string in the text of the first min_tokens tokens is released as
+    text; the first one after them ends the output (vLLM's stop_check_offset)."""
+    ids = tok.encode("a. b. c. d.")
+    n = len(tok.encode("a. b."))
+    deltas, d = [], IncrementalDetokenizer(tok, [], ["."], min_tokens=n)
+    deltas = [d.update([t]) for t in ids] + [d.finish()]
+    assert "".join(deltas) == d.output_text == "a. b. c" and d.stop_matched == "."
+    d0 = IncrementalDetokenizer(tok, [], ["."])
+    assert d0.update(ids) + d0.finish() == "a"
+
+
 def test_empty_stop_string_rejected(tok):
     with pytest.raises(ValueError):
         IncrementalDetokenizer(tok, [], [""])

@@ -111,6 +111,22 @@ def test_stop_token_ends_request_without_its_text(make_engine, smollm2_tokenizer
     assert engine.kv_manager.num_used_blocks == 0
 
 
+def test_min_tokens_holds_off_stop_tokens_and_strings(make_engine, smollm2_tokenizer):
+    """vLLM's min_tokens on the real model: the stop token that ended the greedy text at position
+    k is masked until min_tokens, and a stop string is looked for only after them."""
+    engine = make_engine()
+    p = smollm2_tokenizer.encode("Count: 1, 2, 3, 4, 5,")
+    [full] = engine.generate([p], greedy(12))
+    ids, k = full["token_ids"], 2
+    sp = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[ids[k]], min_tokens=k + 3)
+    [held] = engine.generate([p], sp)
+    assert len(held["token_ids"]) >= k + 3 and ids[k] not in held["token_ids"][: k + 3]
+    stop = smollm2_tokenizer.decode(ids[k:k + 1])
+    [cut] = engine.generate([p], SamplingParams(max_tokens=12, temperature=0.0, stop=[stop], min_tokens=k + 1))
+    assert len(cut["token_ids"]) > k + 1 and cut["text"].count(stop) >= 1
+    assert engine.kv_manager.num_used_blocks == 0
+
+
 def test_seeded_sampling_is_reproducible_across_batches(make_engine, smollm2_tokenizer):
     p = smollm2_tokenizer.encode("My favourite animal is")
     params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=1234)

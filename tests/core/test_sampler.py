@@ -334,3 +334,22 @@ def test_tiny_temperature_is_raised_to_the_minimum():
     out = sampler(logits, [make_req(rid=str(i), temperature=t, seed=i, logprobs=1)
                            for i, t in enumerate([1e-38, 1e-300, 5e-324, 1e-5])])
     assert out.sampled_token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_min_tokens_masks_the_stop_tokens_until_reached():
+    """vLLM's min_tokens: a row short of it cannot sample EOS or a ``stop_token_ids`` token, even
+    where one is the argmax (greedy) or certain (sampled); once reached, nothing is masked."""
+    logits = torch.full((3, V), -5.0)
+    logits[:, 7] = 10.0  # EOS would win
+    logits[:, 9] = 9.0  # then the stop token id
+    logits[:, 11] = 1.0
+    reqs = [make_req(rid="a", output=(1,), temperature=0.0, min_tokens=2, stop_token_ids=[9]),
+            make_req(rid="b", output=(1,), temperature=0.7, min_tokens=3, stop_token_ids=[9]),
+            make_req(rid="c", output=(1, 2), temperature=0.0, min_tokens=2, stop_token_ids=[9])]
+    for r in reqs:
+        r.eos_token_ids = frozenset({7})
+    out = sampler(logits, reqs)
+    assert out.sampled_token_ids[0] == 11 and out.sampled_token_ids[1] not in (7, 9)
+    assert out.sampled_token_ids[2] == 7  # min_tokens reached: EOS is back
+    reqs[0].eos_token_ids = frozenset()  # ignore_eos: only the stop ids are masked
+    assert sampler(logits[:1], reqs[:1]).sampled_token_ids == [7]

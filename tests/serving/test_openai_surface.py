@@ -157,8 +157,9 @@ def test_fields_llmd_cannot_honour_are_400s_naming_them(engine_loop, path, extra
 
 
 @pytest.mark.parametrize("path, body, param, words", [
-    ("/v1/completions", {"prompt": "hi", "min_tokens": -5}, "min_tokens", "integer >= 0, got number -5"),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": -5}, "min_tokens", "integer in [0, inf], got -5"),
     ("/v1/completions", {"prompt": "hi", "min_tokens": "3"}, "min_tokens", 'got string "3"'),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": 3}, "min_tokens", "min_tokens (3) must be <= max_tokens (2)"),
     ("/v1/completions", {"prompt": ["Hi", 5]}, "prompt", "with number 5"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
      "messages[0].content", "messages[0].content[0].text must be a string, got number 5"),
@@ -167,8 +168,9 @@ def test_fields_llmd_cannot_honour_are_400s_naming_them(engine_loop, path, extra
      "messages[0].content", 'messages[0].content[1] must be a text part'),
 ])
 def test_bad_values_name_the_element(engine_loop, path, body, param, words):
-    """Found by a user: a negative ``min_tokens`` was accepted, a mixed prompt list blamed its
-    good element, and a text part's non-string ``text`` got the image message."""
+    """Found by a user: a negative ``min_tokens`` was accepted (it is now applied, in vLLM's range),
+    a mixed prompt list blamed its good element, and a text part's non-string ``text`` got the
+    image message."""
     async def scenario(client):
         return await post(client, {**body, "max_tokens": 2}, path)
 
@@ -178,8 +180,9 @@ def test_bad_values_name_the_element(engine_loop, path, body, param, words):
 
 
 def test_harmless_fields_routers_add_are_accepted(engine_loop):
-    """user, metadata, store, service_tier, safety_identifier, prompt_cache_key, min_tokens,
-    skip_special_tokens: true, echo: false, modalities ["text"]: the same reply as without them."""
+    """user, metadata, store, service_tier, safety_identifier, prompt_cache_key, min_tokens 1 (applied:
+    the reply's first token is not EOS anyway), skip_special_tokens: true, echo: false,
+    modalities ["text"]: the same reply as without them."""
     extra = {"user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "safety_identifier": "s",
              "prompt_cache_key": "k", "min_tokens": 1, "skip_special_tokens": True, "echo": False}
 

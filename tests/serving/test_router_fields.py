@@ -69,7 +69,7 @@ def test_render_returns_the_ids_generation_prefills_and_queues_nothing(engine_lo
         post = lambda path, body: c.post(path, json=body)  # noqa: E731
         before = await (await c.get("/v1/stats")).json()
         one = await (await post("/v1/completions/render", {"prompt": "hello", "max_tokens": 3, "temperature": 0.5,
-                                                           "stop": ["x"], **ROUTER_COMPLETION})).json()
+                                                           "stop": ["x"], **ROUTER_COMPLETION, "min_tokens": 2})).json()
         tok = await (await post("/tokenize", {"prompt": "hello"})).json()
         many = await (await post("/v1/completions/render", {"prompt": ["ab", [7, 8, 9]]})).json()
         chat = await (await post("/v1/chat/completions/render", {
@@ -86,7 +86,8 @@ def test_render_returns_the_ids_generation_prefills_and_queues_nothing(engine_lo
     assert first["request_id"].startswith("cmpl-") and first["model"] == "tiny" and first["features"] is None
     assert first["kv_transfer_params"] is None and first["stream"] is False and first["stream_options"] is None
     sp = first["sampling_params"]
-    assert (sp["max_tokens"], sp["temperature"], sp["stop"], sp["n"], sp["seed"]) == (3, 0.5, ["x"], 1, None)
+    assert (sp["max_tokens"], sp["temperature"], sp["stop"], sp["n"], sp["seed"], sp["min_tokens"]) == \
+        (3, 0.5, ["x"], 1, None, 2)
     assert [r["token_ids"] for r in many] == [list(b"ab"), [7, 8, 9]]
     assert many[0]["sampling_params"]["max_tokens"] == 512 - 2  # omitted: the remaining context
     assert isinstance(chat, dict) and chat["token_ids"] == chat_tok["tokens"]
