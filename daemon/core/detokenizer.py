@@ -119,14 +119,15 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._tokens)
         return delta
 
-    def _release(self, delta: str, final: bool) -> str:
-        """Stage 2: append ``delta`` to the pending text, apply stop strings, return what is safe."""
+    def _release(self, delta: str, final: bool, stops: bool = True) -> str:
+        """Stage 2: append ``delta`` to the pending text, apply stop strings (unless not
+        ``stops``), return what is safe."""
         self._pending += delta
         pending = self._pending
         if not pending:
             return ""
         cut = -1
-        for s in self.stop:  # earliest occurrence wins; list order breaks ties
+        for s in self.stop if stops else ():  # earliest occurrence wins; list order breaks ties
             i = pending.find(s)
             if i != -1 and (cut == -1 or i < cut):
                 cut, self.stop_matched = i, s
@@ -134,7 +135,7 @@ class IncrementalDetokenizer:
             out = pending[:cut]
             self._pending = ""
         else:
-            hold = 0 if final else self._held_suffix_len(pending)
+            hold = 0 if final or not stops else self._held_suffix_len(pending)
             out = pending[:len(pending) - hold]
             self._pending = pending[len(pending) - hold:]
         self.output_text += out
@@ -163,13 +164,9 @@ class IncrementalDetokenizer:
         if not ids:
             return ""
         self._tokens.extend(self.tokenizer.convert_ids_to_tokens(ids))
-        delta = self._decode_step(force=False)
-        if self._num_tokens <= self._min_tokens:  # before min_tokens: no stop string looked for
-            self._pending += delta
-            out, self._pending = self._pending, ""
-            self.output_text += out
-            return out
-        return self._release(delta, final=False)
+        # before min_tokens: no stop string looked for, nothing held back for one
+        return self._release(self._decode_step(force=False), final=False,
+                             stops=self._num_tokens > self._min_tokens)
 
     def finish(self) -> str:
         """End of generation (EOS or length): release everything still held back.
