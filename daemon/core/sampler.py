@@ -220,7 +220,9 @@ def constrained_masks(requests: Sequence[Request], vocab: int) -> dict[int, torc
     """Row → ``[V]`` bool mask of the tokens it may sample, for the constrained rows only: those
     with a grammar (the tokens it allows) and those short of ``min_tokens`` (every token but
     their stop tokens: EOS unless ``ignore_eos``, and ``stop_token_ids``; vLLM's min-tokens
-    logits processor). Empty, and xgrammar never imported, when no row is constrained."""
+    logits processor; where a grammar allows nothing but a stop token, the grammar's mask stands,
+    so a completed structured output ends). Empty, and xgrammar never imported, when no row is
+    constrained."""
     rows = [b for b, req in enumerate(requests) if req.grammar is not None]
     out = {}
     if rows:
@@ -235,7 +237,8 @@ def constrained_masks(requests: Sequence[Request], vocab: int) -> dict[int, torc
             if stops:
                 mask = out[b].clone() if b in out else torch.ones(vocab, dtype=torch.bool)
                 mask[stops] = False
-                out[b] = mask
+                if b not in out or bool(mask.any()):  # a grammar that allows only its stop wins
+                    out[b] = mask
     return out
 
 

@@ -188,6 +188,18 @@ def test_a_grammar_completed_at_max_tokens_stops(make_engine, smollm2_tokenizer)
     assert cut["finish_reason"] == "length" and len(cut["token_ids"]) == 2
 
 
+def test_min_tokens_yields_to_a_completed_grammar(make_engine, smollm2_tokenizer):
+    """min_tokens past a grammar's end: the choice still ends with its stop token (the grammar's
+    mask stands when it allows nothing else) instead of a row with no token left to sample."""
+    eng = make_engine()
+    prompt = chat(smollm2_tokenizer, "Pick a fruit.")
+    choice = GrammarSpec("choice", choices=("apple", "banana"))
+    plain = eng.generate([prompt], SamplingParams(max_tokens=20, temperature=0, structured=choice))[0]
+    held = eng.generate([prompt], SamplingParams(max_tokens=20, temperature=0, structured=choice, min_tokens=10))[0]
+    assert held["finish_reason"] == "stop" and held["text"] == plain["text"] in ("apple", "banana"), held
+    assert eng.kv_manager.num_used_blocks == 0
+
+
 def test_device_sampler_masks_only_constrained_rows(batched):
     """The batched (CUDA-path) sampler, run on CPU tensors: constrained rows draw only allowed
     tokens, as the host sampler does; the free row's token is its plain argmax; logprobs are raw."""
