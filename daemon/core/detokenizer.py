@@ -78,6 +78,7 @@ class IncrementalDetokenizer:
         self.output_text = ""
         self.stop_matched: str | None = None
         self._min_tokens, self._num_tokens = min_tokens, 0  # output tokens seen, special ones included
+        self._stop_from = 0  # chars of _pending before the min_tokens offset: a stop must end past them
         self._pending = ""  # decoded, complete text not yet released (possible stop prefix)
         self._tokens: list[str] = []
         self._prefix_offset = 0
@@ -120,24 +121,27 @@ class IncrementalDetokenizer:
         return delta
 
     def _release(self, delta: str, final: bool, stops: bool = True) -> str:
-        """Stage 2: append ``delta`` to the pending text, apply stop strings (unless not
-        ``stops``), return what is safe."""
+        """Stage 2: append ``delta`` to the pending text, apply stop strings, return what is safe.
+        Without ``stops`` (the first ``min_tokens`` tokens) nothing is matched, but a possible
+        stop prefix is still held back: a stop string that starts there and ends after them
+        matches (vLLM's ``check_stop_strings`` from ``stop_check_offset``)."""
         self._pending += delta
         pending = self._pending
         if not pending:
             return ""
         cut = -1
         for s in self.stop if stops else ():  # earliest occurrence wins; list order breaks ties
-            i = pending.find(s)
+            i = pending.find(s, max(0, self._stop_from - len(s) + 1))
             if i != -1 and (cut == -1 or i < cut):
                 cut, self.stop_matched = i, s
         if cut != -1:
             out = pending[:cut]
             self._pending = ""
         else:
-            hold = 0 if final or not stops else self._held_suffix_len(pending)
+            hold = 0 if final else self._held_suffix_len(pending)
             out = pending[:len(pending) - hold]
             self._pending = pending[len(pending) - hold:]
+        self._stop_from = len(self._pending) if not stops else max(0, self._stop_from - len(out))
         self.output_text += out
         return out
 
@@ -164,7 +168,7 @@ class IncrementalDetokenizer:
         if not ids:
             return ""
         self._tokens.extend(self.tokenizer.convert_ids_to_tokens(ids))
-        # before min_tokens: no stop string looked for, nothing held back for one
+        # before min_tokens: no stop string is matched (one may start there and end after)
         return self._release(self._decode_step(force=False), final=False,
                              stops=self._num_tokens > self._min_tokens)
 
@@ -178,4 +182,5 @@ class IncrementalDetokenizer:
         """
         if self.stop_matched is not None:
             return ""
-        return self._release(self._decode_step(force=True).rstrip(_REPLACEMENT), final=True)
+        return self._release(self._decode_step(force=True).rstrip(_REPLACEMENT), final=True,
+                             stops=self._num_tokens > self._min_tokens)

@@ -582,6 +582,10 @@ class Engine:
         if req.is_finished:
             if detok.stop_matched is None:
                 text += detok.finish()
+            if detok.stop_matched is not None and req.status == RequestStatus.FINISHED_LENGTH:
+                # the last token completed a stop string (or finish() found one): the text is cut
+                # there, so "stop", as vLLM reports it
+                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, detok.stop_matched
             del self.detokenizers[req.request_id]
             self._finished(req, req.status.finish_reason)
         return RequestOutput(

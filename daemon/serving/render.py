@@ -77,6 +77,7 @@ async def _render(request: web.Request, chat: bool) -> list[dict]:
             # the length rules of admission; max_tokens resolved on a copy (ids: only re-checked)
             params = dataclasses.replace(parsed.params)
             processor.process(ids, params)
+            params.validate()  # as Engine.add_request does after process(): min_tokens vs the resolved max_tokens
         except LlmdError as e:
             raise engine_error(e, chat) from None
         out.append({

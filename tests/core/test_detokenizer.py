@@ -140,6 +140,10 @@ def test_min_tokens_defers_stop_strings(tok):
     assert "".join(deltas) == d.output_text == "a. b. c" and d.stop_matched == "."
     d0 = IncrementalDetokenizer(tok, [], ["."])
     assert d0.update(ids) + d0.finish() == "a"
+    # a stop that starts in the first min_tokens tokens' text and ends after it matches (vLLM)
+    d1 = IncrementalDetokenizer(tok, [], [". c"], min_tokens=n)
+    streamed = [d1.update([t]) for t in ids] + [d1.finish()]
+    assert "".join(streamed) == "a. b" and d1.stop_matched == ". c"
 
 
 def test_empty_stop_string_rejected(tok):

@@ -111,6 +111,23 @@ def test_stop_token_ends_request_without_its_text(make_engine, smollm2_tokenizer
     assert engine.kv_manager.num_used_blocks == 0
 
 
+def test_stop_string_completed_by_the_last_token_is_stop(make_engine, smollm2_tokenizer):
+    """A stop string that the max_tokens-th token completes cuts the text there and finishes with
+    "stop", not "length" (found by a user; vLLM reports "stop")."""
+    engine = make_engine()
+    p = smollm2_tokenizer.encode("Count: 1, 2, 3, 4, 5,")
+    [full] = engine.generate([p], greedy(12))
+    ids = full["token_ids"]
+    for k in range(2, 11):
+        head = smollm2_tokenizer.decode(ids[: k + 1])
+        stop = head[-2:]
+        if stop.strip() and head.find(stop) == len(head) - 2 and smollm2_tokenizer.decode(ids[:k]) != head:
+            break
+    [cut] = engine.generate([p], SamplingParams(max_tokens=k + 1, temperature=0.0, stop=[stop]))
+    assert (cut["finish_reason"], cut["text"]) == ("stop", head[:-2]), (k, stop, cut)
+    assert engine.kv_manager.num_used_blocks == 0
+
+
 def test_min_tokens_holds_off_stop_tokens_and_strings(make_engine, smollm2_tokenizer):
     """vLLM's min_tokens on the real model: the stop token that ended the greedy text at position
     k is masked until min_tokens, and a stop string is looked for only after them."""

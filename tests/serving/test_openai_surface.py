@@ -160,6 +160,7 @@ def test_fields_llmd_cannot_honour_are_400s_naming_them(engine_loop, path, extra
     ("/v1/completions", {"prompt": "hi", "min_tokens": -5}, "min_tokens", "integer in [0, inf], got -5"),
     ("/v1/completions", {"prompt": "hi", "min_tokens": "3"}, "min_tokens", 'got string "3"'),
     ("/v1/completions", {"prompt": "hi", "min_tokens": 3}, "min_tokens", "min_tokens (3) must be <= max_tokens (2)"),
+    ("/v1/completions/render", {"prompt": "hi", "min_tokens": 3}, "min_tokens", "must be <= max_tokens (2)"),
     ("/v1/completions", {"prompt": ["Hi", 5]}, "prompt", "with number 5"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
      "messages[0].content", "messages[0].content[0].text must be a string, got number 5"),
