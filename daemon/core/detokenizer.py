@@ -55,8 +55,8 @@ class IncrementalDetokenizer:
         prompt_token_ids: the prompt; only its last few tokens are used, as decode context.
         stop: stop strings (non-empty ``str``); ``[]`` for none.
         skip_special_tokens: drop special tokens from the text (OpenAI / vLLM default).
-        min_tokens: stop strings are looked for only in the text of the tokens after the first
-            ``min_tokens`` (vLLM's ``stop_check_offset``); the text before is released as it comes.
+        min_tokens: no stop string may end in the text of the first ``min_tokens`` tokens; one
+            that starts there and ends after them matches (vLLM's ``stop_check_offset``).
 
     Attributes:
         output_text: all text released so far (``str``; the concatenation of every delta).

@@ -71,8 +71,8 @@ class SamplingParams:
             own choices are reproducible regardless of batch composition.
         stop: strings that end generation; the matched string is not returned.
         min_tokens: output tokens before EOS, ``stop_token_ids`` or a ``stop`` string may end the
-            request (vLLM's): until then the sampler masks the stop tokens and the stop strings
-            are not looked for; 0 disables.
+            request (vLLM's): until then the sampler masks the stop tokens (unless a grammar
+            allows nothing else) and no stop string may end in their text; 0 disables.
         stop_token_ids: token ids that end generation (added to the model's EOS ids); kept as a
             frozenset, so the per-token stop check is O(1) however many a client sends.
         ignore_eos: keep generating past the model's end-of-sequence tokens.
