@@ -7,8 +7,11 @@ Logprobs are those of the raw model distribution (``log_softmax`` of the logits 
 penalties, temperature, top-k/top-p; vLLM's convention), in each endpoint's shape:
 
 * ``/v1/completions``: ``{"tokens": [str], "token_logprobs": [float], "top_logprobs":
-  [{str: float}] | null, "text_offset": [int]}`` (character offsets of each token's text
-  within the concatenated token texts);
+  [{str: float}], "text_offset": [int]}`` (character offsets of each token's text within the
+  concatenated token texts). Each ``top_logprobs`` entry holds the sampled token first, then
+  the ``logprobs`` most likely ones, so up to ``logprobs + 1`` keys, and ``logprobs: 0`` gives
+  the sampled token alone (OpenAI's legacy completions: "the API will always return the
+  logprob of the sampled token"; vLLM's ``_create_completion_logprobs`` does the same);
 * ``/v1/chat/completions``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs":
   [{"token", "logprob", "bytes"}]}]}``.
 
@@ -108,7 +111,7 @@ class ResponseBuilder:
             tok = self.token_text(lp.token_id)
             d["tokens"].append(tok)
             d["token_logprobs"].append(lp.logprob)
-            d["top_logprobs"].append({self.token_text(i): v for i, v in lp.top} if self.logprobs > 0 else None)
+            d["top_logprobs"].append({tok: lp.logprob} | {self.token_text(i): v for i, v in lp.top})
             d["text_offset"].append(offset)
             offset += len(tok)
         choice.tok_offset = offset
@@ -202,8 +205,6 @@ class ResponseBuilder:
                 lp = None
                 if self.logprobs is not None:
                     lp = dict(c.lp)
-                    if self.logprobs == 0:
-                        lp["top_logprobs"] = None
                 text = self.echo[i // self.n] + c.text if self.echo else c.text
                 choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
         obj = "chat.completion" if self.chat else "text_completion"

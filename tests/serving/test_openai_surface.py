@@ -116,6 +116,32 @@ def test_echo_prepends_the_prompt_and_refuses_logprobs(engine_loop):
     assert "logprobs" in bad[0][1]["error"]["message"]
 
 
+def test_completion_top_logprobs_hold_the_sampled_token_first(engine_loop):
+    """Completions' ``top_logprobs`` entries start with the sampled token (OpenAI legacy, vLLM),
+    so ``logprobs: 0`` gives the sampled token alone, streamed or not; ``logprobs: 2`` gives it
+    and up to 2 more, the top ones in order."""
+
+    async def scenario(client):
+        sampled = {"prompt": "hello", "max_tokens": 6, "temperature": 1.5, "seed": 5}
+        zero = await post(client, {**sampled, "logprobs": 0})
+        two = await post(client, {**sampled, "logprobs": 2})
+        resp = await client.post("/v1/completions", json={**sampled, "logprobs": 0, "stream": True})
+        return zero, two, await events(resp)
+
+    (s0, zero), (s2, two), evs = run(engine_loop, scenario)
+    assert s0 == s2 == 200
+    lp0, lp2 = zero["choices"][0]["logprobs"], two["choices"][0]["logprobs"]
+    assert lp0["top_logprobs"] == [{t: v} for t, v in zip(lp0["tokens"], lp0["token_logprobs"])]
+    streamed = [top for e in evs[:-1] for c in e["choices"] if c["logprobs"] for top in c["logprobs"]["top_logprobs"]]
+    assert streamed == lp0["top_logprobs"]
+    assert lp2["tokens"] == lp0["tokens"]  # same seed, same draws
+    for tok, v, top in zip(lp2["tokens"], lp2["token_logprobs"], lp2["top_logprobs"]):
+        assert next(iter(top.items())) == (tok, v) and 2 <= len(top) <= 3
+        others = list(top.values())[1:]  # the top 2 but the sampled token, best first
+        assert others == sorted(others, reverse=True)
+    assert any(len(top) == 3 for top in lp2["top_logprobs"]), "temperature 1.5 never left the top 2"
+
+
 def test_logit_bias_steers_its_request_only_and_logprobs_stay_raw(engine_loop):
     """logit_bias {"65": 100} makes greedy pick 'A' every step, while a concurrent request without
     it gets its solo reply; the reported logprob of 'A' is the raw model's (far from 0)."""
