@@ -107,9 +107,15 @@ def json_type(v) -> str:
 
 
 def _int(body: dict, name: str, default=None, lo: int | None = None, hi: int | None = None):
+    """Field ``name`` as an int in [lo, hi], or ``default`` when absent or null.
+
+    An integral JSON number (``5.0``) is taken as that integer, as pydantic's lax mode does
+    for vLLM's ``int`` fields; ``5.5``, booleans and strings raise :class:`ApiError`."""
     v = body.get(name, default)
     if v is None:
         return default
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
     if isinstance(v, bool) or not isinstance(v, int):
         raise ApiError(f"{name} must be an integer, got {typed_value(v)}", name)
     if (lo is not None and v < lo) or (hi is not None and v > hi):

@@ -80,6 +80,25 @@ def test_limits_are_400s_naming_the_field_before_anything_is_queued(engine_loop)
     assert engine_loop.engine.kv_manager.num_used_blocks == 0
 
 
+def test_integer_fields_take_integral_numbers_only(engine_loop):
+    """``max_tokens: 3.0`` / ``n: 2.0`` / ``seed: 7.0`` are those integers (pydantic's lax mode in
+    vLLM); ``max_tokens: 3.5`` and ``n: "2"`` are 400s naming the field."""
+
+    async def scenario(client):
+        out = []
+        for body in ({"max_tokens": 3.0, "n": 2.0, "seed": 7.0, "temperature": 0.8},
+                     {"max_tokens": 3, "n": 2, "seed": 7, "temperature": 0.8}, {"max_tokens": 3.5}, {"n": "2"}):
+            resp = await client.post("/v1/completions", json={"prompt": "hi", "ignore_eos": True, **body})
+            out.append((resp.status, await resp.json()))
+        return out
+
+    (s1, floats), (s2, ints), (s3, half), (s4, text) = run(engine_loop, scenario)
+    assert s1 == s2 == 200 and [c["text"] for c in floats["choices"]] == [c["text"] for c in ints["choices"]]
+    assert floats["usage"]["completion_tokens"] == 6
+    assert s3 == 400 and half["error"]["param"] == "max_tokens" and "integer, got number 3.5" in half["error"]["message"]
+    assert s4 == 400 and text["error"]["param"] == "n"
+
+
 def test_stop_token_ids_are_a_set_and_tokenize_takes_every_prompt_form(engine_loop):
     """Duplicated stop token ids at the cap are accepted (a set) and stop generation; /tokenize
     takes text, token ids and messages as generation does."""
