@@ -110,7 +110,7 @@ def generate(prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, be
 def kv_size(model, context, memory, block_size, max_num_seqs, total_memory):
     """KV cache bytes per token and sequences that fit, per cache dtype (GGUF metadata only);
     with --total-memory, the weights per --weight-quant format and what fits beside them."""
-    from llmd.daemon.core.kv_size import check_kv_memory, group_summary, kv_size_rows
+    from llmd.daemon.core.kv_size import MIN_KV_BLOCKS, check_kv_memory, group_summary, kv_size_rows
     from llmd.daemon.kv import make_kv_cache_groups
     from llmd.models.presets import is_random_model, preset_config
 
@@ -136,7 +136,7 @@ def kv_size(model, context, memory, block_size, max_num_seqs, total_memory):
     windows = cfg.layer_windows
     layouts = ([(True, "")] if all(w is None for w in windows)
                else [(True, " (hybrid KV cache groups)"), (False, " (every layer global)")])
-    check_kv_memory(cfg, memory, block_size, [hybrid for hybrid, _ in layouts])  # as the engine's 2-block minimum
+    check_kv_memory(cfg, memory, block_size, [hybrid for hybrid, _ in layouts], max_num_seqs)  # the engine's minimum
     click.echo(f"{cfg.name}: {cfg.num_layers} layers, {cfg.num_kv_heads} KV heads x {cfg.head_dim} dims; "
                f"context {context} tokens; memory {memory} B ({memory / 2**20:.0f} MiB)")
     for hybrid, title in layouts:
@@ -147,7 +147,13 @@ def kv_size(model, context, memory, block_size, max_num_seqs, total_memory):
         half = next(r.num_blocks for r in rows if r.name == "bf16/fp16")
         for r in rows:
             click.echo(f"{r.name:<12}{r.bytes_per_token:>12,.0f}{r.bytes_per_sequence:>16,.0f}{r.num_blocks:>10}"
-                       f"{r.sequences:>12.2f}{r.num_blocks / half:>9.2f}x")
+                       f"{r.sequences:>12.2f}{r.num_blocks / half if half else 0:>9.2f}x")
+        small = [r.name for r in rows if r.num_blocks < MIN_KV_BLOCKS]
+        if small:
+            click.echo(f"  {', '.join(small)}: fewer than {MIN_KV_BLOCKS} blocks, a budget the engine refuses for "
+                       f"{'that dtype' if len(small) == 1 else 'those dtypes'}"
+                       + (f" (int4 first sets aside its residual for --max-num-seqs {max_num_seqs})"
+                          if "int4" in small else ""))
 
 
 def _what_fits(model: str, cfg, context: int, total: int, block_size: int) -> None:

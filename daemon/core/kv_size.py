@@ -43,8 +43,10 @@ class KVSizeRow:
         bytes_per_token: KV bytes per token if every layer kept every token (scales included;
             int4: the open-block residual amortized over the pool's tokens).
         bytes_per_sequence: bytes one ``context``-token sequence really holds (window bounds applied).
-        num_blocks: ``floor(memory / block_bytes)``.
-        sequences: full-context sequences that fit (``num_blocks / blocks per sequence``).
+        num_blocks: ``floor((memory - int4 residual) / block_bytes)``.
+        sequences: full-context sequences that fit, counted as the engine's startup line does:
+            ``(num_blocks - 1) / blocks per sequence`` (block 0 is the reserved null block), 0
+            when ``num_blocks`` is under :data:`MIN_KV_BLOCKS` (the engine refuses such a cache).
     """
 
     name: str
@@ -129,7 +131,8 @@ def kv_size_rows(cfg: ModelConfig, context: int, memory: int, block_size: int, h
         per_token = kv_cache_bytes_per_token(cfg, kv_cache_dtype, model_dtype)
         if residual and blocks:  # the residual's share of the pool, spread over its tokens
             per_token = round(per_token * (1 + residual / (blocks * block)))
-        rows.append(KVSizeRow(name, per_token, block * per_seq, blocks, blocks / per_seq))
+        usable = blocks - 1 if blocks >= MIN_KV_BLOCKS else 0
+        rows.append(KVSizeRow(name, per_token, block * per_seq, blocks, usable / per_seq))
     return rows
 
 
@@ -137,22 +140,26 @@ def kv_size_rows(cfg: ModelConfig, context: int, memory: int, block_size: int, h
 MIN_KV_BLOCKS = 2
 
 
-def check_kv_memory(cfg: ModelConfig, memory: int, block_size: int, hybrids: list[bool]) -> None:
-    """Refuse a ``memory``-byte KV cache that holds fewer than :data:`MIN_KV_BLOCKS` blocks of
-    any :data:`KV_SIZE_ROWS` format in any of the ``hybrids`` layouts (the largest block: float32's),
-    in the engine's words for ``--kv-cache-memory``.
+def check_kv_memory(cfg: ModelConfig, memory: int, block_size: int, hybrids: list[bool],
+                    max_num_seqs: int = 64) -> None:
+    """Refuse a ``memory``-byte KV cache that holds fewer than :data:`MIN_KV_BLOCKS` blocks in
+    every :data:`KV_SIZE_ROWS` format and every one of the ``hybrids`` layouts, in the engine's
+    words for ``--kv-cache-memory``; the bound named is the smallest need (int4's includes its
+    residual for ``max_num_seqs``). A budget some formats fit is the table's to show (their
+    rows: 0 sequences).
 
     Raises:
-        LlmdError: ``--memory 1024 B holds fewer than 2 KV blocks of 737280 B (...); give at least ...``.
+        LlmdError: ``--memory 1024 B holds fewer than 2 KV blocks of 184320 B (...); give at least ...``.
     """
-    block, name, layers = max(
-        (kv_cache_block_bytes(cfg, groups, block_size, kv_cache_dtype, model_dtype), name,
-         max(len(g.layer_ids) for g in groups))
+    need, block, name, layers = min(
+        (kv_residual_bytes(cfg, groups, block_size, kv_cache_dtype, max_num_seqs) + MIN_KV_BLOCKS * block,
+         block, name, max(len(g.layer_ids) for g in groups))
         for groups in (make_kv_cache_groups(cfg.layer_windows, hybrid) for hybrid in hybrids)
-        for name, kv_cache_dtype, model_dtype in KV_SIZE_ROWS)
-    if memory < MIN_KV_BLOCKS * block:
-        raise LlmdError(f"--memory {memory} B holds fewer than {MIN_KV_BLOCKS} KV blocks of {block} B "
-                        f"({block_size} tokens x {layers} layers, {name}); give at least {MIN_KV_BLOCKS * block} B")
+        for name, kv_cache_dtype, model_dtype in KV_SIZE_ROWS
+        for block in [kv_cache_block_bytes(cfg, groups, block_size, kv_cache_dtype, model_dtype)])
+    if memory < need:
+        raise LlmdError(f"--memory {memory} B holds fewer than {MIN_KV_BLOCKS} KV blocks of any cache dtype (the "
+                        f"smallest: {block} B, {block_size} tokens x {layers} layers, {name}); give at least {need} B")
 
 
 def group_summary(groups: list[KVCacheGroupSpec], block_size: int) -> str:

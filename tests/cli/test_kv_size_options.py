@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from llmd.daemon.cli.main import main
-from llmd.daemon.core.kv_size import KV_SIZE_ROWS, MIN_KV_BLOCKS, kv_cache_block_bytes
+from llmd.daemon.core.kv_size import KV_SIZE_ROWS, MIN_KV_BLOCKS, kv_cache_block_bytes, kv_residual_bytes
 from llmd.daemon.kv import make_kv_cache_groups
 from llmd.models.presets import preset_config
 
@@ -26,10 +26,19 @@ def assert_one_line_error(result, text: str) -> None:
     assert result.output.strip().splitlines() == [f"llmd: error: {text}"], result.output
 
 
-def largest_block_bytes(block_size: int = 16) -> int:
+def smallest_need(block_size: int = 16, max_num_seqs: int = 64) -> tuple[int, int]:
+    """(bytes of 2 blocks plus int4's residual, the block) of the format that needs the least."""
     cfg = preset_config(MODEL)
     groups = make_kv_cache_groups(cfg.layer_windows, True)
-    return max(kv_cache_block_bytes(cfg, groups, block_size, kv, dt) for _, kv, dt in KV_SIZE_ROWS)
+    return min((kv_residual_bytes(cfg, groups, block_size, kv, max_num_seqs)
+                + MIN_KV_BLOCKS * (b := kv_cache_block_bytes(cfg, groups, block_size, kv, dt)), b)
+               for _, kv, dt in KV_SIZE_ROWS)
+
+
+def block_bytes(name: str, block_size: int = 16) -> int:
+    cfg = preset_config(MODEL)
+    groups = make_kv_cache_groups(cfg.layer_windows, True)
+    return next(kv_cache_block_bytes(cfg, groups, block_size, kv, dt) for n, kv, dt in KV_SIZE_ROWS if n == name)
 
 
 @pytest.mark.parametrize("args, text", [
@@ -52,22 +61,33 @@ def test_counts_are_checked_before_the_model_resolves(tmp_path):
 
 
 def test_memory_below_the_engines_two_blocks_is_one_line_error():
-    """The engine's minimum and words (``--kv-cache-memory 1024 B holds fewer than 2 KV blocks of ...``),
-    for the table's largest block (float32); --memory 1KiB was a ZeroDivisionError."""
-    block = largest_block_bytes()
-    assert MIN_KV_BLOCKS == 2
+    """The engine's minimum and words (``--kv-cache-memory 1024 B holds fewer than 2 KV blocks ...``)
+    when no cache dtype fits 2 blocks (--memory 1KiB was a ZeroDivisionError); a budget some
+    dtypes fit prints the table, those that do not with 0 sequences and a note."""
+    need, block = smallest_need()
+    assert MIN_KV_BLOCKS == 2 and block == block_bytes("int8") and need == 2 * block
     assert_one_line_error(run_kv_size("--memory", "1KiB"),
-                          f"--memory 1024 B holds fewer than 2 KV blocks of {block} B (16 tokens x 32 layers, "
-                          f"float32); give at least {2 * block} B")
-    result = run_kv_size("--memory", str(2 * block - 1))
+                          f"--memory 1024 B holds fewer than 2 KV blocks of any cache dtype (the smallest: {block} B, "
+                          f"16 tokens x 32 layers, fp8); give at least {need} B")
+    result = run_kv_size("--memory", str(need - 1))
     assert result.exit_code == 1 and "holds fewer than 2 KV blocks" in result.output, result.output
-    result = run_kv_size("--memory", str(2 * block))
+    result = run_kv_size("--memory", str(need))
     assert result.exit_code == 0, result.output
-    rows = {line.split()[0]: line.split() for line in result.output.splitlines()[2:]}
-    assert rows["float32"][3] == "2" and rows["bf16/fp16"][3] == "4", result.output
+    rows = {line.split()[0]: line.split() for line in result.output.splitlines()[3:8]}
+    assert rows["int8"][3] == "2" and rows["float32"][3] == "0" and rows["bf16/fp16"][3] == "1", result.output
+    assert "float32, bf16/fp16, int4: fewer than 2 blocks" in result.output
     # a larger --block-size needs larger blocks: the bound scales with it
-    result = run_kv_size("--memory", str(2 * block), "--block-size", "32")
-    assert result.exit_code == 1 and f"give at least {2 * largest_block_bytes(32)} B" in result.output
+    result = run_kv_size("--memory", str(need), "--block-size", "32")
+    assert result.exit_code == 1 and f"give at least {smallest_need(32)[0]} B" in result.output
+
+
+def test_sequences_count_as_the_engines_startup_line():
+    """``sequences`` = (blocks − 1) / blocks per sequence: block 0 is the null block, as the
+    engine's startup line counts (was blocks / blocks per sequence)."""
+    bf16 = block_bytes("bf16/fp16")  # 16 tokens: a 64-token context needs 4 blocks
+    result = run_kv_size("--memory", str(9 * bf16), "--context", "64")
+    row = next(line.split() for line in result.output.splitlines() if line.startswith("bf16/fp16"))
+    assert row[3] == "9" and row[4] == "2.00", result.output
 
 
 def test_context_beyond_the_model_is_capped_with_a_note():
