@@ -13,6 +13,7 @@ from llmd.daemon.cli.common import (
     client_for,
     engine_options,
     one_line_errors,
+    prompt_text,
     socket_option,
     socket_path_of,
 )
@@ -85,7 +86,7 @@ def check_chat_template(model: str) -> None:
 
 @click.command()
 @socket_option
-@click.option("-p", "--prompt", default=None, help="Answer this one question and exit.")
+@click.option("-p", "--prompt", default=None, help="Answer this one question and exit (- reads it from stdin).")
 @click.option("--system", default=None, help="System prompt.")
 @click.option("--temperature", default=CHAT_DEFAULTS["temperature"], show_default=True, type=float,
               help="0 = greedy. The chat defaults (README \"Chat defaults\") are measured on SmolLM2-135M; "
@@ -113,6 +114,7 @@ def chat(socket_path, prompt, system, temperature, top_k, top_p, repetition_pena
     params = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "repetition_penalty": repetition_penalty,
               "max_tokens": max_tokens, "seed": seed, "context_overflow": "shift"}  # a reply may cross the context
     check_params(params)  # before any daemon starts or weights load
+    prompt = prompt_text(prompt, "--prompt")
     if no_daemon:
         check_chat_template(engine_kw["model"])
         backend = LocalBackend(build_engine(**engine_kw))

@@ -33,6 +33,23 @@ def one_line_errors(fn):
     return wrapper
 
 
+def prompt_text(value: str | None, name: str) -> str | None:
+    """A prompt option's text: ``-`` reads all of stdin (as ``cat``, llama.cpp's ``-f /dev/stdin``
+    or a pipe into ``ollama run``), its trailing newlines stripped as the shell's ``$(...)`` does;
+    anything else is the text itself.
+
+    Raises:
+        LlmdError: ``name`` is empty, or ``-`` read only newlines.
+    """
+    if value == "-":
+        value = sys.stdin.read().rstrip("\r\n")
+        if not value:
+            raise LlmdError(f"{name} is - but stdin gave no text")
+    elif value is not None and not value:
+        raise LlmdError(f"{name} is empty")
+    return value
+
+
 def parse_bytes_option(ctx, param, value):
     if value is None:
         return None

@@ -7,7 +7,14 @@ import time
 
 import click
 
-from llmd.daemon.cli.common import build_engine, engine_options, model_option, one_line_errors, parse_bytes_option
+from llmd.daemon.cli.common import (
+    build_engine,
+    engine_options,
+    model_option,
+    one_line_errors,
+    parse_bytes_option,
+    prompt_text,
+)
 from llmd.daemon.core.errors import LlmdError, require_at_least_one
 
 
@@ -34,15 +41,14 @@ from llmd.daemon.core.errors import LlmdError, require_at_least_one
 @one_line_errors
 def generate(prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, beam_width, length_penalty,
              early_stopping, truncate_prompt_tokens, **engine_kw):
-    """Generate a completion for PROMPT with llmd's own engine, streaming text to stdout
-    (with --beam-width K: the K beams, best first, once the search ends)."""
+    """Generate a completion for PROMPT (- reads it from stdin) with llmd's own engine, streaming
+    text to stdout (with --beam-width K: the K beams, best first, once the search ends)."""
     from llmd.daemon.core.beam import check_beam_params
     from llmd.daemon.core.request import SamplingParams
 
     if max_tokens is not None and max_tokens < 1:
         raise LlmdError(f"--max-tokens must be >= 1, got {max_tokens}")
-    if not prompt:
-        raise LlmdError("PROMPT is empty")
+    prompt = prompt_text(prompt, "PROMPT")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             stop=list(stop), truncate_prompt_tokens=truncate_prompt_tokens)
     beam = beam_width > 1

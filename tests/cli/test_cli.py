@@ -156,3 +156,24 @@ def test_generate_chat_on_a_template_less_model_names_the_given_model(tmp_path):
     r = run_cli(["generate", "hi", "--chat", "--model", str(path)])
     assert_one_line_error(r, f"model {path} has no chat template")
     assert "loading" not in r.output, r.output
+
+
+def test_a_prompt_of_dash_is_read_from_stdin(tmp_path):
+    """`llmd generate -` takes the prompt from stdin (trailing newlines stripped, as `$(...)`):
+    the prompt-length check before the weights load counts the same tokens as for the prompt
+    given as an argument; an empty stdin or an empty prompt is one line, and so for `llmd chat
+    -p`, before any daemon starts."""
+    sock = str(tmp_path / "none.sock")
+    prompt = "word " * 30 + "end"
+    args = ["--max-model-len", "16", "--kv-cache-memory", "8MiB"]
+    given = CliRunner().invoke(main, ["generate", prompt, *args])
+    piped = CliRunner().invoke(main, ["generate", "-", *args], input=prompt + "\n\n")
+    assert_one_line_error(given, "but the context is 16 tokens")
+    assert piped.output == given.output
+    for cmd, text in ((["generate", "-", *args], "PROMPT is - but stdin gave no text"),
+                      (["generate", "", *args], "PROMPT is empty"),
+                      (["chat", "--socket", sock, "-p", "-"], "--prompt is - but stdin gave no text"),
+                      (["chat", "--socket", sock, "-p", ""], "--prompt is empty")):
+        r = CliRunner().invoke(main, cmd, input="\n")
+        assert_one_line_error(r, text)
+        assert "loading" not in r.output and "starting a daemon" not in r.output and not os.path.exists(sock)
