@@ -67,9 +67,12 @@ def bench_single(formats, prompt_len, decode, repeats, weight_quant, **engine_kw
     fmts = [f.strip() for f in formats.split(",") if f.strip()]
     for f in fmts:  # every format checked (bitsandbytes present, device, dtype) before the first row runs
         try:
-            EngineConfig(**{k: v for k, v in engine_kw.items() if k != "name"}, weight_quant=f).resolve()
+            resolved = EngineConfig(**{k: v for k, v in engine_kw.items() if k != "name"}, weight_quant=f).resolve()
         except LlmdError as e:
             raise LlmdError(f"--formats {f}: {str(e).replace('--weight-quant ', '')}") from None
+        if prompt_len > resolved.max_num_batched_tokens:  # the prefill must be one step; known before any load
+            raise LlmdError(f"--prompt {prompt_len} exceeds the token budget {resolved.max_num_batched_tokens} "
+                            "(--max-num-batched-tokens)")
     try:
         single_stream(lambda f: build_engine(**engine_kw, weight_quant=f), fmts, prompt_len, decode, repeats,
                       echo=click.echo)

@@ -115,6 +115,8 @@ def test_bench_options_fail_in_one_line_before_the_weights_load():
                              (["bench", "single", "--repeats", "0"], "'--repeats': 0 is not in the range", 2),
                              (["bench", "single", "--decode", "0"], "'--decode': 0 is not in the range", 2),
                              (["bench", "single", "--formats", "foo"], "--formats foo: must be one of", 1),
+                             (["bench", "single", "--prompt", "99999"],
+                              "--prompt 99999 exceeds the token budget 512 (--max-num-batched-tokens)", 1),
                              (["bench", "prefix", "--users", "0"], "'--users': 0 is not in the range", 2),
                              (["bench", "hybrid", "--num-requests", "0"], "'--num-requests': 0 is not in the range", 2),
                              (["bench", "step", "--attention-backend", "foo"], "foo is not one of cpu, torch", 2),
