@@ -115,7 +115,8 @@ def kv_fingerprint(engine) -> dict:
         "model": f"{cfg.name}|{cfg.architecture}",
         "weights": weights_digest(engine.runner.model),
         "dtype": c.dtype,
-        "weight_quant": str(c.weight_quant),
+        # "auto" keeps the dense weights beside the packs for steps of more tokens: "gguf+dense"
+        "weight_quant": f"{c.weight_quant}{'+dense' if c.keep_dense and c.weight_quant != 'none' else ''}",
         "block_size": c.block_size,
         "kv_cache_dtype": c.kv_cache_dtype,
         "kv_scheme": cache.fmt.scheme,  # what the block bytes mean (int4: "int4-kivi16")

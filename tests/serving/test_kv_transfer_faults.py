@@ -162,6 +162,23 @@ def test_fingerprint_names_the_kv_scheme(tmp_path):
     assert "kv_scheme 'int4-kivi16' (producer) vs 'auto' (here)" in fingerprint_mismatch(auto, int4)
 
 
+def test_fingerprint_tells_auto_from_plain_gguf(tmp_path):
+    """``--weight-quant auto`` in bfloat16 serves large steps (a prefill) on the dense weights and
+    small ones on the GGUF packs; plain ``gguf`` serves every step on the packs. Their KV differ,
+    so their fingerprints do ("gguf+dense" vs "gguf"); auto resolved to "none" is plain "none"."""
+    from tiny_engine import tiny_engine
+
+    from llmd.daemon.core.kv_transfer import fingerprint_mismatch, kv_fingerprint
+
+    auto = kv_fingerprint(tiny_engine(tmp_path / "a.gguf", dtype="bfloat16"))
+    gguf = kv_fingerprint(tiny_engine(tmp_path / "b.gguf", dtype="bfloat16", weight_quant="gguf"))
+    assert auto["weight_quant"] == "gguf+dense" and gguf["weight_quant"] == "gguf"
+    same_name = {"model": "m|llama"}  # the tiny GGUFs are named after their files
+    assert (fingerprint_mismatch({**auto, **same_name}, {**gguf, **same_name})
+            == "weight_quant 'gguf' (producer) vs 'gguf+dense' (here)")
+    assert kv_fingerprint(tiny_engine(tmp_path / "c.gguf"))["weight_quant"] == "none"  # float32: auto is none
+
+
 def test_bad_params_and_roles_are_400s_naming_the_field(loops):
     async def scenario():
         async with kv_pair(*loops) as (p, c):
