@@ -1,6 +1,6 @@
 /* Decode attention scores on Intel AMX (Sapphire Rapids and later) for bfloat16 queries over a
  * bfloat16 paged cache; the softmax and P·V stay on the vector units as in decode_task. Included
- * by paged_decode.c (uses its vf, loadv, expv, hsum, lazy_rescale, MAX_* limits); built
+ * by paged_decode.c (uses decode_vec.h's vf, loadv, expv, hsum, MAX_* limits and decode_runs.h's lazy_rescale); built
  * only where -march=native enables AMX-TILE, AMX-BF16 and AVX-512, and used only after the kernel
  * granted the process the tile state (Linux arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
  * Intel's "Architecture Instruction Set Extensions Programming Reference", ch. 3, and the kernel's

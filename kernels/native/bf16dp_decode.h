@@ -1,7 +1,8 @@
 /* Decode attention for bfloat16 queries over a bfloat16 paged cache on CPUs with AVX512-BF16 and
  * no AMX grant (AMD Zen 4 and later, Intel Cooper Lake; on Sapphire Rapids the tile path of
- * amx_decode.h goes first). Included by paged_decode.c (uses its vf, reducev, expv, hsum,
- * write_outputs, lazy_rescale, kv_prefetch_plan / kv_prefetch_row, KEYMAP and MAX_* limits); built only where
+ * amx_decode.h goes first). Included by paged_decode.c (uses decode_vec.h's vf, reducev, expv, hsum,
+ * KEYMAP and MAX_* limits and decode_runs.h's write_outputs, lazy_rescale, kv_prefetch_plan /
+ * kv_prefetch_row); built only where
  * -march=native enables AVX512-BF16 with 16-lane vectors.
  *
  * Same task split, key order and online softmax as decode_task (FlashAttention's running max and
@@ -16,7 +17,7 @@
  *    operations (even channels: << 16, odd channels: & 0xffff0000) instead of a shuffle, so the
  *    accumulators hold channels in even/odd order until one permute per head at the end.
  * A full tile of 16 keys is scored two keys at a time, fully unrolled, and the lane-sum tree
- * (paged_decode.c's red1..red4, adjacent slots pairing up) is folded in as the pairs come, so
+ * (decode_vec.h's red1..red4, adjacent slots pairing up) is folded in as the pairs come, so
  * the partial sums stay in registers instead of a 16 x G array on the stack (measured on the
  * Zen 4, SmolLM2 batch 32 x 512: K/V in L1 7.8 vs 9.4 ms per 30 layers; read from DRAM 0.96-0.98x
  * in one process, where the KV read dominates). A tile's last keys (nt < 16) take the array

@@ -44,9 +44,8 @@ SOURCES = {"paged_decode": SOURCE, "fused_decode": Path(__file__).with_name("fus
            "bf16_scores": Path(__file__).with_name("bf16_scores.c"),
            "kv_read": Path(__file__).with_name("kv_read.c"),
            "amx_linear": Path(__file__).with_name("amx_linear.c")}
-# headers the sources include (fused_decode.c, paged_decode.c): part of every build's hash
-HEADERS = [Path(__file__).with_name(h) for h in ("fused_avx2.h", "amx_decode.h", "bf16dp_decode.h", "layer_glue_f32.h",
-                                                 "decode_avx2.h")]
+# headers the sources include (every *.h beside them, so a new one cannot be left out): part of every build's hash
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 # no -ffast-math: with GCC < 13 linking a shared object with it adds crtfastmath.o, whose constructor
 # sets the FTZ/DAZ bits of the loading thread's MXCSR: every later float op of the process would flush
 # subnormals (hypothesis refuses to run then). The kernel's vector code is explicit, so it needs none of it.

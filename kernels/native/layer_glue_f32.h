@@ -15,7 +15,7 @@
  *             contraction: this part is built with fp-contract off), bit for bit as
  *             models/layers.py apply_rope; K and V stored unchanged into a float32 cache, or
  *             rounded to nearest even into a float16 one (torch's .to(torch.float16)): bit for bit;
- *   silu_mul: out = (g / (1 + exp(-g))) · u with paged_decode.c's exp (1-2 float32 ulp; torch's
+ *   silu_mul: out = (g / (1 + exp(-g))) · u with decode_vec.h's exp (1-2 float32 ulp; torch's
  *             Sleef expf is within 1): within a few float32 ulps of torch's silu(g) * u.
  */
 #if defined(__F16C__)
