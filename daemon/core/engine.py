@@ -17,6 +17,11 @@ others in the step go on), as vLLM's ``FinishReason.ERROR``. A step that raises 
 the caller's to handle: :meth:`Engine.fail_requests` ends the live requests, and those that
 left the scheduler in that very step before their output was made. The test-only fault
 hooks are :mod:`.faults`.
+
+Here: the construction, requests and steps. Beside it: :mod:`.engine_setup` (the checks, KV
+pool sizing and model loading it is built with, re-exported here), :mod:`.engine_summary`
+(startup lines), :mod:`.engine_stats` (statistics), :mod:`.engine_offline` (teacher forcing,
+``generate``).
 """
 
 from __future__ import annotations
@@ -24,110 +29,34 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import os
-import time
 
-import torch
-
+from llmd.daemon.core import engine_setup
 from llmd.daemon.core.beam import BeamSearch, check_beam_params, check_fits, final_outputs
-from llmd.daemon.core.config import DEFAULT_KV_CACHE_MEMORY_CPU, DTYPES, EngineConfig
+from llmd.daemon.core.config import EngineConfig
 from llmd.daemon.core.detokenizer import IncrementalDetokenizer
+from llmd.daemon.core.engine_offline import OfflineMixin
+from llmd.daemon.core.engine_setup import check_kv_layout, check_triton_backend, float16_warning
+from llmd.daemon.core.engine_stats import StatsMixin
+from llmd.daemon.core.engine_summary import SummaryMixin, glue_ops
 from llmd.daemon.core.errors import LlmdError, RequestError, ServerBusyError
 from llmd.daemon.core.faults import FaultInjector
-from llmd.daemon.core.gpu_memory import activation_bytes, cuda_kv_cache_bytes
 from llmd.daemon.core.grammar import GrammarCompiler, GrammarState
 from llmd.daemon.core.input_processor import InputProcessor, ProcessedPrompt, Prompt, model_context
 from llmd.daemon.core.kv_exchange import KVExchange
-from llmd.daemon.core.kv_size import (
-    group_summary,
-    kv_cache_block_bytes,
-    kv_cache_bytes_per_token,
-    kv_residual_bytes,
-    residual_slots,
-)
-from llmd.daemon.core.model_runner import ModelRunner
 from llmd.daemon.core.outputs import RequestOutput, SchedulerOutput, TokenLogprobs
 from llmd.daemon.core.parallel import ParallelRequests, sampling_rows
 from llmd.daemon.core.request import Request, RequestStatus, SamplingParams
 from llmd.daemon.core.scheduler import Scheduler
-from llmd.daemon.core.stats import (
-    EngineCounters,
-    EngineStats,
-    FinishedRequestStats,
-    IterationStats,
-    KVCacheGroupStats,
-    KVCacheStats,
-    PrefixCacheStats,
-    RateWindow,
-    RequestStats,
-    SchedulerStats,
-)
-from llmd.daemon.kv import KVCacheManager, make_kv_cache_groups
-from llmd.kernels.launch import check_triton_config
+from llmd.daemon.kv import make_kv_cache_groups
 from llmd.models.config import ModelConfig
 from llmd.models.tokenizer import Tokenizer
-from llmd.quant import fp16_linear, prepacked
-from llmd.quant.kv import KVCacheFormat, get_format
-from llmd.quant.rotation import check_rotation
+
+__all__ = ["Engine", "check_kv_layout", "check_triton_backend", "float16_warning", "glue_ops"]  # as before the split
 
 log = logging.getLogger("llmd.engine")
-#: architectures whose activations overflow float16 (vLLM's ``_FLOAT16_NOT_SUPPORTED_MODELS``)
-FLOAT16_OVERFLOWS = ("gemma2", "gemma3")
 
 
-def float16_warning(architecture: str, dtype: str) -> str | None:
-    """The startup warning for a model known to overflow float16, or None."""
-    if dtype == "float16" and architecture in FLOAT16_OVERFLOWS:
-        return (f"{architecture} is known to overflow float16 (inf/NaN logits end requests with finish_reason "
-                "'error'); use --dtype bfloat16 or float32")
-    return None
-
-
-def num_kv_blocks(memory: int, block_size: int, block_bytes: int) -> int:
-    """``floor(memory / block_bytes)``; raises LlmdError below 2 blocks."""
-    n = memory // block_bytes
-    if n < 2:
-        raise LlmdError(f"--kv-cache-memory {memory} B holds {n} blocks of {block_size} tokens; need at least 2")
-    return n
-
-
-
-def check_triton_backend(cfg: ModelConfig, model_dtype: torch.dtype, block_size: int, kv_cache_dtype: str) -> None:
-    """Refuse a model/cache combination the Triton kernels cannot run, at engine configuration
-    (before the first launch): one line naming the setting. Raises LlmdError."""
-    try:
-        check_triton_config(cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, model_dtype, block_size, kv_cache_dtype)
-    except ValueError as e:
-        raise LlmdError(str(e)) from None
-
-def check_kv_layout(cfg: ModelConfig, kv_cache_dtype: "str | KVCacheFormat", kv_rotation: str) -> None:
-    """Refuse a head_dim the KV format's scale groups or the rotation cannot take (int4 and
-    ``--kv-scale-group-size``: a multiple of the group; hadamard: a power of two), with one line.
-    Raises LlmdError."""
-    try:
-        get_format(kv_cache_dtype).check_head_dim(cfg.head_dim)
-        check_rotation(kv_rotation, cfg.head_dim)
-    except ValueError as e:
-        raise LlmdError(str(e)) from None
-
-
-def glue_ops(model) -> str:
-    """The layer ops of ``model`` that llmd's C glue runs (kernels/cpu_glue.py) for the startup
-    line: RoPE always; RMSNorm unless it is Gemma's float32 one (``GemmaRMSNorm``, torch's);
-    SwiGLU when every MLP is SiLU-gated (Gemma's GeLU-tanh stays torch's)."""
-    from llmd.models.layers import GatedMLP, GemmaRMSNorm, RMSNorm
-
-    mods = list(model.modules())
-    ops = ["norms"] if any(type(m) is RMSNorm for m in mods) and not any(isinstance(m, GemmaRMSNorm) for m in mods) \
-        else []
-    ops.append("RoPE")
-    mlps = [m for m in mods if isinstance(m, GatedMLP)]
-    if mlps and all(m.act is torch.nn.functional.silu for m in mlps):
-        ops.append("SwiGLU")
-    return ", ".join(ops)
-
-
-class Engine:
+class Engine(SummaryMixin, StatsMixin, OfflineMixin):
     """Continuous-batching engine over a paged KV cache.
 
     Build with :meth:`from_config` (loads model + tokenizer) or directly from an already
@@ -141,89 +70,32 @@ class Engine:
     Attributes:
         input_processor: the prompt → token ids path and its length checks.
         parallel: parent ↔ child ids of the requests added with a ``parent_id``.
-        counters: :class:`EngineCounters` since the engine was built.
+        counters: :class:`~.stats.EngineCounters` since the engine was built (:mod:`.engine_stats`).
         log_stats: keep per-step events (:meth:`take_iteration_stats`) for a consumer such as
             the daemon's metrics (off by default: nobody would take them).
     """
 
     def __init__(self, model, tokenizer: Tokenizer, config: EngineConfig):
-        dtype_given = config.dtype not in (None, "auto")
-        self.config = config.resolve()
+        self.config = engine_setup.resolve_for_model(config, model)  # auto: the model's dtype; --threads
         self.released_dense_bytes = 0  # from_config: float32 weight pages the fp16 packs replaced, handed back
         kv_dtype = next(model.parameters()).dtype
-        loaded = next((k for k, v in DTYPES.items() if v == kv_dtype), self.config.dtype)
-        if not dtype_given and loaded != self.config.dtype:  # a model loaded already: "auto" is its dtype
-            self.config.dtype, self.config.dtype_auto = loaded, False
-        self.config.apply_threads()  # torch.set_num_threads(--threads), once per engine
-        self.thread_governor = None  # fewer threads while other processes keep our cores busy
-        if self.config.device == "cpu" and getattr(self.config, "threads_auto", False) and self.config.threads > 1 \
-                and os.environ.get("LLMD_ADAPTIVE_THREADS", "1") != "0":
-            from llmd.daemon.core.thread_governor import ThreadGovernor
-
-            self.thread_governor = ThreadGovernor(self.config.threads)
+        self.thread_governor = engine_setup.make_thread_governor(self.config)  # fewer threads while cores are busy
         self.model_config: ModelConfig = model.config
         self.tokenizer = tokenizer
-        cfg = self.model_config
-        if self.config.attention_backend == "triton":
-            check_triton_backend(cfg, kv_dtype, self.config.block_size, self.config.kv_cache_dtype)
-        fmt = self.config.kv_format
-        check_kv_layout(cfg, fmt, self.config.kv_rotation)
-        self.max_model_len = model_context(config.max_model_len, cfg.max_position)
-        self.bytes_per_token = kv_cache_bytes_per_token(cfg, fmt, kv_dtype)
-        self.kv_cache_groups = make_kv_cache_groups(cfg.layer_windows,
-                                                    hybrid=not self.config.disable_hybrid_kv_cache_manager)
-        self.block_bytes = kv_cache_block_bytes(cfg, self.kv_cache_groups, config.block_size, fmt, kv_dtype)
-        memory = config.kv_cache_memory
-        if memory is None:
-            if self.config.device.startswith("cuda"):  # --gpu-memory-utilization of the device's total
-                free, total = torch.cuda.mem_get_info(torch.device(self.config.device))
-                graphs = not self.config.enforce_eager and not fmt.k_per_block  # int4 decodes run eager
-                act = activation_bytes(cfg, self.config.max_num_batched_tokens, self.config.max_num_seqs,
-                                       kv_dtype.itemsize, graphs)
-                memory = cuda_kv_cache_bytes(self.config.gpu_memory_utilization, total, free, act)
-            else:
-                memory = DEFAULT_KV_CACHE_MEMORY_CPU
-        num_residual = residual_slots(self.kv_cache_groups, self.config.max_num_seqs) if fmt.k_per_block else 0
-        self.residual_bytes = kv_residual_bytes(cfg, self.kv_cache_groups, config.block_size,
-                                                self.config.kv_cache_dtype, self.config.max_num_seqs)
-        if memory - self.residual_bytes < 2 * self.block_bytes:
-            if self.residual_bytes:
-                raise LlmdError(f"--kv-cache-memory {memory} B leaves no room for blocks beside int4's open-block "
-                                f"residual ({self.residual_bytes} B for --max-num-seqs {self.config.max_num_seqs}); "
-                                f"raise --kv-cache-memory or lower --max-num-seqs")
-            raise LlmdError(f"--kv-cache-memory {memory} B holds fewer than 2 KV blocks of {self.block_bytes} B "
-                            f"({config.block_size} tokens x {cfg.num_layers} layers, {self.config.kv_cache_dtype}); "
-                            f"give at least {2 * self.block_bytes} B")
-        self.num_blocks = num_kv_blocks(memory - self.residual_bytes, config.block_size, self.block_bytes)
-        if self.residual_bytes:  # int4: the residual's share of the pool, spread over its tokens
-            self.bytes_per_token = round(self.bytes_per_token * (1 + self.residual_bytes /
-                                                                 (self.num_blocks * self.block_bytes)))
-        self.kv_cache_memory = memory
-        self.kv_manager = KVCacheManager(
-            self.num_blocks, config.block_size, self.kv_cache_groups, enable_caching=self.config.enable_prefix_caching,
-            prefix_cache_seed=self.config.prefix_cache_seed,
-            model_id=f"{cfg.name}|{cfg.architecture}|{self.config.dtype}",
-            kv_cache_dtype=f"{fmt.scheme}|{self.config.kv_scales}|{self.config.kv_rotation}",
-            num_residual_slots=num_residual,
-        )
-        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, self.config.max_prefill_chunk, self.config.max_num_waiting,
-                                   scheduling_policy=self.config.scheduling_policy)
-        self.runner = ModelRunner(
-            model, self.num_blocks, config.block_size, kv_dtype, self.config.device,
-            fmt, self.config.kv_scales, self.config.attention_backend, self.kv_cache_groups,
-            max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
-            max_model_len=self.max_model_len, cuda_graphs=not self.config.enforce_eager,
-            kv_rotation=self.config.kv_rotation, residual_slots=num_residual,
-            cascade_attn=not self.config.disable_cascade_attn,
-            native_kernels=not self.config.disable_native_kernels,
-            fp16_weights=getattr(self.config, "fp16_weights", False),
-        )
-        self.input_processor = InputProcessor(tokenizer, cfg.vocab_size, self.max_model_len,
-                                              self.config.context_overflow, self.config.keep, self.config.block_size)
-        if self.config.context_overflow == "shift" and self.config.keep > self.input_processor.max_keep:
-            raise LlmdError(f"--keep {self.config.keep} leaves no whole block of the {self.max_model_len}-token "
-                            f"context to discard: at most {self.input_processor.max_keep} (or -1, the prompt)")
+        cfg, c = self.model_config, self.config
+        engine_setup.check_backends(c, cfg, kv_dtype)
+        self.max_model_len = model_context(c.max_model_len, cfg.max_position)
+        self.kv_cache_groups = make_kv_cache_groups(cfg.layer_windows, hybrid=not c.disable_hybrid_kv_cache_manager)
+        size = engine_setup.size_kv_cache(c, cfg, kv_dtype, self.kv_cache_groups)
+        self.kv_cache_memory, self.num_blocks, self.block_bytes = size.memory, size.num_blocks, size.block_bytes
+        self.bytes_per_token, self.residual_bytes = size.bytes_per_token, size.residual_bytes
+        self.kv_manager = engine_setup.make_kv_manager(c, cfg, size, self.kv_cache_groups)
+        self.scheduler = Scheduler(self.kv_manager, c.max_num_seqs, c.max_num_batched_tokens, self.max_model_len,
+                                   c.max_prefill_chunk, c.max_num_waiting, scheduling_policy=c.scheduling_policy)
+        self.runner = engine_setup.make_runner(model, c, kv_dtype, size, self.kv_cache_groups, self.max_model_len)
+        self.input_processor = InputProcessor(tokenizer, cfg.vocab_size, self.max_model_len, c.context_overflow,
+                                              c.keep, c.block_size)
+        engine_setup.check_keep(c, self.input_processor, self.max_model_len)
         # structured outputs (None for a tokenizer-less engine, e.g. llmd bench step's, which adds no requests)
         self.grammars = (GrammarCompiler(tokenizer.hf, cfg.vocab_size, tokenizer.eos_token_ids)
                          if tokenizer is not None else None)
@@ -233,18 +105,14 @@ class Engine:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.last_scheduler_output: SchedulerOutput | None = None
         self._ids = itertools.count()
-        self.counters = EngineCounters()
-        self.rates = RateWindow(time.monotonic())
-        self.log_stats = False
-        self._iteration = IterationStats()
-        self._runtime: str | None = None  # runtime_summary(), for make_stats
+        self._init_stats()  # counters, rates, log_stats (engine_stats.py)
         self._unreported: dict[str, Request] = {}  # this step's requests whose output is not made yet
         self.faults: FaultInjector | None = None  # test hooks (faults.py); None in production
         injector = FaultInjector.from_env()
         if injector is not None:
             log.warning("fault injection is on (%s); for tests only", injector.faults)
             injector.install(self)
-        warning = float16_warning(cfg.architecture, self.config.dtype)
+        warning = float16_warning(cfg.architecture, c.dtype)
         if warning:
             log.warning(warning)
 
@@ -255,121 +123,7 @@ class Engine:
         Raises:
             LlmdError: unknown model, bad GGUF, bad setting.
         """
-        config.resolve()
-        config.apply_threads()  # the weight dequantization runs on these threads too
-        if config.model.startswith("random:"):  # a random-weight preset: no GGUF, no gguf (llmd.models.presets)
-            from llmd.models.presets import load_random_model
-
-            model, _, tokenizer = load_random_model(config.model, config.torch_dtype, config.device)
-            return cls(model, tokenizer, config)
-        from llmd.models import weights_cache
-        from llmd.models.gguf_loader import load_model
-        from llmd.models.header_cache import header_info
-        from llmd.models.registry import resolve_model
-        from llmd.models.tokenizer import load_tokenizer
-
-        path = resolve_model(config.model)
-        fused = config.settle_weight_quant(header_info(path).config)
-        model, cfg = load_model(path, config.torch_dtype, config.device, config.weight_quant, config.keep_dense,
-                                weights_cache=weights_cache.enabled(),  # a warm start maps the converted weights
-                                native=fused)
-        tokenizer = load_tokenizer(path, cfg, header_info(path).data_offset)
-        engine = cls(model, tokenizer, config)
-        if engine.runner.fp16_weights:  # this engine owns the model: the packs replace its float32 weights
-            engine.released_dense_bytes = fp16_linear.release_dense_pages(model)
-        return engine
-
-    def capacity_summary(self) -> str:
-        """One line: bytes/token, blocks, KV cache groups, and how many full-context sequences fit."""
-        from llmd.daemon.core.kv_size import blocks_per_sequence
-
-        bs = self.config.block_size
-        per_seq = blocks_per_sequence(self.kv_cache_groups, self.max_model_len, bs, 1)
-        return (
-            f"KV cache: {self.bytes_per_token} B/token ({self._kv_dtype_label()}), {self.num_blocks} blocks of "
-            f"{bs} tokens x {max(len(g.layer_ids) for g in self.kv_cache_groups)} layers "
-            f"({self.kv_cache_memory / 2**20:.0f} MiB); {group_summary(self.kv_cache_groups, bs)}; "
-            f"{(self.num_blocks - 1) / per_seq:.2f} sequences of {self.max_model_len} tokens"
-        )
-
-    def runtime_summary(self) -> str:
-        """The chosen dtype, attention backend and torch threads, e.g.
-        ``dtype bfloat16 (auto: native bf16 on this CPU), attention cpu, 2 threads``."""
-        from llmd.daemon.core.config import cpu_has_native_bf16
-
-        c = self.config
-        why = ""
-        if getattr(c, "dtype_auto", False):
-            on_cuda = c.device.startswith("cuda")
-            why = " (auto: CUDA)" if on_cuda else (" (auto: native bf16 on this CPU)" if cpu_has_native_bf16()
-                                                   else " (auto: no native bf16 on this CPU)")
-        threads = f"{c.threads} thread{'' if c.threads == 1 else 's'}"
-        if self.thread_governor is not None:
-            threads += " (fewer while other processes keep cores busy)"
-        wq = getattr(self.runner.model, "weight_quant_summary", None)
-        weights = f", {wq.describe()}" if wq is not None and wq.mode != "none" else ""
-        attn = c.attention_backend
-        if attn == "cpu":  # who runs the decodes (kernels/cpu_native.py), and why not the C kernel
-            from llmd.kernels import cpu_native
-            from llmd.kernels.cpu_attention import compute_dtype_for
-            from llmd.kernels.native import build
-
-            mc = self.model_config
-            limit = cpu_native.unserved_reason(c.kv_format, compute_dtype_for(c.torch_dtype), c.block_size,
-                                               mc.head_dim, mc.num_heads // mc.num_kv_heads)
-            reason = ("--disable-native-kernels" if c.disable_native_kernels else build.why_not or limit
-                      or "not for this model dtype, KV format, block size or shape")
-            attn += " (decodes: C kernel" if self.runner.native_decodes else f" (decodes: torch ops, {reason}"
-            if self.runner.native_decodes and self.runner.amx_scores:
-                attn += ", scores on AMX tiles"
-            elif self.runner.native_decodes and self.runner.dot_scores:
-                attn += ", scores by VDPBF16PS"
-            if self.runner.fused_decode is not None:  # kernels/cpu_fused.py: the whole batch-1 step in C
-                attn += "; batch-1 steps: fused C kernel"
-            elif c.weight_quant == "gguf":
-                attn += f"; batch-1 steps: torch ops, {self.runner.fused_why_not}"
-            if self.runner.native_glue:  # kernels/cpu_glue.py; models/glue_forward.py fuses them across ops
-                from llmd.models import glue_forward
-
-                fused = glue_forward.why_not(self.runner.model, self.runner.layer_caches, check_active=False) is None
-                if fused or c.dtype == "bfloat16":  # a float32 model's glue exists only fused (layer_glue_f32.h)
-                    attn += f"; {glue_ops(self.runner.model)}: C" + (", fused across ops" if fused else "")
-            attn += ")"
-        packed = prepacked.packed_count(self.runner.model)
-        copy = prepacked.head_copy_bytes(self.runner.model)
-        head = f" (the tied LM head's as a copy, +{copy / 2**20:.0f} MiB)" if copy else ""
-        amx = prepacked.amx_count(self.runner.model)
-        kind = "for AMX tiles" if amx == packed else f"({amx} for AMX tiles, {packed - amx} for oneDNN)" if amx \
-            else "for oneDNN"
-        linears = f", linears: {packed} bf16 weights prepacked {kind}{head}" if packed else ""
-        fp16, fp16_bytes = fp16_linear.packed_count(self.runner.model)
-        if fp16 and self.runner.fp16_weights:
-            released = self.released_dense_bytes
-            gone = f"; their float32 pages, {released / 2**20:.0f} MiB, handed back (MADV_PAGEOUT)" if released else ""
-            linears += f", linears: {fp16} float32 weights as fp16 for fbgemm (+{fp16_bytes / 2**20:.0f} MiB{gone})"
-        return f"dtype {c.dtype}{why}, attention {attn}, {threads}{linears}{weights}"
-
-    def _kv_dtype_label(self) -> str:
-        c = self.config
-        if c.kv_cache_dtype == "auto":
-            return c.dtype
-        fmt = c.kv_format
-        if not fmt.quantized:  # float16 / bfloat16: no scales
-            return f"{c.kv_cache_dtype}, {c.dtype} model"
-        scales = (f"static scales k={c.kv_scales[0]:g}, v={c.kv_scales[1]:g}" if c.kv_scales
-                  else f"dynamic {str(fmt.scale_dtype).removeprefix('torch.')} scales")
-        if fmt.k_per_block:
-            scales = (f"K per channel over each {c.block_size}-token block (float16 scale + zero point), "
-                      f"V per {fmt.group_size} channels; open blocks' K in a 16-bit residual "
-                      f"({self.residual_bytes / 2**20:.1f} MiB, {self.kv_manager.num_residual_slots} slots)")
-        elif fmt.group_size:
-            scales += f" per {fmt.group_size} channels"
-        rotation = "" if c.kv_rotation == "none" else f", {c.kv_rotation} rotation"
-        full = kv_cache_block_bytes(self.model_config, self.kv_cache_groups, c.block_size, "auto", torch.bfloat16)
-        multiple = (self.num_blocks / max(1, self.kv_cache_memory // full) if fmt.k_per_block
-                    else full / self.block_bytes)
-        return (f"{c.kv_cache_dtype} + {scales}{rotation}, {multiple:.2f}x the blocks of "
-                f"16-bit; attention {c.attention_backend}")
+        return engine_setup.from_config(cls, config)
 
     # ---- requests -----------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
@@ -495,6 +249,14 @@ class Engine:
                              num_prompt_tokens=req.total_prompt_tokens, num_output_tokens=req.num_output_tokens,
                              num_cached_tokens=req.num_cached_tokens, index=req.sibling_index)
 
+    def _finished(self, req: Request, reason: str | None) -> None:
+        """A request ended (``reason`` None: aborted): count it, forget its parallel-sampling
+        and beam-search membership."""
+        reason = reason or "abort"
+        self._count_finished(req, reason)
+        self.parallel.finished(req.request_id)
+        self.beams.finished(req.request_id)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -601,138 +363,3 @@ class Engine:
             index=req.sibling_index,
             kv_transfer_params=self.kv_exchange.on_finished(req) if req.is_finished else None,
         )
-
-    # ---- statistics (engine thread) -------------------------------------------------
-    def _record_step(self, num_prompt_tokens: int, sampling: list[Request], previous_token_times: list) -> None:
-        """Count one step: prefill tokens computed, one token per sampling request, and (with
-        :attr:`log_stats`) each one's first-token or inter-token latency."""
-        self.counters.prompt_tokens += num_prompt_tokens
-        self.counters.generation_tokens += len(sampling)
-        self.rates.add(time.monotonic(), num_prompt_tokens, len(sampling))
-        if not self.log_stats:
-            return
-        it = self._iteration
-        it.num_prompt_tokens += num_prompt_tokens
-        it.num_generation_tokens += len(sampling)
-        for req, previous in zip(sampling, previous_token_times):
-            if previous is None:
-                it.time_to_first_tokens_s.append(req.first_token_time - req.arrival_time)
-            else:
-                it.inter_token_latencies_s.append(req.last_token_time - previous)
-
-    def _finished(self, req: Request, reason: str | None) -> None:
-        reason = reason or "abort"
-        self.counters.requests_finished[reason] += 1
-        self.parallel.finished(req.request_id)
-        self.beams.finished(req.request_id)
-        if self.log_stats:
-            self._iteration.finished.append(
-                FinishedRequestStats(req.request_id, reason, time.monotonic() - req.arrival_time))
-
-    def take_iteration_stats(self) -> IterationStats:
-        """The events since the last call (empty unless :attr:`log_stats`)."""
-        it, self._iteration = self._iteration, IterationStats()
-        return it
-
-    def make_stats(self) -> EngineStats:
-        """A snapshot of the KV cache, prefix cache, scheduler, live requests and counters
-        (O(blocks + live requests))."""
-        now = time.monotonic()
-        kv, sched = self.kv_manager, self.scheduler
-        cached_free = kv.block_pool.num_cached_free_blocks
-        total, used, free = kv.num_usable_blocks, kv.num_used_blocks, kv.num_free_blocks - cached_free
-        groups = [KVCacheGroupStats(g.name, g.sliding_window, list(g.layer_ids), total, n, free, n / max(1, total))
-                  for g, n in zip(kv.groups, kv.num_used_blocks_per_group())]
-        requests = [RequestStats(
-            id=req.request_id, state="running" if req.status == RequestStatus.RUNNING else "waiting",
-            prompt_tokens=req.total_prompt_tokens, cached_tokens=req.num_cached_tokens,
-            generated_tokens=req.num_output_tokens, blocks=kv.num_blocks_held(req.request_id),
-            block_table=kv.get_block_table(req.request_id), block_tables=kv.get_block_tables(req.request_id),
-            ttft_s=None if req.first_token_time is None else req.first_token_time - req.arrival_time,
-            age_s=now - req.arrival_time, preemptions=req.num_preemptions, priority=req.priority,
-        ) for req in [*sched.running, *sched.waiting]]
-        counters = self.counters.copy()
-        counters.num_preemptions = sched.num_preemptions
-        c = self.config
-        prompt_rate, generation_rate = self.rates.rates(now)
-        if self._runtime is None:  # fixed once the engine is built; walks the model's weights once
-            self._runtime = self.runtime_summary()
-        runtime, g = self._runtime, self.thread_governor
-        if g is not None and g.threads < g.max_threads:  # llmd status's engine: line says so
-            runtime += (f"; now {g.threads} thread{'' if g.threads == 1 else 's'}: other processes kept "
-                        f"~{g.others:.1f} of {g.max_threads} cores busy")
-        return EngineStats(
-            runtime=runtime,
-            kv_cache_dtype=c.dtype if c.kv_cache_dtype == "auto" else c.kv_cache_dtype,
-            kv_cache=KVCacheStats(kv.block_size, kv.num_blocks, total, used, cached_free, free, self.bytes_per_token,
-                                  self.num_blocks * self.block_bytes, kv.usage, groups, kv.block_pool.block_states()),
-            prefix_cache=PrefixCacheStats(kv.prefix_cache_queries, kv.prefix_cache_hits, kv.enable_caching,
-                                          kv.block_pool.num_evictions),
-            scheduler=SchedulerStats(len(sched.running), len(sched.waiting),
-                                     sum(1 for r in sched.waiting if r.num_preemptions), sched.num_context_shifts),
-            prompt_tokens_per_s=prompt_rate, generation_tokens_per_s=generation_rate,
-            counters=counters, requests=requests, kv_transfer=self.kv_exchange.stats(),
-        )
-
-    # ---- teacher forcing (``llmd bench kv-quality``) ----------------------------------
-    def teacher_forced_logits(self, ids: list[int], chunk: int = 64, cached_prefix: int = 0) -> torch.Tensor:
-        """Logits of every position of ``ids``, prefilled ``chunk`` tokens per step through the
-        paged cache (store-then-read), outside the scheduler (nothing else may be running).
-
-        ``cached_prefix`` > 0 serves the prefix from the prefix cache: a first sequence computes
-        ``ids[:cached_prefix]`` and leaves its full blocks cached; the sequence of all of ``ids``
-        then looks its prefix up as the scheduler does at admission, shares those blocks
-        (prefix cache hit) and computes only the rest, in the same chunk boundaries when
-        ``cached_prefix`` is a multiple of ``chunk``. The logits are the first sequence's
-        followed by the second's.
-
-        Returns:
-            ``[len(ids), vocab]`` float32 (CPU).
-        Raises:
-            RuntimeError: the pool cannot hold ``ids``, or (``cached_prefix``) prefix caching is
-                off or the lookup hit fewer than the prefix's full blocks.
-        """
-        mgr = self.kv_manager
-        if not cached_prefix:
-            return self._teacher_forced_chunks("kv-quality", ids, 0, [], chunk)
-        if not mgr.enable_caching:
-            raise RuntimeError("cached_prefix needs prefix caching (enable_prefix_caching)")
-        head = self._teacher_forced_chunks("kv-quality-prefix", ids[:cached_prefix], 0, [], chunk, cache=True)
-        hit, blocks = mgr.get_computed_blocks("kv-quality", ids, len(ids))
-        want = cached_prefix // mgr.block_size * mgr.block_size
-        if hit != want:
-            raise RuntimeError(f"prefix cache hit {hit} tokens, expected {want}")
-        return torch.cat([head[:hit], self._teacher_forced_chunks("kv-quality", ids, hit, blocks, chunk)])
-
-    def _teacher_forced_chunks(self, rid: str, ids: list[int], start: int, hit_blocks: list, chunk: int,
-                               cache: bool = False) -> torch.Tensor:
-        """Logits ``[len(ids) - start, vocab]`` of positions ``start..``: ``start`` tokens are
-        prefix cache hits (``hit_blocks`` from ``get_computed_blocks``), the rest computed in
-        ``chunk``s. ``cache``: register the full blocks in the prefix cache before freeing them."""
-        mgr = self.kv_manager
-        if mgr.allocate_slots(rid, len(ids), start or None, hit_blocks if start else None) is None:
-            raise RuntimeError(f"KV pool too small for {len(ids)} tokens")
-        try:
-            tables = mgr.get_block_tables(rid)
-            res = mgr.residual_slots(rid)
-            out = [self.runner.prefill_logits(rid, ids[pos : pos + chunk], pos, tables, res)
-                   for pos in range(start, len(ids), chunk)]
-            if cache:
-                mgr.cache_blocks(rid, ids, len(ids))
-            return torch.cat(out)
-        finally:
-            mgr.free(rid)
-
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:
-        """Run prompts to completion (tests, benchmarks). Returns per prompt a dict with
-        ``token_ids``, ``text``, ``finish_reason``, in prompt order."""
-        plist = params if isinstance(params, list) else [SamplingParams(**vars(params)) for _ in prompts]
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
-        results = {i: {"token_ids": [], "text": "", "finish_reason": None} for i in ids}
-        while self.has_unfinished_requests():
-            for o in self.step():
-                r = results[o.request_id]
-                r["token_ids"] += o.new_token_ids
-                r["text"] += o.new_text
-                r["finish_reason"] = o.finish_reason
-        return [results[i] for i in ids]
