@@ -25,13 +25,10 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && VL == 16
 #define HAVE_AMX 1
 #include <stdlib.h>
-#include <unistd.h>
-#include <sys/syscall.h>
+#include "amx_tiles.h"
 
 #define AMX_CHUNKS 8  /* 32-channel K chunks per task (the Qd tiles of up to 16 columns) */
 #define TILE_BARRIER() __asm__ volatile("" ::: "memory")  /* tileloadd's asm does not say it reads memory */
-
-struct amx_tilecfg { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
 
 static int amx_state = -1;  /* -1: not asked yet; 0: unavailable or LLMD_AMX_ATTENTION=0; 1: granted */
 
@@ -40,8 +37,7 @@ static int amx_state = -1;  /* -1: not asked yet; 0: unavailable or LLMD_AMX_ATT
 static int amx_ready(void) {
     if (amx_state < 0) {
         const char *env = getenv("LLMD_AMX_ATTENTION");
-        amx_state = env && env[0] == '0' ? 0 : syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                                                          18 /* XFEATURE_XTILEDATA */) == 0;
+        amx_state = env && env[0] == '0' ? 0 : amx_request_tiles();
     }
     return amx_state;
 }

@@ -29,21 +29,18 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #include <omp.h>
-#include <unistd.h>
-#include <sys/syscall.h>
-
-struct tilecfg { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
+#include "amx_tiles.h"
 
 static int ready = -1;  /* -1: not asked yet; 0: refused; 1: granted */
 
 int llmd_amx_linear_ready(void) {
-    if (ready < 0) ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    if (ready < 0) ready = amx_request_tiles();
     return ready;
 }
 
 /* tiles 0-3: C (rows m0 for 0-1, m1 for 2-3), 4-5: A (m0, m1 rows), 6-7: B (16 rows); 64 bytes a row */
 static void configure(int m0, int m1) {
-    struct tilecfg cfg;
+    struct amx_tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     const int rows[8] = {m0, m0, m1, m1, m0, m1, 16, 16};
