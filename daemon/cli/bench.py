@@ -81,7 +81,7 @@ def bench_single(formats, prompt_len, decode, repeats, weight_quant, **engine_kw
 
 
 @bench.command("kv-quality")
-@click.option("--chunk", default=64, show_default=True, type=int,
+@click.option("--chunk", default=64, show_default=True, type=click.IntRange(1),
               help="Teacher-forcing chunk (tokens); store-then-read.")
 @click.option("--hf-reference", is_flag=True,
               help="Also run HF transformers with fake-quantized K/V (loads the HF model, in --dtype).")
@@ -180,11 +180,13 @@ def bench_kernels(block_n):
 
 
 @bench.command("prefix")
-@click.option("--system-tokens", default=1000, show_default=True, type=int, help="System prompt length (tokens).")
+@click.option("--system-tokens", default=1000, show_default=True, type=click.IntRange(1),
+              help="System prompt length (tokens).")
 @click.option("--users", default=4, show_default=True, type=click.IntRange(1), help="Chats in the sequential scenario.")
 @click.option("--turns", default=3, show_default=True, type=click.IntRange(1),
               help="Turns per chat (history resent each turn).")
-@click.option("--max-tokens", default=16, show_default=True, type=int, help="New tokens per request (greedy).")
+@click.option("--max-tokens", default=16, show_default=True, type=click.IntRange(1),
+              help="New tokens per request (greedy).")
 @engine_options
 @one_line_errors
 def bench_prefix(system_tokens, users, turns, max_tokens, **engine_kw):
@@ -215,8 +217,10 @@ def bench_cascade(system_tokens, users, max_tokens, repeats, **engine_kw):
 @bench.command("beam")
 @click.option("--prompt-tokens", default=64, show_default=True, type=click.IntRange(1),
               help="Prompt length (a fixed text).")
-@click.option("--output-tokens", default=64, show_default=True, type=int, help="New tokens per beam (ignore_eos).")
-@click.option("--beam-width", default=4, show_default=True, type=int, help="Beams (and independent requests).")
+@click.option("--output-tokens", default=64, show_default=True, type=click.IntRange(1),
+              help="New tokens per beam (ignore_eos).")
+@click.option("--beam-width", default=4, show_default=True, type=click.IntRange(2),
+              help="Beams (and independent requests).")
 @engine_options
 @one_line_errors
 def bench_beam(prompt_tokens, output_tokens, beam_width, **engine_kw):
@@ -231,8 +235,10 @@ def bench_beam(prompt_tokens, output_tokens, beam_width, **engine_kw):
         raise LlmdError(str(e)) from None
 
 @bench.command("hybrid")
-@click.option("--seq-tokens", default=2048, show_default=True, type=int, help="Tokens per sequence (prompt + new).")
-@click.option("--new-tokens", default=16, show_default=True, type=int, help="Greedy tokens generated per sequence.")
+@click.option("--seq-tokens", default=2048, show_default=True, type=click.IntRange(2),
+              help="Tokens per sequence (prompt + new).")
+@click.option("--new-tokens", default=16, show_default=True, type=click.IntRange(1),
+              help="Greedy tokens generated per sequence.")
 @click.option("--num-requests", default=None, type=click.IntRange(1),
               help="Sequences (default: one more than the hybrid layout fits).")
 @engine_options
@@ -242,15 +248,20 @@ def bench_hybrid(seq_tokens, new_tokens, num_requests, **engine_kw):
     global (use a model with sliding-window layers: --model gemma3-270m)."""
     from llmd.daemon.bench.hybrid import run_hybrid_bench
 
+    if new_tokens >= seq_tokens:  # the prompt is what is left of the sequence
+        raise LlmdError(f"--new-tokens ({new_tokens}) must be < --seq-tokens ({seq_tokens})")
     engine = build_engine(**engine_kw)
     run_hybrid_bench(engine, seq_tokens, new_tokens, num_requests, echo=click.echo)
 
 @bench.command("chunked-prefill")
-@click.option("--num-decoders", default=4, show_default=True, type=int, help="Requests decoding throughout.")
+@click.option("--num-decoders", default=4, show_default=True, type=click.IntRange(1),
+              help="Requests decoding throughout.")
 @click.option("--decode-tokens", default=32, show_default=True, type=click.IntRange(1),
               help="Greedy tokens each decoder generates.")
-@click.option("--long-prompt", default=1024, show_default=True, type=int, help="Tokens of each periodic long prompt.")
-@click.option("--period", default=8, show_default=True, type=int, help="A long prompt every this many decoded tokens.")
+@click.option("--long-prompt", default=1024, show_default=True, type=click.IntRange(1),
+              help="Tokens of each periodic long prompt.")
+@click.option("--period", default=8, show_default=True, type=click.IntRange(1),
+              help="A long prompt every this many decoded tokens.")
 @engine_options
 @one_line_errors
 def bench_chunked_prefill(num_decoders, decode_tokens, long_prompt, period, **engine_kw):
@@ -375,7 +386,7 @@ def bench_routing(replicas, users, turns, max_tokens, doc_words, model, dtype, k
 @click.option("--chunk", default=16, show_default=True, type=int, help="Teacher-forcing chunk (tokens).")
 @click.option("--kv-dtypes", default="auto,int8,fp8_e4m3", show_default=True,
               help="Comma-separated --kv-cache-dtype values, one row each (the first is the drift's base).")
-@click.option("--new-tokens", default=384, show_default=True, type=int,
+@click.option("--new-tokens", default=384, show_default=True, type=click.IntRange(1),
               help="Greedy tokens of the fluency check (past the context, with and without shifts).")
 @engine_options
 @one_line_errors
@@ -429,7 +440,7 @@ def bench_startup(model, runs, modes, timeout, serve_args):
 
 
 @bench.command("kv-transfer")
-@click.option("--prompt-tokens", default="256,1024,2048", show_default=True,
+@click.option("--prompt-tokens", default="256,1024,2048", show_default=True, callback=int_list,
               help="Comma-separated prompt lengths, one row each.")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1),
               help="Measured rounds per length (medians).")
@@ -443,7 +454,7 @@ def bench_kv_transfer(prompt_tokens, repeats, compare_gloo, **engine_kw):
     from llmd.daemon.core.config import EngineConfig
     from llmd.daemon.core.engine import Engine
 
-    lengths = [int(x) for x in prompt_tokens.split(",") if x.strip()]
+    lengths = prompt_tokens
 
     def make(first):
         if first is None:

@@ -126,6 +126,36 @@ def test_bench_options_fail_in_one_line_before_the_weights_load():
         assert "loading" not in r.output, r.output
 
 
+def test_bench_counts_of_other_commands_fail_in_one_line_before_the_weights_load(monkeypatch):
+    """The token / count options of prefix, beam, hybrid, chunked-prefill, context-shift,
+    kv-quality and kv-transfer: 0 (or junk) is one line naming the option, before any weights
+    load (they loaded the model, then crashed with ZeroDivisionError / ValueError / RuntimeError,
+    failed naming the engine's max_tokens, or ran a meaningless benchmark for minutes)."""
+    import llmd.daemon.cli.bench as bench_cli
+
+    def no_load(**kw):
+        raise AssertionError("the weights were about to load")
+    monkeypatch.setattr(bench_cli, "build_engine", no_load)
+    for args, text, code in ((["bench", "prefix", "--system-tokens", "-5"], "'--system-tokens': -5 is not in", 2),
+                             (["bench", "prefix", "--max-tokens", "0"], "'--max-tokens': 0 is not in", 2),
+                             (["bench", "beam", "--output-tokens", "0"], "'--output-tokens': 0 is not in", 2),
+                             (["bench", "beam", "--beam-width", "1"], "'--beam-width': 1 is not in", 2),
+                             (["bench", "hybrid", "--seq-tokens", "0"], "'--seq-tokens': 0 is not in", 2),
+                             (["bench", "hybrid", "--new-tokens", "0"], "'--new-tokens': 0 is not in", 2),
+                             (["bench", "hybrid", "--seq-tokens", "16"],
+                              "--new-tokens (16) must be < --seq-tokens (16)", 1),
+                             (["bench", "chunked-prefill", "--period", "0"], "'--period': 0 is not in", 2),
+                             (["bench", "chunked-prefill", "--num-decoders", "0"], "'--num-decoders': 0 is not", 2),
+                             (["bench", "chunked-prefill", "--long-prompt", "0"], "'--long-prompt': 0 is not", 2),
+                             (["bench", "context-shift", "--new-tokens", "-1"], "'--new-tokens': -1 is not in", 2),
+                             (["bench", "kv-quality", "--chunk", "0"], "'--chunk': 0 is not in", 2),
+                             (["bench", "kv-transfer", "--prompt-tokens", "x"], "comma-separated integers", 2),
+                             (["bench", "kv-transfer", "--prompt-tokens", "256,0"], "positive integers", 2)):
+        r = run_cli(args)
+        assert_one_line_error(r, text, exit_code=code)
+        assert "loading" not in r.output, r.output
+
+
 def test_chat_options_fail_before_a_daemon_starts(tmp_path):
     """`llmd chat --max-tokens 0` (and other out-of-range sampling options) is a one-line error
     at once: no daemon is started for it (it used to load one, then fail on the first message)."""
