@@ -107,7 +107,7 @@ def claim_socket(path: str) -> int:
     except OSError as e:
         if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
             raise LlmdError(f"another llmd daemon is already running (or starting) on {path}; "
-                            "stop it with `llmd stop`") from None
+                            f"stop it with `llmd stop --socket {path}`") from None
         raise LlmdError(f"cannot open the lock file {lock}: {e.strerror} (another user's file, or a symlink); "
                         "remove it or pick another --socket") from None
     if not _owner_is_safe(os.fstat(fd)):
@@ -124,7 +124,7 @@ def claim_socket(path: str) -> int:
                             "pick another --socket")
         if socket_is_live(path):
             os.close(fd)
-            raise LlmdError(f"an llmd daemon is already serving on {path}; stop it with `llmd stop`")
+            raise LlmdError(f"an llmd daemon is already serving on {path}; stop it with `llmd stop --socket {path}`")
         log.info("removing stale socket %s", path)
         os.unlink(path)
     return fd

@@ -55,6 +55,28 @@ def test_world_writable_socket_dir_is_refused_but_a_sticky_one_is_not(tmp_path):
     os.close(claim_socket(str(d / "llmd.sock")))
 
 
+def test_a_second_daemon_on_a_socket_is_told_the_stop_command_for_that_socket(tmp_path):
+    """The refusal names `llmd stop --socket PATH`: a bare `llmd stop` (what it said) stops the
+    daemon on the default socket, not the one in the way."""
+    path = str(tmp_path / "busy.sock")
+    fd = claim_socket(path)  # a daemon holding the lock (running or still starting)
+    try:
+        code, out = serve("--socket", path)
+        assert code == 1
+        one_error_line(out, f"already running (or starting) on {path}; stop it with `llmd stop --socket {path}`")
+    finally:
+        os.close(fd)
+    live = socket.socket(socket.AF_UNIX)  # something serving there without the lock
+    live.bind(path)
+    live.listen(1)
+    try:
+        code, out = serve("--socket", path)
+        assert code == 1
+        one_error_line(out, f"already serving on {path}; stop it with `llmd stop --socket {path}`")
+    finally:
+        live.close()
+
+
 def test_socket_dir_of_another_user_is_refused(tmp_path, foreign):
     d = tmp_path / "theirs"
     d.mkdir(mode=0o755)
