@@ -284,7 +284,9 @@ async def health(request: web.Request) -> web.Response:
     state, reason = ("loading", "the model is loading") if not st.loaded else \
         st.engine_loop.health_state(st.health_stall_timeout)
     body = {"status": "draining" if st.draining and state == "ok" else state, "pid": os.getpid(),
-            "model": st.model_id, "model_ids": list(st.model_ids), "uptime_s": snap.get("uptime_s", 0.0)}
+            "model": st.model_id, "model_ids": list(st.model_ids),
+            # no snapshot while the model loads: the time since the loop was made, not 0
+            "uptime_s": snap.get("uptime_s", time.monotonic() - st.engine_loop.started_at)}
     if reason:
         body["reason"] = reason
     return web.json_response(body, status=200 if state == "ok" else 503)

@@ -140,6 +140,23 @@ def test_step_backoff_grows_to_a_cap():
     assert h.step_failures == 0 and h.engine_errors == 2
 
 
+def test_health_while_loading_counts_the_uptime():
+    """`/health` (and so `llmd status`'s "up N s, loading the model") counts the seconds since
+    the daemon started while the model loads; it answered 0 until the first stats snapshot."""
+    loop = EngineLoop(lambda: None, "tiny")  # never started: the engine is still "loading"
+    loop.started_at -= 7.0
+
+    async def main():
+        state = ServerState(engine_loop=loop, model_id="tiny", model_ids=("tiny",), vocab_size=0, max_model_len=0,
+                            shutdown=asyncio.Event(), loaded=False)
+        async with TestClient(TestServer(make_app(state))) as client:
+            resp = await client.get("/health")
+            return resp.status, await resp.json()
+
+    status, health = asyncio.run(main())
+    assert status == 503 and health["status"] == "loading" and 7.0 <= health["uptime_s"] < 60.0, health
+
+
 def test_health_loading_stalled_then_dead(engine_loop):
     """503 ``loading`` (everything but /health, /metrics, /v1/shutdown refused meanwhile);
     503 ``stalled`` while a step hangs past the stall limit, 200 again after it; 503 ``dead``
