@@ -166,16 +166,22 @@ def status(socket_path):
 def stop(socket_path, timeout):
     """Stop the daemon gracefully (in-flight requests finish or are aborted after its drain timeout);
     returns once the process has exited, so `llmd serve` can start again at once."""
-    from llmd.daemon.client.spawn import wait_for_daemon_exit
+    from llmd.daemon.client.spawn import lock_held, wait_for_daemon_exit
+    from llmd.daemon.protocol import lock_path
 
     c = client_for(socket_path)
     health = c.health(ready_only=False)  # a loading daemon (503) stops too
     if health is None:
-        click.echo(f"llmd: no daemon running on {c.socket_path}")
-        return
-    c.shutdown()
-    click.echo(f"llmd: stopping the daemon on {c.socket_path} (pid {health['pid']}); in-flight requests get "
-               f"its drain timeout", err=True)
-    if not wait_for_daemon_exit(c.socket_path, timeout, health.get("pid")):
+        # a draining daemon (SIGTERM, an earlier stop) no longer accepts, but holds its lock and
+        # socket file until it exits: wait for that too, so `llmd stop && llmd serve` works
+        if not (os.path.exists(c.socket_path) and lock_held(lock_path(c.socket_path))):
+            click.echo(f"llmd: no daemon running on {c.socket_path}")
+            return
+        click.echo(f"llmd: the daemon on {c.socket_path} is already shutting down; waiting for it to exit", err=True)
+    else:
+        c.shutdown()
+        click.echo(f"llmd: stopping the daemon on {c.socket_path} (pid {health['pid']}); in-flight requests get "
+                   f"its drain timeout", err=True)
+    if not wait_for_daemon_exit(c.socket_path, timeout, (health or {}).get("pid")):
         raise LlmdError(f"the daemon on {c.socket_path} did not exit within {timeout:.0f} s")
     click.echo("llmd: daemon stopped")

@@ -138,3 +138,35 @@ def test_non_loopback_host_needs_a_key_and_the_key_is_never_printed(tmp_path):
     code, out = serve("--socket", sock, "--port", "8000", "--api-key-file", str(tmp_path / "nokey"))
     assert code == 1
     one_error_line(out, "cannot read --api-key-file")
+
+
+def test_stop_waits_for_a_daemon_that_is_already_draining(tmp_path):
+    """A daemon draining after SIGTERM (or an earlier `llmd stop`) no longer accepts, but holds
+    its lock and socket file until it exits: `llmd stop` waits for that exit too (it said "no
+    daemon running" at once, so `llmd stop && llmd serve` was refused as "already running")."""
+    import threading
+
+    from llmd.daemon.protocol import lock_path, unlock_file
+
+    path = str(tmp_path / "draining.sock")
+    fd = claim_socket(path)
+    closed = socket.socket(socket.AF_UNIX)  # bound, not listening: connections are refused
+    closed.bind(path)
+
+    def exit_daemon():
+        closed.close()
+        os.unlink(path)
+        unlock_file(lock_path(path), fd)
+
+    timer = threading.Timer(0.5, exit_daemon)
+    timer.start()
+    try:
+        result = CliRunner().invoke(main, ["stop", "--socket", path, "--timeout", "10"])
+    finally:
+        timer.join()
+    assert result.exit_code == 0, result.output
+    assert "is already shutting down; waiting for it to exit" in result.output, result.output
+    assert result.output.strip().splitlines()[-1] == "llmd: daemon stopped", result.output
+    assert not os.path.exists(path) and not os.path.exists(lock_path(path))
+    result = CliRunner().invoke(main, ["stop", "--socket", path])  # nothing there now: says so, exit 0
+    assert result.exit_code == 0 and result.output.strip() == f"llmd: no daemon running on {path}", result.output
