@@ -211,6 +211,22 @@ def test_bad_params_and_roles_are_400s_naming_the_field(loops):
     run_app(loops[0], lambda _client: scenario(), timeout=60)
 
 
+def test_wrongly_typed_producer_fields_are_named_in_json_terms():
+    """"must be an integer" / "a string", as every other field's 400 says (it said Python's
+    "must be a int" / "must be a str")."""
+    from llmd.daemon.serving.kv_transfer.config import KVTransferConfig
+    from llmd.daemon.serving.kv_transfer.handshake import _remote
+    from llmd.daemon.serving.validation import ApiError
+
+    cfg = KVTransferConfig(role="consumer")
+    for kv, text in (({"remote_port": "80"}, 'remote_port must be an integer, got string "80"'),
+                     ({"remote_host": 1}, "remote_host must be a string, got number 1"),
+                     ({"llmd_transfer_id": []}, "llmd_transfer_id must be a string, got array")):
+        with pytest.raises(ApiError) as e:
+            _remote(cfg, {"do_remote_prefill": True, **kv})
+        assert text in str(e.value), str(e.value)
+
+
 def test_role_both_ignores_the_params(loops):
     async def scenario(client):
         resp = await client.post("/v1/completions", json={**_body(3), **ROUTER_PREFILL})

@@ -86,9 +86,10 @@ def _remote(cfg: KVTransferConfig, kv: dict) -> RemoteKV | str:
     """The producer's address and transfer id, or why they cannot be used. Raises ApiError for
     fields of the wrong JSON type."""
     host, port, tid = kv.get("remote_host"), kv.get("remote_port"), kv.get("llmd_transfer_id")
-    for name, v, types in (("remote_host", host, str), ("remote_port", port, int), ("llmd_transfer_id", tid, str)):
+    for name, v, types, what in (("remote_host", host, str, "a string"), ("remote_port", port, int, "an integer"),
+                                 ("llmd_transfer_id", tid, str, "a string")):
         if v is not None and (isinstance(v, bool) or not isinstance(v, types)):
-            raise ApiError(f"{PARAM}.{name} must be a {types.__name__}, got {json_typed(v)}", f"{PARAM}.{name}")
+            raise ApiError(f"{PARAM}.{name} must be {what}, got {json_typed(v)}", f"{PARAM}.{name}")
     if port is not None and not 1 <= port <= 65535:
         raise ApiError(f"{PARAM}.remote_port must be in [1, 65535], got {port}", f"{PARAM}.remote_port")
     if not host or port is None:
