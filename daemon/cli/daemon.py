@@ -146,7 +146,9 @@ def status(socket_path):
     kv, pc, sc = st["kv_cache"], st["prefix_cache"], st["scheduler"]
     hit = f"{pc['hits'] / pc['queries']:.1%}" if pc["queries"] else "n/a"
     pid = health.get("pid") or c.health(ready_only=False)["pid"]
-    click.echo(f"daemon:      {c.socket_path} (pid {pid}), up {st['uptime_s']:.0f} s")
+    draining = (", shutting down: in-flight requests finish, new ones get 503"
+                if health.get("status") == "draining" else "")
+    click.echo(f"daemon:      {c.socket_path} (pid {pid}), up {st['uptime_s']:.0f} s{draining}")
     click.echo(f"model:       {st['model']}, KV cache dtype {st['kv_cache_dtype']}")
     if st.get("runtime"):  # absent from daemons before 2026-12-07
         click.echo(f"engine:      {st['runtime']}")

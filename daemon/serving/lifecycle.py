@@ -9,9 +9,13 @@ umask 077, so it is 0600 from its first instant and other users cannot connect.
   removed on exit (``protocol.unlock_file``; a lock won on a removed file is taken again).
 * A socket file that answers is a live daemon → refused; one that refuses connections is
   stale (a crashed daemon) → replaced. A path over the AF_UNIX limit → a clear error.
-* ``SIGTERM`` / ``SIGINT`` / ``POST /v1/shutdown`` (``llmd stop``): stop accepting, let
-  in-flight requests finish for ``drain_timeout`` seconds, then abort them (streams get
-  ``finish_reason: "abort"`` and ``[DONE]``), remove the socket and exit 0.
+* ``SIGTERM`` / ``SIGINT`` / ``POST /v1/shutdown`` (``llmd stop``): drain. New generation
+  requests get 503 "the daemon is shutting down" while the listeners stay open, so ``/health``
+  answers 200 ``draining``, ``llmd status`` and ``llmd stop`` still reach the daemon, and a
+  P/D consumer can still pull KV this producer pinned. In-flight requests finish for
+  ``drain_timeout`` seconds, then are aborted (streams get ``finish_reason: "abort"`` and
+  ``[DONE]``); a second SIGTERM / SIGINT (a second Ctrl-C) aborts them at once, as uvicorn and
+  vLLM's server force the exit. Then the listeners close, the socket is removed, exit 0.
 * An optional TCP listener (``--host/--port``), off by default, loopback unless asked; its
   requests go through :mod:`.access` (API key, loopback Host/Origin, JSON bodies). A
   non-loopback host needs a key.
@@ -205,8 +209,16 @@ async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[s
     if port is not None:
         sites.append(web.TCPSite(runner, host, port))
         await sites[-1].start()
+    force = asyncio.Event()  # a second signal: abort what is in flight now
+
+    def on_signal() -> None:
+        if state.shutdown.is_set() and not force.is_set():
+            echo("llmd: second signal: aborting the requests in flight now")
+            force.set()
+        state.shutdown.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, state.shutdown.set)
+        loop.add_signal_handler(sig, on_signal)
     try:
         engine = await _until_ready(eloop, state)
         if engine is None:  # a shutdown while loading: nothing was served
@@ -220,11 +232,9 @@ async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[s
         await state.shutdown.wait()
         echo(f"llmd: shutting down; {eloop.num_live} sequence{'' if eloop.num_live == 1 else 's'} in flight "
              f"(drain timeout {drain_timeout:.0f} s)")
-        state.draining = True
-        for site in sites:
-            await site.stop()  # stop accepting
+        state.draining = True  # new generation requests: 503; the listeners stay open until the drain ends
         deadline = loop.time() + drain_timeout
-        while eloop.num_live and loop.time() < deadline:
+        while eloop.num_live and loop.time() < deadline and not force.is_set():
             await asyncio.sleep(0.05)
         if eloop.num_live:
             await asyncio.wait_for(asyncio.wrap_future(eloop.abort_all()), 10.0)
