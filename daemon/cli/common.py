@@ -179,8 +179,10 @@ def build_engine(name: str | None = None, **kw):
     ``general.name``."""
     from llmd.daemon.core.config import EngineConfig
     from llmd.daemon.core.engine import Engine
+    from llmd.daemon.core.prompt_check import check_options_before_load
 
     config = EngineConfig(**kw).resolve()  # bad settings fail before the weights load
+    check_options_before_load(config)  # and those whose limits are in the model's header (--keep)
     threads = f"{config.threads} thread{'' if config.threads == 1 else 's'}"
     name = name or kw["model"]
     click.echo(f"llmd: loading {name} ({config.dtype}, {threads}) ...", err=True)

@@ -93,6 +93,10 @@ def serve(socket_path, host, port, api_key_file, api_key, served_model_name, dra
 
         kv_transfer = KVTransferConfig(kv_role, kv_advertise_host or host or "127.0.0.1", port, key, kv_pin_timeout,
                                        kv_pull_timeout, producers=tuple(kv_producers)).check()
+    from llmd.daemon.core.config import EngineConfig
+    from llmd.daemon.core.prompt_check import check_options_before_load
+
+    check_options_before_load(EngineConfig(**engine_kw).resolve())  # one line, before the socket is claimed
     path = socket_path_of(socket_path)
     lock_fd = claim_socket(path)  # fail fast, before loading the model
     import setproctitle

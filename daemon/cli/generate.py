@@ -73,10 +73,12 @@ def generate(prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, be
         if not cfg.chat_template:
             raise LlmdError(f"model {engine_kw['model']} has no chat template (a base model); drop --chat")
     from llmd.daemon.core.config import EngineConfig
-    from llmd.daemon.core.prompt_check import check_prompt_before_load
+    from llmd.daemon.core.prompt_check import check_options_before_load, check_prompt_before_load
 
     request = [{"role": "user", "content": prompt}] if chat else prompt
-    check_prompt_before_load(EngineConfig(**engine_kw).resolve(), request, params)  # no weights loaded yet
+    config = EngineConfig(**engine_kw).resolve()
+    check_options_before_load(config)  # --keep in its own words, not the request's n_keep
+    check_prompt_before_load(config, request, params)  # no weights loaded yet
     engine = build_engine(**engine_kw)
     from llmd.daemon.core.parallel import child_request_ids
 

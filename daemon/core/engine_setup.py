@@ -26,7 +26,7 @@ import torch
 from llmd.daemon.core.config import DEFAULT_KV_CACHE_MEMORY_CPU, DTYPES, EngineConfig
 from llmd.daemon.core.errors import LlmdError
 from llmd.daemon.core.gpu_memory import activation_bytes, cuda_kv_cache_bytes
-from llmd.daemon.core.input_processor import InputProcessor
+from llmd.daemon.core.input_processor import InputProcessor, check_keep_option
 from llmd.daemon.core.kv_size import kv_cache_block_bytes, kv_cache_bytes_per_token, kv_residual_bytes, residual_slots
 from llmd.daemon.core.model_runner import ModelRunner
 from llmd.daemon.kv import KVCacheManager
@@ -183,10 +183,9 @@ def make_runner(model, config: EngineConfig, model_dtype: torch.dtype, size: KVC
 
 def check_keep(config: EngineConfig, input_processor: InputProcessor, max_model_len: int) -> None:
     """Refuse a ``--keep`` (``--context-overflow shift``) that leaves no whole block of the
-    context to discard. Raises LlmdError."""
-    if config.context_overflow == "shift" and config.keep > input_processor.max_keep:
-        raise LlmdError(f"--keep {config.keep} leaves no whole block of the {max_model_len}-token "
-                        f"context to discard: at most {input_processor.max_keep} (or -1, the prompt)")
+    context to discard (:func:`~llmd.daemon.core.input_processor.check_keep_option`; the CLI
+    checks it before the load too). Raises LlmdError."""
+    check_keep_option(config.keep, config.context_overflow, max_model_len, config.block_size)
 
 
 def load_model_and_tokenizer(config: EngineConfig) -> tuple:

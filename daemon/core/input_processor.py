@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmd.daemon.core.errors import RequestError
+from llmd.daemon.core.errors import LlmdError, RequestError
 from llmd.daemon.core.request import SamplingParams
 from llmd.models.errors import NoChatTemplateError
 
@@ -68,6 +68,18 @@ def max_keep(max_model_len: int, block_size: int) -> int:
     """The largest ``n_keep`` / ``--keep`` a context shift can honour: its whole blocks plus one
     block to discard must fit below the context's last position."""
     return max(0, (max_model_len - 1 - block_size) // block_size * block_size)
+
+
+def check_keep_option(keep: int, context_overflow: str, max_model_len: int, block_size: int) -> None:
+    """Refuse a ``--keep`` (under ``--context-overflow shift``) above :func:`max_keep`: it would
+    leave no whole block of the context to discard.
+
+    Raises:
+        LlmdError: ``--keep 200 leaves no whole block of the 128-token context to discard: at most 96 ...``.
+    """
+    if context_overflow == "shift" and keep > (most := max_keep(max_model_len, block_size)):
+        raise LlmdError(f"--keep {keep} leaves no whole block of the {max_model_len}-token "
+                        f"context to discard: at most {most} (or -1, the prompt)")
 
 
 @dataclass

@@ -6,7 +6,8 @@ header (cached, :mod:`llmd.models.header_cache`) and the tokenizer (cached,
 :mod:`llmd.models.tokenizer`), no weights — and applies the same
 :class:`~llmd.daemon.core.input_processor.InputProcessor` the engine's ``add_request`` applies.
 What depends on the KV pool (a request that can never fit in it) is still checked by the
-engine, after the load.
+engine, after the load. :func:`check_options_before_load` does the same for the engine options
+whose limits need the model's context (``--keep``), for every command that builds an engine.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import copy
 
 from llmd.daemon.core.config import EngineConfig
-from llmd.daemon.core.input_processor import InputProcessor, Prompt, model_context
+from llmd.daemon.core.input_processor import InputProcessor, Prompt, check_keep_option, model_context
 from llmd.daemon.core.request import SamplingParams
 
 
@@ -43,3 +44,32 @@ def check_prompt_before_load(config: EngineConfig, prompt: Prompt, params: Sampl
     processor = InputProcessor(tokenizer, cfg.vocab_size, model_context(config.max_model_len, cfg.max_position),
                                config.context_overflow, config.keep, config.block_size)
     processor.process(prompt, copy.copy(params))
+
+
+def model_max_position(model: str) -> int:
+    """The model's own context length from its cached GGUF header, or a ``random:`` preset's.
+
+    Raises:
+        LlmdError: unknown model, unreadable GGUF."""
+    if model.startswith("random:"):
+        from llmd.models.presets import preset_config
+
+        return preset_config(model).max_position
+    from llmd.models.header_cache import header_info
+    from llmd.models.registry import resolve_model
+
+    return header_info(resolve_model(model)).config.max_position
+
+
+def check_options_before_load(config: EngineConfig) -> None:
+    """Refuse a resolved ``config`` whose ``--keep`` leaves no block of the context to discard
+    (``--context-overflow shift``), as the engine would after loading the weights, from the
+    model's header alone.
+
+    Raises:
+        LlmdError: that ``--keep`` (the engine's words), or an unknown / unreadable model.
+    """
+    if config.context_overflow != "shift":
+        return
+    context = model_context(config.max_model_len, model_max_position(config.model))
+    check_keep_option(config.keep, config.context_overflow, context, config.block_size)

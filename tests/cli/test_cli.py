@@ -209,3 +209,17 @@ def test_a_prompt_of_dash_is_read_from_stdin(tmp_path):
         r = CliRunner().invoke(main, cmd, input="\n")
         assert_one_line_error(r, text)
         assert "loading" not in r.output and "starting a daemon" not in r.output and not os.path.exists(sock)
+
+
+def test_serve_and_generate_refuse_bad_engine_options_before_the_socket_or_the_weights(tmp_path):
+    """`llmd serve --block-size 0` and a `--keep` that leaves no block of the context to discard
+    are one line before the socket is claimed (they printed "loading", "stopped", then the error,
+    or were caught only after the load); `llmd generate` names `--keep`, not the request's n_keep."""
+    sock = str(tmp_path / "s.sock")
+    keep = ["--keep", "200", "--max-model-len", "128", "--context-overflow", "shift"]
+    text = "--keep 200 leaves no whole block of the 128-token context to discard: at most 96 (or -1, the prompt)"
+    for args, words in ((["serve", "--socket", sock, "--block-size", "0"], "--block-size must be >= 1, got 0"),
+                        (["serve", "--socket", sock, *keep], text), (["generate", "hi", *keep], text)):
+        r = run_cli(args)
+        assert r.output.strip().splitlines() == [f"llmd: error: {words}"], r.output
+        assert r.exit_code == 1 and not os.path.exists(sock) and not os.path.exists(sock + ".lock")
