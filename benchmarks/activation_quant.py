@@ -8,12 +8,19 @@ plain int8 GEMM such as ``torch._int_mm`` or fbgemm's dynamic linear can take) o
 and top-1 agreement against the unquantized pass. Measured rows: README "Weights".
 
     python benchmarks/activation_quant.py [--model smollm2-135m] [--tokens 1024]
+    python benchmarks/activation_quant.py --speed   # the int8 product's own speed (SmolLM2 shapes)
+
+``--speed`` times instead what such a path would gain at most: ``torch._int_mm`` (oneDNN's
+s8 × s8 → s32) against llmd's prepacked bfloat16 linear (``quant/prepacked.py``) over SmolLM2's
+120 layer matmuls (fused QKV 960 × 576, O 576 × 576, gate/up 3072 × 576, down 576 × 1536), best of
+5, before any activation quantization or scaling is paid.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -34,11 +41,44 @@ def int8_round(x: torch.Tensor, block: int = 0) -> torch.Tensor:
     return ((xb / scale).round().clamp(-127, 127) * scale).reshape(shape)
 
 
+SMOLLM2_MATMULS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) per layer, 30 layers
+
+
+def speed() -> None:
+    """Print ms per 30 layers of SmolLM2's matmuls: prepacked bfloat16 vs ``torch._int_mm``."""
+    from llmd.quant.prepacked import _pack, linear
+
+    def best(f, n: int = 20) -> float:
+        for _ in range(3):
+            f()
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            for _ in range(n):
+                f()
+            times.append((time.perf_counter() - t) / n)
+        return min(times)
+
+    for m in (8, 32, 64, 256):
+        bf16 = int8 = 0.0
+        for n, k in SMOLLM2_MATMULS:
+            x, w = torch.randn(m, k).bfloat16(), _pack(torch.randn(n, k).bfloat16())
+            xi, wi = (torch.randint(-127, 127, s, dtype=torch.int8) for s in ((m, k), (k, n)))
+            bf16 += best(lambda: linear(x, w))
+            int8 += best(lambda: torch._int_mm(xi, wi))
+        print(f"M = {m:>3}: bfloat16 prepacked {30e3 * bf16:6.1f} ms, int8 _int_mm {30e3 * int8:6.1f} ms "
+              f"({bf16 / int8:.2f}x)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--speed", action="store_true", help="time the int8 product instead (no model)")
     args = ap.parse_args()
+    if args.speed:
+        speed()
+        return
     path = resolve_model(args.model)
     kw = dict(gguf_file=os.path.basename(path))
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), dtype=torch.float32, **kw).eval()
