@@ -1,7 +1,10 @@
-"""Validate OpenAI-style request bodies and turn them into engine inputs.
+"""Validate OpenAI-style request bodies and turn them into engine inputs: :func:`parse_request`
+and the sampling fields (ranges, ``stop``, ``stop_token_ids``, beam search, ``cache_salt``).
 
-Every rejection is an :class:`ApiError` (HTTP 400 unless stated) whose message names the
-field and the allowed range, so a client sees ``{"error": {"message": "max_tokens must be
+The prompt (``prompt`` or ``messages``) is parsed by ``prompt_fields.py``; :class:`ApiError` and
+the typed field readers are ``json_fields.py``'s (re-exported here: the other request parsers
+import them from this module). Every rejection is an :class:`ApiError` (HTTP 400 unless stated)
+whose message names the field and the allowed range, so a client sees ``{"error": {"message": "max_tokens must be
 an integer >= 1 (got 0)", "param": "max_tokens", ...}}``. Checks that need the tokenized
 prompt (too long for the context, can never fit the KV pool) are the engine's
 (:class:`LlmdError`) and are mapped to 400 by the server.
@@ -20,7 +23,7 @@ constraints (``response_format``, ``structured_outputs`` / ``guided_*``, ``tools
 Size limits are checked here, on the event loop, before anything is tokenized or queued, and
 each is checked by counting *before* any per-element pass (a body of a million token ids is
 refused in microseconds): token-id prompts of ``max_model_len`` or more tokens (no room to
-generate), more than ``MAX_MESSAGES`` chat messages (OpenAI's cap, 2048; 20k short messages
+generate), more than ``prompt_fields.MAX_MESSAGES`` chat messages (OpenAI's cap, 2048; 20k short messages
 would hold the GIL ~135 ms in the chat template), more than ``MAX_STOP`` stop strings or one
 longer than ``MAX_STOP_CHARS`` characters, more than ``MAX_STOP_TOKEN_IDS`` stop token ids
 (deduplicated: the scheduler keeps them as a set), more than ``MAX_LOGIT_BIAS`` ``logit_bias``
@@ -29,32 +32,18 @@ entries (OpenAI's 300), and more than ``multi_prompt.MAX_PROMPTS`` prompts (64).
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass
 
-from llmd.daemon.core.input_processor import MAX_CHARS_PER_TOKEN
 from llmd.daemon.core.request import SamplingParams
+from llmd.daemon.serving.json_fields import ApiError, _bool, _float, _int, check_utf8, json_typed, json_value
+from llmd.daemon.serving.prompt_fields import _prompt, _token_ids, parse_prompt
 
 MAX_N = 16
 MAX_STOP = 16
 MAX_STOP_CHARS = 1024  # characters per stop string
 MAX_STOP_TOKEN_IDS = 1024
-MAX_MESSAGES = 2048  # chat messages per request (OpenAI's limit)
 MAX_LOGIT_BIAS = 300  # logit_bias entries (OpenAI's limit)
 MAX_LOGPROBS = 20
-ROLES = ("system", "user", "assistant", "developer", "tool")
-
-
-class ApiError(Exception):
-    """A client error: ``message`` (one line), ``param`` (offending field), HTTP ``status``, and
-    the body's ``code`` (OpenAI's string code, e.g. ``"model_not_found"``; None: the status)."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400, headers: dict | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.message, self.param, self.status, self.headers = message, param, status, headers or {}
-        self.code = code
 
 
 @dataclass
@@ -92,183 +81,6 @@ class ParsedRequest:
     prompts: list | None = None
     echo: bool = False
     continuous_usage: bool = False
-
-
-def json_type(v) -> str:
-    """The JSON name of a decoded value's type (``null``, ``boolean``, ``number``, ``string``,
-    ``array``, ``object``), for error messages that speak the client's language."""
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "boolean"
-    if isinstance(v, (int, float)):
-        return "number"
-    return {str: "string", list: "array", dict: "object"}.get(type(v), type(v).__name__)
-
-
-def _int(body: dict, name: str, default=None, lo: int | None = None, hi: int | None = None):
-    """Field ``name`` as an int in [lo, hi], or ``default`` when absent or null.
-
-    An integral JSON number (``5.0``) is taken as that integer, as pydantic's lax mode does
-    for vLLM's ``int`` fields; ``5.5``, booleans and strings raise :class:`ApiError`."""
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ApiError(f"{name} must be an integer, got {typed_value(v)}", name)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise ApiError(f"{name} must be an integer in [{lo if lo is not None else '-inf'}, "
-                       f"{hi if hi is not None else 'inf'}], got {json_value(v)}", name)
-    return v
-
-
-def _float(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ApiError(f"{name} must be a finite number, got {json_value(v)}", name)
-    if v < lo or v > hi or (lo_open and v == lo):
-        raise ApiError(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {json_value(v)}", name)
-    return float(v)
-
-
-def _bool(body: dict, name: str, default: bool = False) -> bool:
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise ApiError(f"{name} must be a boolean, got {json_value(v)}", name)
-    return v
-
-
-def json_typed(v) -> str:
-    """A value for "got ..." in an error message: its JSON type, and for a scalar the value as
-    the client wrote it (``string "yes"``, ``boolean true``, ``null``; ``array`` / ``object`` alone)."""
-    t = json_type(v)
-    return t if t in ("null", "array", "object") else f"{t} {json_value(v)}"
-
-
-def json_value(v, limit: int = 40) -> str:
-    """A decoded request value as the client wrote it, in JSON (``true``, ``null``, ``"text"``,
-    ``NaN``), cut to ``limit`` characters with ``...``: error messages quote the client's
-    language, not Python's (``True``, ``None``, ``nan``)."""
-    try:
-        r = json.dumps(v, ensure_ascii=False)
-    except (TypeError, ValueError):
-        r = repr(v)
-    return r if len(r) <= limit else r[: limit - 3] + "..."
-
-
-def typed_value(v) -> str:
-    """``v``'s JSON type and value for an error message (``boolean true``, ``string "ten"``), or
-    ``null`` alone."""
-    return "null" if v is None else f"{json_type(v)} {json_value(v)}"
-
-
-def _token_ids(v, name: str, vocab_size: int) -> list[int]:
-    wrong = [t for t in v if not isinstance(t, int) or isinstance(t, bool)]
-    if wrong:
-        raise ApiError(f"{name} must be a list of integer token ids, got {typed_value(wrong[0])} in it", name)
-    bad = [t for t in v if not 0 <= t < vocab_size]
-    if bad:
-        raise ApiError(f"{name} has token id {bad[0]} outside the vocabulary [0, {vocab_size})", name)
-    return list(v)
-
-
-def check_utf8(text: str, field: str) -> str:
-    """``text`` if it is encodable as UTF-8 (JSON allows lone surrogates like ``"\\ud800"``)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ApiError(f"{field} is not valid Unicode text ({e.reason} at position {e.start})", field) from None
-    return text
-
-
-def _prompt(body: dict, vocab_size: int, max_model_len: int | None = None) -> str | list[int]:
-    p = body.get("prompt")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]  # OpenAI's batch form with one prompt
-    if isinstance(p, str):
-        if not p:
-            raise ApiError("prompt is empty; send at least one token of text", "prompt")
-        return check_utf8(p, "prompt")
-    if isinstance(p, list):
-        if not p:
-            raise ApiError("prompt is an empty token list; send at least one token id", "prompt")
-        if all(isinstance(x, (str, list)) for x in p):
-            raise ApiError(f"prompt batches are not supported (got {len(p)} prompts); send one prompt per request",
-                           "prompt")
-        if isinstance(p[0], (str, list)):  # a list of prompts with something else in it (a token-id list: below)
-            odd = next(x for x in p if not isinstance(x, (str, list)))
-            raise ApiError(f"prompt mixes prompts (strings or token lists) with {typed_value(odd)}; send a string, "
-                           "a list of token ids, or a list of prompts", "prompt")
-        if max_model_len is not None:  # counted before any id is checked; truncation opts in to longer lists
-            truncating = body.get("truncate_prompt_tokens") is not None
-            limit = MAX_CHARS_PER_TOKEN * max_model_len if truncating else max_model_len - 1
-            if len(p) > limit:
-                raise ApiError(f"prompt has {len(p)} tokens but the context is {max_model_len} tokens (max-model-len), "
-                               + ("more than truncate_prompt_tokens takes" if truncating else
-                                  "leaving no room to generate (truncate_prompt_tokens opts in to keeping its end)"),
-                               "prompt")
-        return _token_ids(p, "prompt", vocab_size)
-    if p is None:
-        raise ApiError("prompt is required (a string or a list of token ids)", "prompt")
-    raise ApiError(f"prompt must be a string or a list of token ids, got {typed_value(p)}", "prompt")
-
-
-def _messages(body: dict) -> list[dict]:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise ApiError(f"messages must be a non-empty list of {{role, content}} objects, got {json_value(msgs)}",
-                       "messages")
-    if len(msgs) > MAX_MESSAGES:
-        raise ApiError(f"messages has {len(msgs)} entries, more than the limit of {MAX_MESSAGES}", "messages")
-    out = []
-    for i, m in enumerate(msgs):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise ApiError(f"{where} must be an object with role and content", where)
-        role, content = m.get("role"), m.get("content")
-        if role not in ROLES:
-            raise ApiError(f"{where}.role must be one of {', '.join(ROLES)}, got {json_value(role)}", f"{where}.role")
-        if role == "assistant" and content in (None, "") and m.get("tool_calls"):
-            from llmd.daemon.serving.structured import tool_calls_text
-
-            content = tool_calls_text(m["tool_calls"], f"{where}.tool_calls")
-        if isinstance(content, list):  # [{"type": "text", "text": ...}]
-            for j, c in enumerate(content):
-                part = f"{where}.content[{j}]"
-                if not isinstance(c, dict) or c.get("type") != "text":
-                    got = json_value(c.get("type")) if isinstance(c, dict) else json_typed(c)
-                    raise ApiError(f"{part} must be a text part {{type: 'text', text: str}} (no images), got {got}",
-                                   f"{where}.content")
-                if not isinstance(c.get("text"), str):
-                    raise ApiError(f"{part}.text must be a string, got {typed_value(c.get('text'))}",
-                                   f"{where}.content")
-            content = "".join(c["text"] for c in content)
-        if not isinstance(content, str):
-            raise ApiError(f"{where}.content must be a string or a list of text parts, got {json_typed(content)}",
-                           f"{where}.content")
-        if not content:
-            raise ApiError(f"{where}.content is empty", f"{where}.content")
-        out.append({"role": "system" if role == "developer" else role,
-                    "content": check_utf8(content, f"{where}.content")})
-    return out
-
-
-def parse_prompt(body, chat: bool, vocab_size: int, max_model_len: int | None = None) -> str | list[int] | list[dict]:
-    """The prompt of a body: ``messages`` (``chat``) or ``prompt`` (text or token ids), with
-    the limits of :func:`parse_request` (``POST /tokenize`` parses its body with this).
-
-    Raises:
-        ApiError: naming the field and its limit.
-    """
-    if not isinstance(body, dict):
-        raise ApiError(f"the request body must be a JSON object, got {json_typed(body)}")
-    return _messages(body) if chat else _prompt(body, vocab_size, max_model_len)
 
 
 def parse_request(body, chat: bool, model_ids: tuple[str, ...], vocab_size: int,

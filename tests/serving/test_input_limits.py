@@ -19,7 +19,8 @@ from llmd.daemon.core.errors import LlmdError
 from llmd.daemon.serving import api
 from llmd.daemon.serving.engine_loop import EngineLoop
 from llmd.daemon.serving.multi_prompt import MAX_PROMPTS
-from llmd.daemon.serving.validation import MAX_LOGIT_BIAS, MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
+from llmd.daemon.serving.prompt_fields import MAX_MESSAGES
+from llmd.daemon.serving.validation import MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
 from llmd.models.tokenizer import Tokenizer
 
 
