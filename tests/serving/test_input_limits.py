@@ -16,7 +16,7 @@ from app_harness import run_app, start_loop
 from tiny_engine import ByteHF, tiny_engine
 
 from llmd.daemon.core.errors import LlmdError
-from llmd.daemon.serving import api
+from llmd.daemon.serving import http_common
 from llmd.daemon.serving.engine_loop import EngineLoop
 from llmd.daemon.serving.multi_prompt import MAX_PROMPTS
 from llmd.daemon.serving.prompt_fields import MAX_MESSAGES
@@ -165,19 +165,19 @@ def test_prompts_are_tokenized_off_the_engine_thread_and_big_bodies_decoded_off_
                                                                     _o(*a, **k))[1])
     decoded: list[tuple[int, str]] = []
     loads = json.loads
-    monkeypatch.setattr(api.json, "loads", lambda raw, *a, **k: (decoded.append((len(raw), threading.current_thread()
-                                                                                 .name)), loads(raw, *a, **k))[1])
+    monkeypatch.setattr(http_common.json, "loads", lambda raw, *a, **k: (decoded.append(
+        (len(raw), threading.current_thread().name)), loads(raw, *a, **k))[1])
 
     async def scenario(client):
         await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         await client.post("/v1/chat/completions", json={"messages": msgs(1), "max_tokens": 2})
         await client.post("/tokenize", json={"prompt": "hi"})
-        await client.post("/tokenize", json={"prompt": "x" * (api.JSON_OFF_LOOP_BYTES + 1)})
+        await client.post("/tokenize", json={"prompt": "x" * (http_common.JSON_OFF_LOOP_BYTES + 1)})
         return threading.current_thread().name
 
     loop_thread = run(engine_loop, scenario)
     assert len(threads) >= 3 and all(t.startswith("llmd-tokenize") for t in threads), threads
-    small, big = [d for d in decoded if d[0] < 100], [d for d in decoded if d[0] > api.JSON_OFF_LOOP_BYTES]
+    small, big = [d for d in decoded if d[0] < 100], [d for d in decoded if d[0] > http_common.JSON_OFF_LOOP_BYTES]
     assert small and all(t == loop_thread for _, t in small)
     assert big and all(t != loop_thread for _, t in big)
 
