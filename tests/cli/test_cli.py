@@ -131,11 +131,13 @@ def test_bench_counts_of_other_commands_fail_in_one_line_before_the_weights_load
     kv-quality and kv-transfer: 0 (or junk) is one line naming the option, before any weights
     load (they loaded the model, then crashed with ZeroDivisionError / ValueError / RuntimeError,
     failed naming the engine's max_tokens, or ran a meaningless benchmark for minutes)."""
-    import llmd.daemon.cli.bench as bench_cli
+    import llmd.daemon.cli.bench_kv as bench_kv
+    import llmd.daemon.cli.bench_serving as bench_serving
 
     def no_load(**kw):
         raise AssertionError("the weights were about to load")
-    monkeypatch.setattr(bench_cli, "build_engine", no_load)
+    for module in (bench_serving, bench_kv):  # prefix, chunked-prefill; the rest
+        monkeypatch.setattr(module, "build_engine", no_load)
     for args, text, code in ((["bench", "prefix", "--system-tokens", "-5"], "'--system-tokens': -5 is not in", 2),
                              (["bench", "prefix", "--max-tokens", "0"], "'--max-tokens': 0 is not in", 2),
                              (["bench", "beam", "--output-tokens", "0"], "'--output-tokens': 0 is not in", 2),
