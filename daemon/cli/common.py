@@ -39,14 +39,25 @@ def prompt_text(value: str | None, name: str) -> str | None:
     anything else is the text itself.
 
     Raises:
-        LlmdError: ``name`` is empty, or ``-`` read only newlines.
+        LlmdError: ``name`` is empty, ``-`` read only newlines, or the text is not UTF-8 (the
+            tokenizer raised a TypeError traceback on the undecodable bytes).
     """
     if value == "-":
-        value = sys.stdin.read().rstrip("\r\n")
+        stdin = getattr(sys.stdin, "buffer", None)
+        try:
+            value = stdin.read().decode("utf-8") if stdin is not None else sys.stdin.read()
+        except UnicodeDecodeError as e:
+            raise LlmdError(f"{name} is - but stdin is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        value = value.rstrip("\r\n")
         if not value:
             raise LlmdError(f"{name} is - but stdin gave no text")
     elif value is not None and not value:
         raise LlmdError(f"{name} is empty")
+    if value is not None:
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:  # argv's undecodable bytes, as surrogates
+            raise LlmdError(f"{name} is not UTF-8 text (undecodable byte at character {e.start})") from None
     return value
 
 

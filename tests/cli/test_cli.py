@@ -213,6 +213,19 @@ def test_a_prompt_of_dash_is_read_from_stdin(tmp_path):
         assert "loading" not in r.output and "starting a daemon" not in r.output and not os.path.exists(sock)
 
 
+def test_a_prompt_that_is_not_utf8_is_one_line(tmp_path):
+    """Undecodable bytes on stdin (`-`) or in the argument are one line naming the prompt, before
+    any daemon starts; they reached the tokenizer as surrogates (a TypeError traceback)."""
+    sock = str(tmp_path / "none.sock")
+    for cmd, stdin, text in (
+            (["generate", "-"], b"ok \xff", "PROMPT is - but stdin is not UTF-8 text (invalid start byte at byte 3)"),
+            (["chat", "--socket", sock, "-p", "-"], b"\xff", "--prompt is - but stdin is not UTF-8 text"),
+            (["generate", "ok \udcff"], b"", "PROMPT is not UTF-8 text (undecodable byte at character 3)")):
+        r = CliRunner().invoke(main, cmd, input=stdin)
+        assert_one_line_error(r, text)
+        assert "starting a daemon" not in r.output and not os.path.exists(sock)
+
+
 def test_serve_and_generate_refuse_bad_engine_options_before_the_socket_or_the_weights(tmp_path):
     """`llmd serve --block-size 0` and a `--keep` that leaves no block of the context to discard
     are one line before the socket is claimed (they printed "loading", "stopped", then the error,
