@@ -30,6 +30,7 @@ KV_SIZE_IN_A_BARE_PROCESS = textwrap.dedent("""
     print("IMPORTED:", *[m for m in other if m in sys.modules])  # the CLI imports a command's module on use
 """)
 
+# sequences = (blocks - 1) / blocks per sequence, as the engine's startup line counts (block 0: the null block)
 SMOLLM2_TABLE = """\
 1 KV cache group: full_attention (layers 0-29)
 kv dtype         B/token      B/sequence    blocks   sequences  x 16-bit
@@ -52,24 +53,24 @@ none                     311      1737       9.65
 SMOLLM2_GGUF_ROWS = {(True, False): """\
 auto                     439      1609       8.94
 gguf                     236      1812      10.06
-int8                     214      1834      10.19
+int8                     214      1834      10.18
 """, (False, False): """\
 auto                     347      1701       9.45
 gguf                     144      1904      10.57
-int8                     214      1834      10.19
+int8                     214      1834      10.18
 """, (True, True): """\
 auto                     493      1555       8.64
 gguf                     290      1758       9.76
-int8                     268      1780       9.89
+int8                     268      1780       9.88
 """, (False, True): """\
 auto                     401      1647       9.15
 gguf                     198      1850      10.27
-int8                     268      1780       9.89
+int8                     268      1780       9.88
 """}
 # nf4: bitsandbytes' CPU layout keeps a bfloat16 absmax per 64 weights on an AVX512-BF16 CPU, float32 elsewhere
 SMOLLM2_NF4 = {True: "nf4                      122      1926      10.70",
-               False: "nf4                      126      1922      10.68"}
-GEMMA3_ROWS = ("bf16/fp16         18,432     108,773,376     10922        4.94     1.00x",  # hybrid KV cache groups
+               False: "nf4                      126      1922      10.67"}
+GEMMA3_ROWS = ("bf16/fp16         18,432     108,773,376     10922        4.93     1.00x",  # hybrid KV cache groups
                "bf16/fp16         18,432     603,979,776      1820        0.89     1.00x")  # every layer global
 
 
