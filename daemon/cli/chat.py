@@ -120,7 +120,7 @@ def chat(socket_path, prompt, system, temperature, top_k, top_p, repetition_pena
         backend = LocalBackend(build_engine(**engine_kw))
     else:
         path, serve_args = socket_path_of(socket_path), spawn.engine_args(engine_kw)
-        already = client_for(socket_path).health() is not None
+        already = spawn.serving(client_for(socket_path)) is not None  # a draining one is waited out
         if not already:  # a daemon would be started for this model
             check_chat_template(engine_kw["model"])
         client = spawn.ensure_daemon(path, serve_args, daemon_log)

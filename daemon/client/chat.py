@@ -27,7 +27,7 @@ from typing import Callable, Iterator
 
 import click
 
-from llmd.daemon.client.client import Client, DaemonUnavailable
+from llmd.daemon.client.client import ApiResponseError, Client, DaemonUnavailable
 from llmd.daemon.core.errors import LlmdError
 
 REPL_COMMANDS = ("/reset", "/system TEXT", "/stats", "/exit")
@@ -75,10 +75,12 @@ class DaemonBackend:
         try:
             chunks = self.client.stream("/v1/chat/completions", body)
             first = next(chunks, None)
-        except DaemonUnavailable:
-            if self.reconnect is None:
+        except (DaemonUnavailable, ApiResponseError) as e:
+            draining = isinstance(e, ApiResponseError) and e.status == 503 and "shutting down" in e.message
+            if self.reconnect is None or (isinstance(e, ApiResponseError) and not draining):
                 raise
-            click.echo("llmd: the daemon is gone (stopped or crashed); reconnecting ...", err=True)
+            click.echo("llmd: the daemon is shutting down; reconnecting once it exits ..." if draining
+                       else "llmd: the daemon is gone (stopped or crashed); reconnecting ...", err=True)
             self.client = self.reconnect()
             chunks = self.client.stream("/v1/chat/completions", body)
             first = next(chunks, None)

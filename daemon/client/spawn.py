@@ -122,6 +122,13 @@ def _tail(path: str, n: int = 5, start: int = 0) -> str:
         return ""
 
 
+def serving(client: Client) -> dict | None:
+    """``/health``'s body when the daemon is ready and takes new requests, else None (nothing
+    answers, it loads, or it is draining: ``status`` ``draining`` after SIGTERM / ``llmd stop``)."""
+    health = client.health()
+    return health if health and health.get("status") != "draining" else None
+
+
 def ensure_daemon(socket_path: str, serve_args: list[str], log_path: str | None = None,
                   timeout: float = STARTUP_TIMEOUT_S, echo=lambda m, nl=True: click.echo(m, err=True, nl=nl),
                   env: dict | None = None, live_progress: bool | None = None) -> Client:
@@ -136,13 +143,18 @@ def ensure_daemon(socket_path: str, serve_args: list[str], log_path: str | None 
             did not answer ``/health`` within ``timeout`` seconds.
     """
     client = Client(socket_path)
-    if client.health():
+    if serving(client):
         return client
+    old = client.health()
+    if old:  # draining (SIGTERM, `llmd stop`): it refuses new requests; a new daemon follows it
+        echo(f"llmd: the daemon on {socket_path} is shutting down; waiting for it to exit")
+        if not wait_for_daemon_exit(socket_path, timeout, old.get("pid")):
+            raise LlmdError(f"the daemon on {socket_path} is shutting down but did not exit within {timeout:.0f} s")
     log_path = log_path or default_log_path()
     os.makedirs(os.path.dirname(os.path.abspath(socket_path)), mode=0o700, exist_ok=True)
     lock_fd = lock_file(spawn_lock_path(socket_path))  # a second chat waits here, then finds the daemon
     try:
-        if client.health():
+        if serving(client):
             return client
         proc, log_start = None, 0
         if client.health(ready_only=False) is None:  # nothing answers (one that answers 503 is loading)
@@ -183,9 +195,9 @@ def reconnect(socket_path: str, serve_args: list[str], log_path: str | None = No
               exit_timeout: float = 60.0, **kw) -> Client:
     """A client of a daemon on ``socket_path`` again after the last one went away mid-session
     (``llmd chat``'s next message): wait up to ``exit_timeout`` seconds for the old process to
-    release ``<socket>.lock`` (a stopping daemon refuses connections while it drains; a crashed
-    one released it at once and its stale socket is replaced), unless a daemon answers again,
-    then :func:`ensure_daemon` (``kw``: its options) finds or starts one as at first.
+    release ``<socket>.lock`` (a crashed one released it at once and its stale socket is
+    replaced), unless a daemon answers again, then :func:`ensure_daemon` (``kw``: its options)
+    finds or starts one as at first (after a draining one, which still answers, has exited).
 
     Raises:
         LlmdError: the old daemon did not exit in time, or :func:`ensure_daemon`'s errors.

@@ -4,6 +4,8 @@ gone: what ``llmd stop`` waits for) and the ``llmd chat`` REPL's commands, witho
 import subprocess
 import sys
 
+import pytest
+
 
 def type_lines(monkeypatch, lines, on_line=None) -> None:
     """``input()`` returns ``lines`` one by one (``on_line(line)`` first, when given), then raises
@@ -185,3 +187,55 @@ def test_daemon_backend_reconnects_once_and_reports_a_cut_reply(monkeypatch, cap
     assert "reconnecting" in out.err and "broke mid-reply" in out.err and "this reply is dropped" in out.err
     assert bodies == [["capital of France?"], ["capital of France?", "Paris", "and Italy?"],
                       ["capital of France?", "Paris", "and Spain?"]]
+
+
+def test_a_draining_daemon_is_waited_out_then_replaced(monkeypatch, tmp_path, capsys):
+    """A daemon answering ``/health`` 200 ``draining`` (after SIGTERM / `llmd stop`) refuses new
+    requests with 503: `llmd chat` waits for it to exit and starts a daemon (``ensure_daemon``),
+    and the REPL's next message after a 503 "shutting down" reconnects as for a gone daemon
+    (both sent their messages to the draining daemon and got the 503); another 503 is raised."""
+    from llmd.daemon.client import chat, spawn
+    from llmd.daemon.client.client import ApiResponseError
+
+    events = []
+
+    class FakeClient:
+        def __init__(self, path, *a, **kw):
+            pass
+
+        def health(self, ready_only=True):
+            if "exited" not in events:
+                return {"status": "draining", "pid": 1}
+            return {"status": "ok", "pid": 2} if "spawned" in events else None
+
+    class Proc:
+        pid, returncode = 2, None
+
+        def poll(self):
+            return None
+
+    monkeypatch.setattr(spawn, "Client", FakeClient)
+    monkeypatch.setattr(spawn, "wait_for_daemon_exit", lambda path, timeout, pid: events.append("exited") or True)
+    monkeypatch.setattr(spawn.subprocess, "Popen", lambda cmd, **kw: events.append("spawned") or Proc())
+    spawn.ensure_daemon(str(tmp_path / "s.sock"), [], str(tmp_path / "d.log"), echo=lambda m, nl=True: events.append(m))
+    assert events[0] == f"llmd: the daemon on {tmp_path / 's.sock'} is shutting down; waiting for it to exit"
+    assert events[1:3] == ["exited", "spawned"], events
+
+    def refusing(message):
+        class Refusing:
+            def stream(self, path, body):
+                raise ApiResponseError(503, {"error": {"message": message}})
+                yield
+        return Refusing()
+
+    class NewClient:
+        def stream(self, path, body):
+            yield {"choices": [{"index": 0, "delta": {"content": "Paris"}, "finish_reason": "stop"}]}
+
+    new = NewClient()
+    backend = chat.DaemonBackend(refusing("the daemon is shutting down"), reconnect=lambda: new)
+    assert list(backend.stream_chat([{"role": "user", "content": "hi"}], {})) == ["Paris"]
+    assert backend.client is new and "shutting down; reconnecting" in capsys.readouterr().err
+    backend = chat.DaemonBackend(refusing("the model is still loading"), reconnect=lambda: new)
+    with pytest.raises(ApiResponseError):
+        list(backend.stream_chat([{"role": "user", "content": "hi"}], {}))
