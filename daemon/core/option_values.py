@@ -3,6 +3,8 @@ and ``--kv-scales``. Torch-free, so ``llmd kv-size`` parses its options without 
 
 from __future__ import annotations
 
+import math
+
 from llmd.daemon.core.errors import LlmdError
 
 
@@ -27,6 +29,10 @@ def parse_bytes(text: str) -> int:
         raise LlmdError(f"cannot parse byte size {text!r} (try 512MiB or 2GiB)") from None
     if unit not in units:
         raise LlmdError(f"cannot parse byte size {text!r} (try 512MiB or 2GiB)")
+    if not math.isfinite(value):  # inf, nan, 1e400: int() raised OverflowError / ValueError
+        raise LlmdError(f"byte size must be a finite number, got {text!r}")
     if value <= 0:
         raise LlmdError(f"byte size must be > 0, got {text!r}")
+    if value * units[unit] < 1:  # 0.5 was 0 B
+        raise LlmdError(f"byte size must be at least 1 B, got {text!r}")
     return int(value * units[unit])

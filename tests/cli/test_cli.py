@@ -100,6 +100,9 @@ def test_bad_sampling_values_fail_before_the_weights_load():
         assert "loading" not in r.output, r.output
     # click's usage errors: one line too, exit code 2
     for args, text in ((["generate", "hi", "--kv-cache-memory", "0"], "byte size must be > 0"),
+                       (["generate", "hi", "--kv-cache-memory", "1e400"], "byte size must be a finite number"),
+                       (["kv-size", "--memory", "nan"], "byte size must be a finite number, got 'nan'"),
+                       (["kv-size", "--memory", "0.5"], "byte size must be at least 1 B, got '0.5'"),
                        (["generate", "hi", "--kv-cache-dtype", "int2"], "'int2' is not one of"),
                        (["generate", "hi", "--no-such-option"], "No such option '--no-such-option'")):
         assert_one_line_error(run_cli(args), text, exit_code=2)
