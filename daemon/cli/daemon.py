@@ -178,11 +178,13 @@ def stop(socket_path, timeout):
     c = client_for(socket_path)
     health = c.health(ready_only=False)  # a loading daemon (503) stops too
     if health is None:
-        # a draining daemon (SIGTERM, an earlier stop) no longer accepts, but holds its lock and
-        # socket file until it exits: wait for that too, so `llmd stop && llmd serve` works
+        # a daemon at the end of its drain (listeners closed) holds its lock and socket file until
+        # it exits: wait for that too, so `llmd stop && llmd serve` works
         if not (os.path.exists(c.socket_path) and lock_held(lock_path(c.socket_path))):
             click.echo(f"llmd: no daemon running on {c.socket_path}")
             return
+        click.echo(f"llmd: the daemon on {c.socket_path} is already shutting down; waiting for it to exit", err=True)
+    elif health.get("status") == "draining":  # stopping already: its drain goes on, nothing to send
         click.echo(f"llmd: the daemon on {c.socket_path} is already shutting down; waiting for it to exit", err=True)
     else:
         c.shutdown()

@@ -182,10 +182,10 @@ def make_runner(model, config: EngineConfig, model_dtype: torch.dtype, size: KVC
 
 
 def check_keep(config: EngineConfig, input_processor: InputProcessor, max_model_len: int) -> None:
-    """Refuse a ``--keep`` (``--context-overflow shift``) that leaves no whole block of the
-    context to discard (:func:`~llmd.daemon.core.input_processor.check_keep_option`; the CLI
-    checks it before the load too). Raises LlmdError."""
-    check_keep_option(config.keep, config.context_overflow, max_model_len, config.block_size)
+    """Refuse a ``--keep`` that leaves no whole block of the context to discard
+    (:func:`~llmd.daemon.core.input_processor.check_keep_option`; the CLI checks it before the
+    load too). Raises LlmdError."""
+    check_keep_option(config.keep, max_model_len, config.block_size)
 
 
 def load_model_and_tokenizer(config: EngineConfig) -> tuple:

@@ -70,14 +70,16 @@ def max_keep(max_model_len: int, block_size: int) -> int:
     return max(0, (max_model_len - 1 - block_size) // block_size * block_size)
 
 
-def check_keep_option(keep: int, context_overflow: str, max_model_len: int, block_size: int) -> None:
-    """Refuse a ``--keep`` (under ``--context-overflow shift``) above :func:`max_keep`: it would
-    leave no whole block of the context to discard.
+def check_keep_option(keep: int, max_model_len: int, block_size: int) -> None:
+    """Refuse a ``--keep`` above :func:`max_keep`: a shift would leave no whole block of the
+    context to discard. Checked whatever ``--context-overflow`` says, since a request may ask
+    for ``context_overflow: "shift"`` itself (``llmd chat`` always does) and then keeps
+    ``--keep`` tokens unless it gives ``n_keep``.
 
     Raises:
         LlmdError: ``--keep 200 leaves no whole block of the 128-token context to discard: at most 96 ...``.
     """
-    if context_overflow == "shift" and keep > (most := max_keep(max_model_len, block_size)):
+    if keep > (most := max_keep(max_model_len, block_size)):
         raise LlmdError(f"--keep {keep} leaves no whole block of the {max_model_len}-token "
                         f"context to discard: at most {most} (or -1, the prompt)")
 

@@ -62,14 +62,13 @@ def model_max_position(model: str) -> int:
 
 
 def check_options_before_load(config: EngineConfig) -> None:
-    """Refuse a resolved ``config`` whose ``--keep`` leaves no block of the context to discard
-    (``--context-overflow shift``), as the engine would after loading the weights, from the
-    model's header alone.
+    """Refuse a resolved ``config`` whose ``--keep`` leaves no block of the context to discard,
+    as the engine would after loading the weights, from the model's header alone.
 
     Raises:
         LlmdError: that ``--keep`` (the engine's words), or an unknown / unreadable model.
     """
-    if config.context_overflow != "shift":
+    if config.keep <= 0:  # 0 and -1 (the prompt) always fit: nothing to read
         return
     context = model_context(config.max_model_len, model_max_position(config.model))
-    check_keep_option(config.keep, config.context_overflow, context, config.block_size)
+    check_keep_option(config.keep, context, config.block_size)

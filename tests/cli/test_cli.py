@@ -232,12 +232,16 @@ def test_a_prompt_that_is_not_utf8_is_one_line(tmp_path):
 def test_serve_and_generate_refuse_bad_engine_options_before_the_socket_or_the_weights(tmp_path):
     """`llmd serve --block-size 0` and a `--keep` that leaves no block of the context to discard
     are one line before the socket is claimed (they printed "loading", "stopped", then the error,
-    or were caught only after the load); `llmd generate` names `--keep`, not the request's n_keep."""
+    or were caught only after the load), with or without `--context-overflow shift` (`llmd chat`
+    asks for a shift per request); `llmd generate` names `--keep`, not the request's n_keep."""
     sock = str(tmp_path / "s.sock")
     keep = ["--keep", "200", "--max-model-len", "128", "--context-overflow", "shift"]
     text = "--keep 200 leaves no whole block of the 128-token context to discard: at most 96 (or -1, the prompt)"
+    no_shift = keep[:4]  # --keep counts without --context-overflow shift too: chat asks for a shift per request
     for args, words in ((["serve", "--socket", sock, "--block-size", "0"], "--block-size must be >= 1, got 0"),
-                        (["serve", "--socket", sock, *keep], text), (["generate", "hi", *keep], text)):
+                        (["serve", "--socket", sock, *keep], text), (["generate", "hi", *keep], text),
+                        (["serve", "--socket", sock, *no_shift], text),
+                        (["chat", "--no-daemon", "--socket", sock, "-p", "hi", *no_shift], text)):
         r = run_cli(args)
         assert r.output.strip().splitlines() == [f"llmd: error: {words}"], r.output
         assert r.exit_code == 1 and not os.path.exists(sock) and not os.path.exists(sock + ".lock")

@@ -141,9 +141,10 @@ def test_non_loopback_host_needs_a_key_and_the_key_is_never_printed(tmp_path):
 
 
 def test_stop_waits_for_a_daemon_that_is_already_draining(tmp_path):
-    """A daemon draining after SIGTERM (or an earlier `llmd stop`) no longer accepts, but holds
-    its lock and socket file until it exits: `llmd stop` waits for that exit too (it said "no
-    daemon running" at once, so `llmd stop && llmd serve` was refused as "already running")."""
+    """A daemon at the end of its drain (listeners closed) no longer accepts, but holds its lock
+    and socket file until it exits: `llmd stop` waits for that exit too (it said "no daemon
+    running" at once, so `llmd stop && llmd serve` was refused as "already running"). A daemon
+    still draining answers `/health` "draining": tests/e2e/test_daemon_drain.py."""
     import threading
 
     from llmd.daemon.protocol import lock_path, unlock_file

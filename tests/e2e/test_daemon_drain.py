@@ -2,16 +2,18 @@
 over the tiny engine, ``tiny_daemon.py``, drain timeout 30 s; ``hang`` holds a stream in flight).
 
 After the first SIGTERM the listeners stay open: ``/health`` answers 200 ``draining``, a new
-completion gets 503 "the daemon is shutting down", ``llmd status`` says so; the stream in
-flight goes on. A second SIGTERM (a second Ctrl-C) aborts it at once (``finish_reason:
-"abort"``, ``[DONE]``) instead of waiting out the 30 s, and the process exits 0 with its
-socket removed."""
+completion gets 503 "the daemon is shutting down", ``llmd status`` says so, ``llmd stop``
+waits without sending another shutdown; the stream in flight goes on. A second SIGTERM (a
+second Ctrl-C) aborts it at once (``finish_reason: "abort"``, ``[DONE]``) instead of waiting
+out the 30 s, and the process exits 0 with its socket removed."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -58,9 +60,16 @@ def test_a_draining_daemon_answers_and_a_second_signal_aborts(daemon):
     assert refused.value.status == 503 and "shutting down" in str(refused.value.body), refused.value.body
     status = CliRunner().invoke(main, ["status", "--socket", sock])
     assert status.exit_code == 0 and "shutting down: in-flight requests finish" in status.output, status.output
+    stopper = subprocess.Popen([sys.executable, "-c", "from llmd.daemon.cli.main import main; main()", "stop",
+                                "--socket", sock], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(0.5)  # `llmd stop` sees "draining": it waits, sending nothing
+    assert stopper.poll() is None
     t0 = time.monotonic()
     os.kill(proc.pid, signal.SIGTERM)  # the second signal
     chunks += list(stream)  # ends at [DONE]
+    out, _ = stopper.communicate(timeout=30)
+    assert stopper.returncode == 0 and "is already shutting down; waiting for it to exit" in out, out
+    assert out.strip().splitlines()[-1] == "llmd: daemon stopped", out
     assert chunks[-1]["choices"][0]["finish_reason"] == "abort", chunks[-1]
     assert proc.wait(15) == 0 and time.monotonic() - t0 < 15, open(log).read()  # not the 30 s drain
     assert not os.path.exists(sock)
