@@ -26,7 +26,7 @@ Rules:
   character prompt (241 ms in HF ``tokenizers``, which releases the GIL) delays only itself.
   A chat template runs in Jinja with the GIL held, which a worker thread cannot hide (the
   engine thread waits up to the 5 ms switch interval at each GIL hand-back): that cost is
-  bounded by the validation's ``MAX_MESSAGES`` and character caps instead.
+  bounded by ``prompt_fields.MAX_MESSAGES`` and character caps instead.
   The pool only reads the tokenizer (HF fast tokenizers encode through ``&self``; the engine
   thread's detokenizer decodes concurrently, as the server's token-text lookup always did).
 * Outputs go to a per-request *sink* (a callable taking :class:`RequestOutput`), called on
