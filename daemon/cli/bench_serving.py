@@ -50,9 +50,11 @@ def bench_prefix(system_tokens, users, turns, max_tokens, **engine_kw):
 
 
 @click.command("cascade")
-@click.option("--system-tokens", default=1000, show_default=True, type=int, help="Shared system prompt (tokens).")
+@click.option("--system-tokens", default=1000, show_default=True, type=click.IntRange(1),
+              help="Shared system prompt (tokens).")
 @click.option("--users", default=32, show_default=True, type=click.IntRange(1), help="Chats queued at once.")
-@click.option("--max-tokens", default=32, show_default=True, type=int, help="New tokens per request (greedy).")
+@click.option("--max-tokens", default=32, show_default=True, type=click.IntRange(1),
+              help="New tokens per request (greedy).")
 @click.option("--repeats", default=2, show_default=True, type=click.IntRange(1),
               help="Alternating runs per setting; best shown.")
 @engine_options
@@ -61,8 +63,6 @@ def bench_cascade(system_tokens, users, max_tokens, repeats, **engine_kw):
     """Cascade attention on vs off on the shared-prefix workload shape (same model, one run)."""
     from llmd.daemon.bench.cascade import run_cascade_bench
 
-    if min(system_tokens, users, max_tokens, repeats) < 1:
-        raise LlmdError("--system-tokens, --users, --max-tokens and --repeats must be >= 1")
     engine = build_engine(**engine_kw)
     run_cascade_bench(engine, system_tokens, users, max_tokens, repeats, echo=click.echo)
 

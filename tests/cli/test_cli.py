@@ -121,6 +121,7 @@ def test_bench_options_fail_in_one_line_before_the_weights_load():
                              (["bench", "single", "--prompt", "99999"],
                               "--prompt 99999 exceeds the token budget 512 (--max-num-batched-tokens)", 1),
                              (["bench", "prefix", "--users", "0"], "'--users': 0 is not in the range", 2),
+                             (["bench", "cascade", "--system-tokens", "0"], "'--system-tokens': 0 is not in the", 2),
                              (["bench", "hybrid", "--num-requests", "0"], "'--num-requests': 0 is not in the range", 2),
                              (["bench", "step", "--attention-backend", "foo"], "foo is not one of cpu, torch", 2),
                              (["bench", "step", "--dtype", "foo"], "foo is not one of auto, float32", 2)):
