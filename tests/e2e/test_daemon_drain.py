@@ -10,16 +10,14 @@ out the 30 s, and the process exits 0 with its socket removed."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
 from click.testing import CliRunner
-from tiny_daemon import start
+from tiny_daemon import running
 
 from llmd.daemon.cli.main import main
 from llmd.daemon.client.client import ApiResponseError, Client
@@ -29,15 +27,8 @@ SEED = 4242  # the streamed request's: its step hangs 4 s at its 2nd token
 
 @pytest.fixture
 def daemon():
-    tmp = tempfile.mkdtemp(prefix="llmd", dir="/tmp")
-    sock, log = os.path.join(tmp, "d.sock"), os.path.join(tmp, "d.log")
-    env = dict(os.environ, TINY_DAEMON_DRAIN="30", LLMD_FAULT_INJECT=f"hang:{SEED}@2=4")
-    proc = start(sock, os.path.join(tmp, "d.gguf"), log, env=env)
-    yield sock, log, proc
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait(10)
-    shutil.rmtree(tmp, ignore_errors=True)
+    with running("d", dict(TINY_DAEMON_DRAIN="30", LLMD_FAULT_INJECT=f"hang:{SEED}@2=4")) as d:
+        yield d
 
 
 def test_a_draining_daemon_answers_and_a_second_signal_aborts(daemon):

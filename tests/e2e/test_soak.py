@@ -31,14 +31,12 @@ import asyncio
 import json
 import os
 import random
-import shutil
-import tempfile
 import time
 from collections import Counter
 
 import aiohttp
 import pytest
-from tiny_daemon import start
+from tiny_daemon import running
 
 SOAK_S = float(os.environ.get("LLMD_SOAK_SECONDS", "30"))
 MAX_REQUESTS = int(os.environ.get("LLMD_SOAK_MAX_REQUESTS", "20000"))
@@ -57,15 +55,9 @@ TERMINAL = ("stop", "length", "abort")
 
 @pytest.fixture(scope="module")
 def daemon():
-    tmp = tempfile.mkdtemp(prefix="llmd", dir="/tmp")
-    sock, log = os.path.join(tmp, "soak.sock"), os.path.join(tmp, "soak.log")
-    env = dict(os.environ, LLMD_FAULT_INJECT=FAULTS, LLMD_DEBUG_ROUTES="1", TINY_DAEMON_CONFIG=json.dumps(CONFIG))
-    proc = start(sock, os.path.join(tmp, "soak.gguf"), log, env=env)
-    yield sock, log, proc
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait(10)
-    shutil.rmtree(tmp, ignore_errors=True)
+    env = dict(LLMD_FAULT_INJECT=FAULTS, LLMD_DEBUG_ROUTES="1", TINY_DAEMON_CONFIG=json.dumps(CONFIG))
+    with running("soak", env) as d:
+        yield d
 
 
 def rss_kib(pid: int) -> int:
