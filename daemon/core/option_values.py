@@ -18,10 +18,11 @@ def parse_kv_scales(text: str) -> tuple[float, float]:
 
 
 def parse_bytes(text: str) -> int:
-    """Parse a byte size such as ``536870912``, ``512MiB``, ``2GiB``, ``300MB``. Raises LlmdError."""
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+    """Parse a byte size such as ``536870912``, ``512MiB``, ``2GiB``, ``300MB``, ``1TiB``. Raises LlmdError."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
     s = text.strip().lower().replace(" ", "")
-    num = s.rstrip("kmgib")
+    num = s.rstrip("kmgtib")
     unit = s[len(num):]
     try:
         value = float(num)

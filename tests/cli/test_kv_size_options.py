@@ -99,3 +99,13 @@ def test_context_beyond_the_model_is_capped_with_a_note():
     assert capped.stdout == run_kv_size("--context", "8192").stdout == run_kv_size().stdout
     within = run_kv_size("--context", "4096")
     assert within.exit_code == 0 and within.stderr == "" and "context 4096 tokens" in within.stdout
+
+
+def test_byte_sizes_take_tebibytes():
+    """`--memory 1TiB` / `2TB` (a server's KV budget) parse as the smaller units do; `kv-size` took
+    no T prefix ("cannot parse byte size")."""
+    from llmd.daemon.core.option_values import parse_bytes
+
+    assert parse_bytes("1TiB") == 2**40 and parse_bytes("2TB") == 2 * 10**12 and parse_bytes("0.5 tib") == 2**39
+    result = run_kv_size("--memory", "1TiB")
+    assert result.exit_code == 0 and f"memory {2**40} B" in result.output, result.output
