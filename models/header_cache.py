@@ -103,3 +103,16 @@ def _write(root: str, entry_path: str, entry: dict, default_root: bool) -> None:
 def load_config(path: str, cache_dir: str | None = None) -> ModelConfig:
     """Only the :class:`ModelConfig` of a GGUF (see :func:`header_info`). Raises GGUFLoadError."""
     return header_info(path, cache_dir).config
+
+
+def model_config(model: str, cache_dir: str | None = None) -> ModelConfig:
+    """The :class:`ModelConfig` of a ``--model`` value without loading weights: a ``random:``
+    preset's (:mod:`llmd.models.presets`), else its GGUF header's (:func:`load_config`, cached).
+    Torch-free. Raises LlmdError: an unknown model or preset, an unreadable GGUF."""
+    from llmd.models.presets import is_random_model, preset_config
+
+    if is_random_model(model):
+        return preset_config(model)
+    from llmd.models.registry import resolve_model
+
+    return load_config(resolve_model(model), cache_dir)

@@ -120,16 +120,11 @@ def kv_size(model, context, memory, block_size, max_num_seqs, total_memory):
     with --total-memory, the weights per --weight-quant format and what fits beside them."""
     from llmd.daemon.core.kv_size import MIN_KV_BLOCKS, check_kv_memory, group_summary, kv_size_rows
     from llmd.daemon.kv import make_kv_cache_groups
-    from llmd.models.presets import is_random_model, preset_config
+    from llmd.models.header_cache import model_config
+    from llmd.models.presets import is_random_model
 
     require_at_least_one(context=context, block_size=block_size, max_num_seqs=max_num_seqs)  # before the model resolves
-    if is_random_model(model):
-        cfg = preset_config(model)
-    else:
-        from llmd.models.header_cache import load_config
-        from llmd.models.registry import resolve_model
-
-        cfg = load_config(resolve_model(model))
+    cfg = model_config(model)
     if context is None:
         context = cfg.max_position
     elif context > cfg.max_position:  # as the engine's model_context() caps --max-model-len

@@ -41,7 +41,7 @@ from llmd.daemon.core.engine_summary import SummaryMixin, glue_ops
 from llmd.daemon.core.errors import LlmdError, RequestError, ServerBusyError
 from llmd.daemon.core.faults import FaultInjector
 from llmd.daemon.core.grammar import GrammarCompiler, GrammarState
-from llmd.daemon.core.input_processor import InputProcessor, ProcessedPrompt, Prompt, model_context
+from llmd.daemon.core.input_processor import InputProcessor, ProcessedPrompt, Prompt, check_keep_option, model_context
 from llmd.daemon.core.kv_exchange import KVExchange
 from llmd.daemon.core.outputs import RequestOutput, SchedulerOutput, TokenLogprobs
 from llmd.daemon.core.parallel import ParallelRequests, sampling_rows
@@ -95,7 +95,7 @@ class Engine(SummaryMixin, StatsMixin, OfflineMixin):
         self.runner = engine_setup.make_runner(model, c, kv_dtype, size, self.kv_cache_groups, self.max_model_len)
         self.input_processor = InputProcessor(tokenizer, cfg.vocab_size, self.max_model_len, c.context_overflow,
                                               c.keep, c.block_size)
-        engine_setup.check_keep(c, self.input_processor, self.max_model_len)
+        check_keep_option(c.keep, self.max_model_len, c.block_size)  # --keep: a shift must free a block
         # structured outputs (None for a tokenizer-less engine, e.g. llmd bench step's, which adds no requests)
         self.grammars = (GrammarCompiler(tokenizer.hf, cfg.vocab_size, tokenizer.eos_token_ids)
                          if tokenizer is not None else None)

@@ -12,7 +12,7 @@
 * :func:`from_config` resolves ``--model`` and loads the weights and tokenizer
   (:func:`load_model_and_tokenizer`) into a new engine (:meth:`Engine.from_config
   <llmd.daemon.core.engine.Engine.from_config>`);
-* :func:`float16_warning`, :func:`make_thread_governor`, :func:`check_keep`: the rest of the
+* :func:`float16_warning`, :func:`make_thread_governor`: the rest of the
   engine's startup.
 """
 
@@ -26,7 +26,6 @@ import torch
 from llmd.daemon.core.config import DEFAULT_KV_CACHE_MEMORY_CPU, DTYPES, EngineConfig
 from llmd.daemon.core.errors import LlmdError
 from llmd.daemon.core.gpu_memory import activation_bytes, cuda_kv_cache_bytes
-from llmd.daemon.core.input_processor import InputProcessor, check_keep_option
 from llmd.daemon.core.kv_size import kv_cache_block_bytes, kv_cache_bytes_per_token, kv_residual_bytes, residual_slots
 from llmd.daemon.core.model_runner import ModelRunner
 from llmd.daemon.kv import KVCacheManager
@@ -179,13 +178,6 @@ def make_runner(model, config: EngineConfig, model_dtype: torch.dtype, size: KVC
         residual_slots=size.num_residual_slots, cascade_attn=not c.disable_cascade_attn,
         native_kernels=not c.disable_native_kernels, fp16_weights=getattr(c, "fp16_weights", False),
     )
-
-
-def check_keep(config: EngineConfig, input_processor: InputProcessor, max_model_len: int) -> None:
-    """Refuse a ``--keep`` that leaves no whole block of the context to discard
-    (:func:`~llmd.daemon.core.input_processor.check_keep_option`; the CLI checks it before the
-    load too). Raises LlmdError."""
-    check_keep_option(config.keep, max_model_len, config.block_size)
 
 
 def load_model_and_tokenizer(config: EngineConfig) -> tuple:

@@ -46,21 +46,6 @@ def check_prompt_before_load(config: EngineConfig, prompt: Prompt, params: Sampl
     processor.process(prompt, copy.copy(params))
 
 
-def model_max_position(model: str) -> int:
-    """The model's own context length from its cached GGUF header, or a ``random:`` preset's.
-
-    Raises:
-        LlmdError: unknown model, unreadable GGUF."""
-    if model.startswith("random:"):
-        from llmd.models.presets import preset_config
-
-        return preset_config(model).max_position
-    from llmd.models.header_cache import header_info
-    from llmd.models.registry import resolve_model
-
-    return header_info(resolve_model(model)).config.max_position
-
-
 def check_options_before_load(config: EngineConfig) -> None:
     """Refuse a resolved ``config`` whose ``--keep`` leaves no block of the context to discard,
     as the engine would after loading the weights, from the model's header alone.
@@ -70,5 +55,7 @@ def check_options_before_load(config: EngineConfig) -> None:
     """
     if config.keep <= 0:  # 0 and -1 (the prompt) always fit: nothing to read
         return
-    context = model_context(config.max_model_len, model_max_position(config.model))
+    from llmd.models.header_cache import model_config
+
+    context = model_context(config.max_model_len, model_config(config.model).max_position)
     check_keep_option(config.keep, context, config.block_size)
