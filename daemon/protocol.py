@@ -3,7 +3,8 @@
 * where the socket, its lock files and an auto-started daemon's log live
   (:func:`default_socket_path`, :func:`check_socket_path`, :func:`lock_path`,
   :func:`spawn_lock_path`, :func:`default_log_path`);
-* the OpenAI-style error body (:func:`error_body`);
+* the OpenAI-style error body (:func:`error_body`) and the draining daemon's 503 code
+  (:data:`DRAINING_CODE`);
 * Server-Sent Events framing (:func:`sse`, :data:`SSE_DONE`);
 * the ``GET /v1/stats`` schema, versioned by :data:`STATS_SCHEMA_VERSION` (bump it on any
   incompatible change; clients such as ``llmd ps`` / ``llmd top`` check it), and the compact
@@ -126,6 +127,11 @@ def check_socket_path(path: str) -> str | None:
         return (f"socket path is {n} bytes, over the AF_UNIX limit of {MAX_UNIX_PATH_BYTES}: {path} "
                 "(pick a shorter --socket or XDG_RUNTIME_DIR)")
     return None
+
+
+DRAINING_CODE = "shutting_down"
+"""The error body's ``code`` of the 503 a draining daemon gives new generation requests (clients
+such as ``llmd chat`` wait for it to exit and reconnect on it, not on the message's wording)."""
 
 
 def error_body(message: str, param: str | None = None, type_: str = "invalid_request_error", code: int = 400) -> dict:

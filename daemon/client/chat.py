@@ -29,6 +29,7 @@ import click
 
 from llmd.daemon.client.client import ApiResponseError, Client, DaemonUnavailable
 from llmd.daemon.core.errors import LlmdError
+from llmd.daemon.protocol import DRAINING_CODE
 
 REPL_COMMANDS = ("/reset", "/system TEXT", "/stats", "/exit")
 #: ``llmd chat``'s sampling defaults (the API keeps OpenAI's), Ollama's: of the candidates measured
@@ -76,7 +77,7 @@ class DaemonBackend:
             chunks = self.client.stream("/v1/chat/completions", body)
             first = next(chunks, None)
         except (DaemonUnavailable, ApiResponseError) as e:
-            draining = isinstance(e, ApiResponseError) and e.status == 503 and "shutting down" in e.message
+            draining = isinstance(e, ApiResponseError) and e.status == 503 and e.code == DRAINING_CODE
             if self.reconnect is None or (isinstance(e, ApiResponseError) and not draining):
                 raise
             click.echo("llmd: the daemon is shutting down; reconnecting once it exits ..." if draining

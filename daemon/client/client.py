@@ -24,13 +24,15 @@ class DaemonUnavailable(LlmdError):
 
 
 class ApiResponseError(LlmdError):
-    """The daemon answered with an error status; ``message``/``param`` come from its error body."""
+    """The daemon answered with an error status; ``message``/``param``/``code`` come from its error
+    body (``code``: OpenAI's string code, e.g. ``"shutting_down"`` for a draining daemon's 503)."""
 
     def __init__(self, status: int, body):
         err = body.get("error", {}) if isinstance(body, dict) else {}
         self.status, self.body = status, body
         self.message = err.get("message") or str(body)
         self.param = err.get("param")
+        self.code = err.get("code")
         super().__init__(f"daemon answered {status}: {self.message}")
 
 

@@ -26,7 +26,7 @@ import uuid
 from aiohttp import web
 
 from llmd.daemon.core.errors import LlmdError
-from llmd.daemon.protocol import SSE_DONE, error_body, sse
+from llmd.daemon.protocol import DRAINING_CODE, SSE_DONE, error_body, sse
 from llmd.daemon.serving.http_common import STATE, check_size, engine_error, json_error, read_json
 from llmd.daemon.serving.json_fields import ApiError
 from llmd.daemon.serving.kv_transfer import handshake as kv_handshake
@@ -57,7 +57,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     st = request.app[STATE]
     if st.draining:
-        raise ApiError("the daemon is shutting down", None, 503)
+        raise ApiError("the daemon is shutting down", None, 503, code=DRAINING_CODE)
     if not st.engine_loop.alive:
         raise ApiError("the engine is not running (see the daemon log)", None, 503)
     body = await read_json(request)

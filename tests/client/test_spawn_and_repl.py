@@ -192,7 +192,7 @@ def test_daemon_backend_reconnects_once_and_reports_a_cut_reply(monkeypatch, cap
 def test_a_draining_daemon_is_waited_out_then_replaced(monkeypatch, tmp_path, capsys):
     """A daemon answering ``/health`` 200 ``draining`` (after SIGTERM / `llmd stop`) refuses new
     requests with 503: `llmd chat` waits for it to exit and starts a daemon (``ensure_daemon``),
-    and the REPL's next message after a 503 "shutting down" reconnects as for a gone daemon
+    and the REPL's next message after a 503 with code ``shutting_down`` reconnects as for a gone daemon
     (both sent their messages to the draining daemon and got the 503); another 503 is raised."""
     from llmd.daemon.client import chat, spawn
     from llmd.daemon.client.client import ApiResponseError
@@ -221,10 +221,10 @@ def test_a_draining_daemon_is_waited_out_then_replaced(monkeypatch, tmp_path, ca
     assert events[0] == f"llmd: the daemon on {tmp_path / 's.sock'} is shutting down; waiting for it to exit"
     assert events[1:3] == ["exited", "spawned"], events
 
-    def refusing(message):
+    def refusing(message, code=None):
         class Refusing:
             def stream(self, path, body):
-                raise ApiResponseError(503, {"error": {"message": message}})
+                raise ApiResponseError(503, {"error": {"message": message, "code": code}})
                 yield
         return Refusing()
 
@@ -233,9 +233,13 @@ def test_a_draining_daemon_is_waited_out_then_replaced(monkeypatch, tmp_path, ca
             yield {"choices": [{"index": 0, "delta": {"content": "Paris"}, "finish_reason": "stop"}]}
 
     new = NewClient()
-    backend = chat.DaemonBackend(refusing("the daemon is shutting down"), reconnect=lambda: new)
+    backend = chat.DaemonBackend(refusing("the daemon is shutting down", "shutting_down"), reconnect=lambda: new)
     assert list(backend.stream_chat([{"role": "user", "content": "hi"}], {})) == ["Paris"]
     assert backend.client is new and "shutting down; reconnecting" in capsys.readouterr().err
     backend = chat.DaemonBackend(refusing("the model is still loading"), reconnect=lambda: new)
+    with pytest.raises(ApiResponseError):
+        list(backend.stream_chat([{"role": "user", "content": "hi"}], {}))
+    # the 503's structured code decides, not its wording
+    backend = chat.DaemonBackend(refusing("the daemon is shutting down"), reconnect=lambda: new)
     with pytest.raises(ApiResponseError):
         list(backend.stream_chat([{"role": "user", "content": "hi"}], {}))

@@ -49,6 +49,7 @@ def test_a_draining_daemon_answers_and_a_second_signal_aborts(daemon):
     with pytest.raises(ApiResponseError) as refused:
         c.completion(prompt="hi", max_tokens=2)
     assert refused.value.status == 503 and "shutting down" in str(refused.value.body), refused.value.body
+    assert refused.value.code == "shutting_down", refused.value.body
     status = CliRunner().invoke(main, ["status", "--socket", sock])
     assert status.exit_code == 0 and "shutting down: in-flight requests finish" in status.output, status.output
     stopper = subprocess.Popen([sys.executable, "-c", "from llmd.daemon.cli.main import main; main()", "stop",
