@@ -134,6 +134,18 @@ DRAINING_CODE = "shutting_down"
 such as ``llmd chat`` wait for it to exit and reconnect on it, not on the message's wording)."""
 
 
+def fmt_bytes(n) -> str:
+    """A byte count for people: ``536870912`` → ``512 MiB``, ``409600`` → ``400 KiB``, ``1.5 GiB``;
+    not a number → ``-``."""
+    if not isinstance(n, (int, float)):
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.1f} {unit}"
+        n /= 1024
+    return "-"  # pragma: no cover
+
+
 def error_body(message: str, param: str | None = None, type_: str = "invalid_request_error", code: int = 400) -> dict:
     """OpenAI-style error object: ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -6,7 +6,7 @@ daemon, a feature not landed yet) renders as "-" and never raises.
 
 from __future__ import annotations
 
-from llmd.daemon.protocol import STATS_SCHEMA_VERSION
+from llmd.daemon.protocol import STATS_SCHEMA_VERSION, fmt_bytes  # noqa: F401 (fmt_bytes: this module's name too)
 
 _MISSING = object()
 
@@ -39,17 +39,6 @@ def version_problem(stats) -> str | None:
         return (f"the daemon speaks stats schema {v!r}, this llmd top reads {STATS_SCHEMA_VERSION}: "
                 "upgrade llmd or the daemon so they match (retrying)")
     return None
-
-
-def fmt_bytes(n) -> str:
-    """``536870912`` → ``512 MiB``; None → ``-``."""
-    if not isinstance(n, (int, float)):
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.1f} {unit}"
-        n /= 1024
-    return "-"  # pragma: no cover
 
 
 def fmt_duration(s) -> str:

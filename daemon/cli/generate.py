@@ -120,6 +120,7 @@ def kv_size(model, context, memory, block_size, max_num_seqs, total_memory):
     with --total-memory, the weights per --weight-quant format and what fits beside them."""
     from llmd.daemon.core.kv_size import MIN_KV_BLOCKS, check_kv_memory, group_summary, kv_size_rows
     from llmd.daemon.kv import make_kv_cache_groups
+    from llmd.daemon.protocol import fmt_bytes
     from llmd.models.header_cache import model_config
     from llmd.models.presets import is_random_model
 
@@ -141,16 +142,19 @@ def kv_size(model, context, memory, block_size, max_num_seqs, total_memory):
                else [(True, " (hybrid KV cache groups)"), (False, " (every layer global)")])
     check_kv_memory(cfg, memory, block_size, [hybrid for hybrid, _ in layouts], max_num_seqs)  # the engine's minimum
     click.echo(f"{cfg.name}: {cfg.num_layers} layers, {cfg.num_kv_heads} KV heads x {cfg.head_dim} dims; "
-               f"context {context} tokens; memory {memory} B ({memory / 2**20:.0f} MiB)")
+               f"context {context} tokens; memory {memory:,} B ({fmt_bytes(memory)})")
     for hybrid, title in layouts:
         click.echo(group_summary(make_kv_cache_groups(windows, hybrid), block_size) + title)
-        click.echo(f"{'kv dtype':<12}{'B/token':>12}{'B/sequence':>16}{'blocks':>10}{'sequences':>12}"
-                   f"{'x 16-bit':>10}")
         rows = kv_size_rows(cfg, context, memory, block_size, hybrid, max_num_seqs=max_num_seqs)
+        # columns widen for a huge --memory, so its numbers never run together
+        wb = max(10, 2 + max(len(str(r.num_blocks)) for r in rows))
+        ws = max(12, 2 + max(len(f"{r.sequences:.2f}") for r in rows))
+        click.echo(f"{'kv dtype':<12}{'B/token':>12}{'B/sequence':>16}{'blocks':>{wb}}{'sequences':>{ws}}"
+                   f"{'x 16-bit':>10}")
         half = next(r.num_blocks for r in rows if r.name == "bf16/fp16")
         for r in rows:
-            click.echo(f"{r.name:<12}{r.bytes_per_token:>12,.0f}{r.bytes_per_sequence:>16,.0f}{r.num_blocks:>10}"
-                       f"{r.sequences:>12.2f}{r.num_blocks / half if half else 0:>9.2f}x")
+            click.echo(f"{r.name:<12}{r.bytes_per_token:>12,.0f}{r.bytes_per_sequence:>16,.0f}{r.num_blocks:>{wb}}"
+                       f"{r.sequences:>{ws}.2f}{r.num_blocks / half if half else 0:>9.2f}x")
         small = [r.name for r in rows if r.num_blocks < MIN_KV_BLOCKS]
         if small:
             click.echo(f"  {', '.join(small)}: fewer than {MIN_KV_BLOCKS} blocks, a budget the engine refuses for "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from llmd.daemon.core.kv_size import group_summary, kv_cache_block_bytes
+from llmd.daemon.protocol import fmt_bytes
 from llmd.quant import fp16_linear, prepacked
 
 
@@ -45,7 +46,7 @@ class SummaryMixin:
         return (
             f"KV cache: {self.bytes_per_token} B/token ({self._kv_dtype_label()}), {self.num_blocks} blocks of "
             f"{bs} tokens x {max(len(g.layer_ids) for g in self.kv_cache_groups)} layers "
-            f"({self.kv_cache_memory / 2**20:.0f} MiB); {group_summary(self.kv_cache_groups, bs)}; "
+            f"({fmt_bytes(self.kv_cache_memory)}); {group_summary(self.kv_cache_groups, bs)}; "
             f"{(self.num_blocks - 1) / per_seq:.2f} sequences of {self.max_model_len} tokens"
         )
 

@@ -17,8 +17,12 @@ def parse_kv_scales(text: str) -> tuple[float, float]:
     return k, v
 
 
+MAX_BYTES = 2**50  # 1 PiB: above any machine's memory; a larger --memory is a typo
+
+
 def parse_bytes(text: str) -> int:
-    """Parse a byte size such as ``536870912``, ``512MiB``, ``2GiB``, ``300MB``, ``1TiB``. Raises LlmdError."""
+    """Parse a byte size such as ``536870912``, ``512MiB``, ``2GiB``, ``300MB``, ``1TiB`` (an
+    integer literal exactly; at most :data:`MAX_BYTES`). Raises LlmdError."""
     units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
     s = text.strip().lower().replace(" ", "")
@@ -36,4 +40,6 @@ def parse_bytes(text: str) -> int:
         raise LlmdError(f"byte size must be > 0, got {text!r}")
     if value * units[unit] < 1:  # 0.5 was 0 B
         raise LlmdError(f"byte size must be at least 1 B, got {text!r}")
-    return int(value * units[unit])
+    if value * units[unit] > MAX_BYTES:  # 1e23 printed as 99999999999999991611392 B, columns run together
+        raise LlmdError(f"byte size must be at most 1 PiB, got {text!r}")
+    return int(num) * units[unit] if num.isdigit() else int(value * units[unit])

@@ -108,4 +108,17 @@ def test_byte_sizes_take_tebibytes():
 
     assert parse_bytes("1TiB") == 2**40 and parse_bytes("2TB") == 2 * 10**12 and parse_bytes("0.5 tib") == 2**39
     result = run_kv_size("--memory", "1TiB")
-    assert result.exit_code == 0 and f"memory {2**40} B" in result.output, result.output
+    assert result.exit_code == 0 and f"memory {2**40:,} B (1 TiB)" in result.output, result.output
+    # an integer literal is exact; past 1 PiB is a typo, refused in one line (1e23 printed as
+    # 99999999999999991611392 B and its blocks ran into the next column)
+    assert parse_bytes("987654321012345") == 987654321012345
+    huge = run_kv_size("--memory", "99999999999999999999999")
+    assert huge.exit_code != 0 and "at most 1 PiB" in huge.output and "Traceback" not in huge.output, huge.output
+    big = run_kv_size("--memory", "1000TiB").output.splitlines()
+    row = next(line for line in big if line.startswith("bf16/fp16")).split()
+    assert len(row) == 6 and row[3].isdigit(), big  # blocks and sequences stay apart
+    # a size that is not whole MiB says so ("(4 MiB)" before; under 1 MiB it said "(0 MiB)")
+    assert "memory 4,096,000 B (3.9 MiB)" in run_kv_size("--memory", "4000KiB").output
+    from llmd.daemon.protocol import fmt_bytes
+
+    assert (fmt_bytes(409600), fmt_bytes(2**29), fmt_bytes(3 * 2**29)) == ("400 KiB", "512 MiB", "1.5 GiB")
