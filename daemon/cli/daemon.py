@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import sys
+import threading
 
 import click
 
@@ -35,6 +37,12 @@ def serve_title(argv: list[str]) -> str:
     shown = ["***" if i and args[i - 1] == "--api-key" else a.split("=")[0] + "=***"
              if a.startswith("--api-key=") else a for i, a in enumerate(args)]
     return " ".join(["llmd", "serve", *shown])
+
+
+def _exit_on_sigterm(signum, frame):
+    """SIGTERM before the server runs: exit as SIGTERM's default would (status 143), but through
+    ``SystemExit``, so ``serve``'s cleanup removes its lock file."""
+    raise SystemExit(128 + signum)
 
 
 @click.command()
@@ -75,8 +83,9 @@ def serve(socket_path, host, port, api_key_file, api_key, served_model_name, dra
           health_stall_timeout, kv_role, kv_pin_timeout, kv_pull_timeout, kv_advertise_host, kv_producers,
           **engine_kw):
     """Run the daemon: OpenAI-style HTTP API on a Unix socket (SIGTERM or `llmd stop` ends it)."""
+    from llmd.daemon.protocol import lock_path, unlock_file
     from llmd.daemon.serving.access import check_bind, resolve_api_key
-    from llmd.daemon.serving.lifecycle import claim_socket, run_server
+    from llmd.daemon.serving.socket_claim import claim_socket
 
     if host is not None and port is None:
         raise LlmdError("--host needs --port")
@@ -87,18 +96,30 @@ def serve(socket_path, host, port, api_key_file, api_key, served_model_name, dra
         click.echo(line, err=True)
     if port is not None:
         check_bind(host or "127.0.0.1", port, key)
-    kv_transfer = None
-    if kv_role != "both":
-        from llmd.daemon.serving.kv_transfer.config import KVTransferConfig
-
-        kv_transfer = KVTransferConfig(kv_role, kv_advertise_host or host or "127.0.0.1", port, key, kv_pin_timeout,
-                                       kv_pull_timeout, producers=tuple(kv_producers)).check()
-    from llmd.daemon.core.config import EngineConfig
-    from llmd.daemon.core.prompt_check import check_options_before_load
-
-    check_options_before_load(EngineConfig(**engine_kw).resolve())  # one line, before the socket is claimed
     path = socket_path_of(socket_path)
-    lock_fd = claim_socket(path)  # fail fast, before loading the model
+    # the lock first, before torch is imported (~2 s): from here `llmd status` / `llmd stop` see a
+    # daemon starting, and a second `llmd serve` on the path is refused at once. Until run_server
+    # takes SIGTERM over (its drain), `llmd stop` on a starting daemon ends it, removing its lock file.
+    main_thread = threading.current_thread() is threading.main_thread()  # signal.signal's condition
+    sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main_thread else None
+    lock_fd = claim_socket(path)
+    try:
+        kv_transfer = None
+        if kv_role != "both":
+            from llmd.daemon.serving.kv_transfer.config import KVTransferConfig
+
+            kv_transfer = KVTransferConfig(kv_role, kv_advertise_host or host or "127.0.0.1", port, key,
+                                           kv_pin_timeout, kv_pull_timeout, producers=tuple(kv_producers)).check()
+        from llmd.daemon.core.config import EngineConfig
+        from llmd.daemon.core.prompt_check import check_options_before_load
+        from llmd.daemon.serving.lifecycle import run_server
+
+        check_options_before_load(EngineConfig(**engine_kw).resolve())  # one line, before anything loads
+    except BaseException:
+        unlock_file(lock_path(path), lock_fd)  # a bad option: no lock file left behind
+        if main_thread:
+            signal.signal(signal.SIGTERM, sigterm)
+        raise
     import setproctitle
 
     setproctitle.setproctitle(serve_title(sys.argv))  # ps: `llmd serve ...`, not `python3 -c ...`
@@ -136,10 +157,15 @@ def ps(socket_path):
 def status(socket_path):
     """Model, KV dtype, the engine (dtype, attention kernels, threads, how the linears are packed),
     blocks used/total, prefix-cache hit rate, uptime."""
+    from llmd.daemon.client.spawn import starting_pid
     from llmd.daemon.protocol import check_stats_schema
 
     c = client_for(socket_path)
     health = c.health(ready_only=False) or {}
+    if not health and (pid := starting_pid(c.socket_path)) is not None:
+        click.echo(f"daemon:      {c.socket_path} (pid {pid}), starting: its socket is not up yet "
+                   "(`llmd status` again in a moment)")
+        return
     if health.get("status") == "loading":  # /v1/stats answers 503 until the engine is built
         click.echo(f"daemon:      {c.socket_path} (pid {health['pid']}), up {health.get('uptime_s', 0):.0f} s, "
                    "loading the model (`llmd status` again once it is up)")
@@ -172,12 +198,20 @@ def status(socket_path):
 def stop(socket_path, timeout):
     """Stop the daemon gracefully (in-flight requests finish or are aborted after its drain timeout);
     returns once the process has exited, so `llmd serve` can start again at once."""
-    from llmd.daemon.client.spawn import lock_held, wait_for_daemon_exit
+    from llmd.daemon.client.spawn import lock_held, starting_pid, wait_for_daemon_exit
     from llmd.daemon.protocol import lock_path
 
     c = client_for(socket_path)
     health = c.health(ready_only=False)  # a loading daemon (503) stops too
-    if health is None:
+    pid = starting_pid(c.socket_path) if health is None else None
+    if pid is not None:  # still starting (no socket yet): SIGTERM ends it before it serves
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        click.echo(f"llmd: stopping the daemon on {c.socket_path} (pid {pid}), which was still starting", err=True)
+        health = {"pid": pid}
+    elif health is None:
         # a daemon at the end of its drain (listeners closed) holds its lock and socket file until
         # it exits: wait for that too, so `llmd stop && llmd serve` works
         if not (os.path.exists(c.socket_path) and lock_held(lock_path(c.socket_path))):

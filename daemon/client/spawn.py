@@ -73,6 +73,21 @@ def pid_running(pid: int) -> bool:
         return True
 
 
+def starting_pid(socket_path: str) -> int | None:
+    """The pid of a daemon that holds ``<socket>.lock`` but has no socket file yet (``llmd serve``
+    between taking its lock, first thing, and binding its socket: importing torch, checking its
+    options), read from the lock file (:func:`llmd.daemon.serving.socket_claim.claim_socket`
+    writes it); None when no such daemon (or the file holds no pid)."""
+    if os.path.exists(socket_path) or not lock_held(lock_path(socket_path)):
+        return None
+    try:
+        with open(lock_path(socket_path)) as f:
+            text = f.read(32).strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() and int(text) > 0 else None
+
+
 def wait_for_daemon_exit(socket_path: str, timeout: float, pid: int | None = None) -> bool:
     """Wait until the daemon on ``socket_path`` has exited: its socket file is gone (removed
     first, on shutdown), its ``<socket>.lock`` is released (so a new ``llmd serve`` on the path

@@ -1,0 +1,78 @@
+"""A daemon between taking its lock and binding its socket (``llmd serve`` imports torch and
+checks its options there, ~2 s): ``llmd status`` names it as starting (it said "no llmd daemon"),
+and ``llmd stop`` ends it (SIGTERM) and waits for it to exit. The lock file holds the daemon's
+pid (:func:`llmd.daemon.serving.socket_claim.claim_socket`). A subprocess that takes the lock and
+sleeps stands in for the starting daemon."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+from click.testing import CliRunner
+
+from llmd.daemon.cli.main import main
+from llmd.daemon.client.spawn import starting_pid
+from llmd.daemon.serving.socket_claim import claim_socket
+
+HOLDER = "import sys, time\nfrom llmd.daemon.serving.socket_claim import claim_socket\nclaim_socket(sys.argv[1])\n" \
+         "print('locked', flush=True)\ntime.sleep(60)\n"
+
+
+def test_claim_writes_the_pid_and_a_client_reads_it(tmp_path):
+    path = str(tmp_path / "d.sock")
+    assert starting_pid(path) is None  # no lock
+    fd = claim_socket(path)
+    try:
+        assert open(path + ".lock").read() == f"{os.getpid()}\n"
+        assert starting_pid(path) == os.getpid()  # held (another open file description) and no socket
+        open(path, "w").close()  # a socket file is there: not "starting" any more
+        assert starting_pid(path) is None
+    finally:
+        os.close(fd)
+    os.unlink(path)
+    assert starting_pid(path) is None  # released
+
+
+def test_status_and_stop_see_a_starting_daemon(tmp_path):
+    path = str(tmp_path / "d.sock")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, path], stdout=subprocess.PIPE, text=True)
+    reaper = threading.Thread(target=holder.wait)  # reaped at once, so its pid is gone when it exits
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        status = CliRunner().invoke(main, ["status", "--socket", path])
+        assert status.exit_code == 0 and f"(pid {holder.pid}), starting: its socket is not up yet" in status.output, \
+            status.output
+        reaper.start()
+        t0 = time.monotonic()
+        stop = CliRunner().invoke(main, ["stop", "--socket", path, "--timeout", "20"])
+        assert stop.exit_code == 0, stop.output
+        assert f"(pid {holder.pid}), which was still starting" in stop.output and "daemon stopped" in stop.output
+        assert time.monotonic() - t0 < 10
+        reaper.join(5)
+        assert holder.returncode == -15  # SIGTERM
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+
+
+def test_serve_takes_the_lock_before_importing_torch_and_drops_it_on_a_bad_option(tmp_path):
+    """A real `llmd serve` subprocess: its lock file (with its pid) exists before torch is imported;
+    a bad option (here --block-size 0, found after the import) exits 1 with one line and leaves no
+    lock file."""
+    path = str(tmp_path / "d.sock")
+    code = ("import sys, runpy\nfrom llmd.daemon.serving import socket_claim\n"
+            "orig = socket_claim.claim_socket\n"
+            "def claim(p):\n    fd = orig(p)\n    print('torch imported:', 'torch' in sys.modules, flush=True)\n"
+            "    return fd\n"
+            "socket_claim.claim_socket = claim\n"
+            "from llmd.daemon.cli.main import main\nmain()\n")
+    res = subprocess.run([sys.executable, "-c", code, "serve", "--socket", path, "--model", "random:qwen3-0.6b",
+                          "--block-size", "0"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and "torch imported: False" in res.stdout, (res.stdout, res.stderr)
+    assert res.stderr.strip().splitlines() == ["llmd: error: --block-size must be >= 1, got 0"], res.stderr
+    assert not os.path.exists(path + ".lock") and not os.path.exists(path)
