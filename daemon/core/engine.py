@@ -1,9 +1,7 @@
 """The engine: ``add_request`` / ``abort`` / ``step`` / ``make_stats``, in-process.
 
 One step is schedule → run → postprocess (nano-vllm ``llm_engine.py``, vLLM v1
-``EngineCore.step``): the scheduler picks requests, the runner computes logits and samples,
-the scheduler appends tokens and frees finished requests, and the detokenizer turns new
-tokens into safe text (stop strings end a request here).
+``EngineCore.step``), in :mod:`.engine_step`.
 
 The engine owns its inputs' one path to tokens (:class:`InputProcessor`), the parent ↔ child
 ids of parallel-sampling requests (:class:`ParallelRequests`) and its statistics: the
@@ -18,10 +16,11 @@ the caller's to handle: :meth:`Engine.fail_requests` ends the live requests, and
 left the scheduler in that very step before their output was made. The test-only fault
 hooks are :mod:`.faults`.
 
-Here: the construction, requests and steps. Beside it: :mod:`.engine_setup` (the checks, KV
-pool sizing and model loading it is built with, re-exported here), :mod:`.engine_summary`
-(startup lines), :mod:`.engine_stats` (statistics), :mod:`.engine_offline` (teacher forcing,
-``generate``).
+Here: the construction and the requests (adding, aborting, failing). Beside it:
+:mod:`.engine_setup` (the checks, KV pool sizing and model loading it is built with,
+re-exported here), :mod:`.engine_step` (one iteration: ``step``, beam advances,
+postprocessing), :mod:`.engine_summary` (startup lines), :mod:`.engine_stats` (statistics),
+:mod:`.engine_offline` (teacher forcing, ``generate``).
 """
 
 from __future__ import annotations
@@ -31,20 +30,21 @@ import itertools
 import logging
 
 from llmd.daemon.core import engine_setup
-from llmd.daemon.core.beam import BeamSearch, check_beam_params, check_fits, final_outputs
+from llmd.daemon.core.beam import BeamSearch, check_beam_params, check_fits
 from llmd.daemon.core.config import EngineConfig
 from llmd.daemon.core.detokenizer import IncrementalDetokenizer
 from llmd.daemon.core.engine_offline import OfflineMixin
 from llmd.daemon.core.engine_setup import check_kv_layout, check_triton_backend, float16_warning
 from llmd.daemon.core.engine_stats import StatsMixin
+from llmd.daemon.core.engine_step import StepMixin
 from llmd.daemon.core.engine_summary import SummaryMixin, glue_ops
 from llmd.daemon.core.errors import LlmdError, RequestError, ServerBusyError
 from llmd.daemon.core.faults import FaultInjector
 from llmd.daemon.core.grammar import GrammarCompiler, GrammarState
 from llmd.daemon.core.input_processor import InputProcessor, ProcessedPrompt, Prompt, check_keep_option, model_context
 from llmd.daemon.core.kv_exchange import KVExchange
-from llmd.daemon.core.outputs import RequestOutput, SchedulerOutput, TokenLogprobs
-from llmd.daemon.core.parallel import ParallelRequests, sampling_rows
+from llmd.daemon.core.outputs import RequestOutput, SchedulerOutput
+from llmd.daemon.core.parallel import ParallelRequests
 from llmd.daemon.core.request import Request, RequestStatus, SamplingParams
 from llmd.daemon.core.scheduler import Scheduler
 from llmd.daemon.kv import make_kv_cache_groups
@@ -56,7 +56,7 @@ __all__ = ["Engine", "check_kv_layout", "check_triton_backend", "float16_warning
 log = logging.getLogger("llmd.engine")
 
 
-class Engine(SummaryMixin, StatsMixin, OfflineMixin):
+class Engine(StepMixin, SummaryMixin, StatsMixin, OfflineMixin):
     """Continuous-batching engine over a paged KV cache.
 
     Build with :meth:`from_config` (loads model + tokenizer) or directly from an already
@@ -264,102 +264,3 @@ class Engine(SummaryMixin, StatsMixin, OfflineMixin):
     def requests(self) -> dict[str, Request]:
         """The live sequences by id (read only)."""
         return self.scheduler.requests
-
-    # ---- one iteration ------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduler iteration; returns an output for every request that produced a
-        token (or finished, ``finish_reason="error"`` included) in it.
-
-        Raises whatever the forward or the scheduler raises (the step as a whole failed: see
-        :meth:`fail_requests`); one request's own failure is its ``error`` output instead."""
-        sched = self.scheduler.schedule()
-        self.last_scheduler_output = sched
-        if not sched:
-            return []
-        if self.thread_governor is not None:
-            self.thread_governor.tick()  # every 0.5 s: a /proc/stat read, maybe torch.set_num_threads
-        reqs = {s.request_id: self.scheduler.requests[s.request_id] for s in sched.scheduled}
-        self.kv_exchange.apply_scheduled(reqs)  # pulled KV into the blocks admitted with it, before the forward
-        sampling, rows = sampling_rows(sched.scheduled, reqs)  # followers fork now: their leader's row
-        previous_token_times = [r.last_token_time for r in sampling]
-        result = self.runner.execute(sched, sampling, rows)
-        sampled, logprobs, outputs = {}, {}, []
-        if result is not None:
-            for b, (req, tok, lp) in enumerate(zip(sampling, result.sampled_token_ids, result.logprobs)):
-                if b in result.failed:  # fails before its token is appended: the scheduler skips it
-                    outputs.append(self._fail(req, result.failed[b]))
-                else:
-                    sampled[req.request_id], logprobs[req.request_id] = tok, lp
-        beam_groups = self.beams.take_reports(sampling, sampled, logprobs)  # beams get no token from the scheduler
-        if outputs or beam_groups:
-            kept = [(r, t) for r, t in zip(sampling, previous_token_times) if r.request_id in sampled]
-            sampling, previous_token_times = [r for r, _ in kept], [t for _, t in kept]
-        self._unreported = {req.request_id: req for req in sampling}
-        self.scheduler.update_from_output(sched, sampled)
-        if beam_groups:
-            outputs += self._advance_beams(beam_groups)
-        if self.faults is not None:
-            self.faults.check_step(sampling)
-        self._record_step(sched.num_prefill_tokens, sampling, previous_token_times)
-        for req in sampling:
-            try:
-                outputs.append(self._postprocess(req, sampled[req.request_id], logprobs[req.request_id]))
-            except Exception as e:  # this request fails alone; the rest of the step goes on
-                log.exception("postprocessing %s failed", req.request_id)
-                outputs.append(self._fail(req, f"postprocessing failed: {type(e).__name__}: {e}"))
-            self._unreported.pop(req.request_id, None)
-        return outputs
-
-    def _advance_beams(self, groups: list) -> list[RequestOutput]:
-        """Step the beam-search groups whose beams all reported (:mod:`.beam`); the final
-        outputs of those that ended: slot ``i`` carries the ``i``-th best beam, all its tokens
-        and text in one output."""
-        outputs = []
-        for g, live in self.beams.advance(groups, self.scheduler):
-            for req, hyp in final_outputs(g, live):
-                status = RequestStatus.FINISHED_STOPPED if hyp.stopped else RequestStatus.FINISHED_LENGTH
-                req.token_ids[req.num_prompt_tokens:] = hyp.output_token_ids
-                req.stop_reason = hyp.output_token_ids[-1] if hyp.stopped else None
-                self.scheduler.finish_request(req.request_id, status)
-                detok = self.detokenizers.pop(req.request_id)
-                text = detok.update(hyp.output_token_ids[:-1] if hyp.stopped else hyp.output_token_ids) + detok.finish()
-                self._finished(req, status.finish_reason)
-                outputs.append(RequestOutput(
-                    request_id=req.request_id, new_token_ids=list(hyp.output_token_ids), new_text=text,
-                    logprobs=[None] * len(hyp.output_token_ids), finished=True, finish_reason=status.finish_reason,
-                    num_prompt_tokens=req.total_prompt_tokens, num_output_tokens=req.num_output_tokens,
-                    num_cached_tokens=req.num_cached_tokens, index=req.sibling_index))
-        return outputs
-
-    def _postprocess(self, req: Request, token: int, lp: TokenLogprobs | None) -> RequestOutput:
-        if self.faults is not None:
-            self.faults.check_postprocess(req)
-        detok = self.detokenizers[req.request_id]
-        # a stop token (stop_token_ids, EOS) ends the text without its own, as vLLM's detokenizer
-        # leaves it out; its id and logprob stay in the output
-        text = "" if req.is_finished and req.stop_reason == token else detok.update([token])
-        if detok.stop_matched is not None and not req.is_finished:
-            req.stop_reason = detok.stop_matched
-            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
-        if req.is_finished:
-            if detok.stop_matched is None:
-                text += detok.finish()
-            if detok.stop_matched is not None and req.status == RequestStatus.FINISHED_LENGTH:
-                # the last token completed a stop string (or finish() found one): the text is cut
-                # there, so "stop", as vLLM reports it
-                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, detok.stop_matched
-            del self.detokenizers[req.request_id]
-            self._finished(req, req.status.finish_reason)
-        return RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=[token],
-            new_text=text,
-            logprobs=[lp],
-            finished=req.is_finished,
-            finish_reason=req.status.finish_reason,
-            num_prompt_tokens=req.total_prompt_tokens,
-            num_output_tokens=req.num_output_tokens,
-            num_cached_tokens=req.num_cached_tokens,
-            index=req.sibling_index,
-            kv_transfer_params=self.kv_exchange.on_finished(req) if req.is_finished else None,
-        )
