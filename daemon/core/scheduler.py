@@ -35,6 +35,11 @@ pool) is rejected up front, and the waiting queue is bounded (``max_num_waiting`
 siblings of a parallel-sampling request wait, fork and inherit by the policy of
 :mod:`llmd.daemon.core.parallel`. The scheduler returns plain data (:mod:`.outputs`) and never
 touches tensors.
+
+The class is split by responsibility: the step (``schedule``, preemption) here; admission,
+the waiting queue's order and release in :mod:`llmd.daemon.core.scheduler_admission`
+(:class:`AdmissionMixin`); the update after a step and the stop checks in
+:mod:`llmd.daemon.core.scheduler_update` (:class:`UpdateMixin`).
 """
 
 from __future__ import annotations
@@ -42,17 +47,17 @@ from __future__ import annotations
 from collections import deque
 
 from llmd.daemon.core import context_shift
-from llmd.daemon.core.errors import QueueFullError, RequestError
 from llmd.daemon.core.outputs import BlockShift, ResidualShift, ScheduledRequest, SchedulerOutput
-from llmd.daemon.core.parallel import attach_followers, drop_follower, fork_followers, promote_heir
 from llmd.daemon.core.request import Request, RequestStatus
+from llmd.daemon.core.scheduler_admission import AdmissionMixin
+from llmd.daemon.core.scheduler_update import UpdateMixin
 from llmd.daemon.kv import KVCacheManager
-from llmd.daemon.kv.transfer import allocate_imported, pin_blocks, pin_id_of
+from llmd.daemon.kv.transfer import allocate_imported
 
 PREFIX_WAIT_MIN_BLOCKS = 4  # in-flight blocks in a row worth waiting a step for (module docstring, 3.)
 
 
-class Scheduler:
+class Scheduler(AdmissionMixin, UpdateMixin):
     """Decides which requests run each step and how many tokens each computes.
 
     Args:
@@ -81,93 +86,6 @@ class Scheduler:
         self.num_preemptions = 0  # total preemptions that freed blocks
         self.num_context_shifts = 0  # context shifts done (in place or by recompute)
         self.pending_shifts: list = []  # (request_id, BlockShift | ResidualShift) for the next step's runner
-
-    # ---- admission ----------------------------------------------------------------
-    def max_tokens_of(self, req: Request) -> int:
-        """Most tokens ``req`` can reach: prompt + max_tokens (max_tokens resolved by the engine),
-        at most ``max_model_len`` (a context-shifting request runs past it in a shorter context)."""
-        return min(req.num_prompt_tokens + req.sampling_params.max_tokens, self.max_model_len)
-
-    def peak_blocks(self, req: Request) -> int:
-        """Most blocks one sequence of ``req`` can hold at once, summed over KV cache groups
-        (full attention: every block; sliding windows: the window bound for a chunk, plus the
-        kept head of a context-shifting request)."""
-        n, bs = self.max_tokens_of(req), self.kv.block_size
-        keep = context_shift.keep_blocks(req, bs) if context_shift.shifts(req) else 0
-        return sum(g.max_blocks(n, bs, self.max_prefill_chunk) + (keep if g.sliding_window else 0)
-                   for g in self.kv.groups)
-
-    def _enqueue(self, req: Request, front: bool = False) -> None:
-        """Insert into the waiting queue by priority (lower first): behind its equals, or in
-        front of them (``front``, for preempted requests)."""
-        p = req.priority
-        i = next((k for k, w in enumerate(self.waiting) if (w.priority >= p if front else w.priority > p)),
-                 len(self.waiting))
-        self.waiting.insert(i, req)
-
-    def add_request(self, req: Request, followers: list[Request] | tuple = ()) -> None:
-        """Queue a request. Its ``sampling_params.max_tokens`` must already be resolved.
-
-        ``followers`` are parallel-sampling siblings with the same prompt: they wait until
-        ``req`` has computed the prompt, then fork its blocks (the prompt is prefilled once)
-        and sample their first token from the same logits.
-
-        Raises:
-            QueueFullError: the waiting queue is full.
-            RequestError: an id is already live, or one sequence can never fit in the KV pool
-                (``param`` "max_tokens"), or ``n`` exceeds ``max_num_seqs`` (``param`` "n"), or a
-                non-zero priority under the "fcfs" policy (``param`` "priority").
-        """
-        if req.priority != 0 and self.scheduling_policy != "priority":
-            raise RequestError(f"priority {req.priority} needs a daemon started with --scheduling-policy priority "
-                               f"(this one schedules {self.scheduling_policy})", "priority")
-        group = [req, *followers]
-        for r in group:
-            if r.request_id in self.requests or sum(x.request_id == r.request_id for x in group) > 1:
-                raise RequestError(f"request id {r.request_id!r} is already in use")
-        needed = self.peak_blocks(req)
-        if needed > self.kv.num_usable_blocks:
-            raise RequestError(
-                f"request needs {needed} KV blocks ({self.max_tokens_of(req)} tokens of prompt + max_tokens) "
-                f"but the pool has only {self.kv.num_usable_blocks}; lower max_tokens or raise --kv-cache-memory",
-                "max_tokens",
-            )
-        if len(group) > self.max_num_seqs:
-            raise RequestError(f"n = {len(group)} sequences exceed --max-num-seqs {self.max_num_seqs}", "n")
-        if self.max_num_waiting is not None and len(self.waiting) >= self.max_num_waiting:
-            n = self.max_num_waiting
-            raise QueueFullError(f"the waiting queue is full ({n} request{'' if n == 1 else 's'}); retry later")
-        attach_followers(req, followers)
-        for r in group:
-            self.requests[r.request_id] = r
-        self._enqueue(req)
-
-    def finish_request(self, request_id: str, status: RequestStatus) -> None:
-        """End a request (abort, stop string, ...) and free its blocks. Unknown ids are ignored."""
-        req = self.requests.pop(request_id, None)
-        if req is None:
-            return
-        if req.status == RequestStatus.RUNNING:
-            self.running.remove(req)
-            heir = promote_heir(req)  # a leader still prefilling: the next sibling starts over
-            if heir is not None:
-                self.waiting.appendleft(heir)
-        else:
-            drop_follower(req, [*self.waiting, *self.running])  # a follower that never forked
-            if req in self.waiting:
-                i = self.waiting.index(req)
-                del self.waiting[i]
-                heir = promote_heir(req)  # the next sibling prefills the prompt instead
-                if heir is not None:
-                    self.waiting.insert(i, heir)
-        req.followers = []
-        if req.kv_export is not None and status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
-            pin_blocks(self.kv, request_id, pin_id_of(request_id))  # a producer's prompt KV outlives it
-        req.status = status
-        self.kv.free(request_id)
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
 
     # ---- one step -----------------------------------------------------------------
     def _scheduled(self, req: Request, start: int, num_new: int) -> ScheduledRequest:
@@ -302,72 +220,3 @@ class Scheduler:
         for r in held:
             self._preempt(r)
         return bool(held)
-
-    def _fork_followers(self, leader: Request) -> list[Request]:
-        """The leader computed the prompt: its waiting siblings share its blocks and run."""
-        forked = fork_followers(leader, self.kv)
-        self.running.extend(forked)
-        return forked
-
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance ``num_computed_tokens``, append sampled tokens, finish requests that hit
-        EOS, a stop token id, max_tokens or max_model_len (their blocks are freed).
-
-        Args:
-            out: the step's schedule.
-            sampled: request_id → sampled token id, for requests with ``sample=True`` and
-                for the followers of a leader whose prompt completes in this step (they fork);
-                a request missing from it (a beam, :mod:`.beam`) gets no token here.
-        Returns:
-            Requests that finished in this step.
-        """
-        finished = []
-        for s in out.scheduled:
-            req = self.requests.get(s.request_id)
-            if req is None:  # aborted while the step ran
-                continue
-            req.num_computed_tokens += s.num_new_tokens
-            bs = self.kv.block_size
-            if req.num_computed_tokens // bs != s.num_computed_tokens // bs:  # a block filled up this step
-                self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
-            if not s.sample:
-                continue
-            for r in [req, *(self._fork_followers(req) if req.followers else ())]:
-                token = sampled.get(r.request_id)
-                if token is None:  # a beam: the beam search appends its token (beam.py)
-                    continue
-                r.append_output_token(token)
-                status = self._check_stop(r, token)
-                if status is not None:
-                    self.finish_request(r.request_id, status)
-                    finished.append(r)
-        return finished
-
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        sp = req.sampling_params
-        if (not sp.ignore_eos and token in req.eos_token_ids) or token in sp.stop_token_ids:
-            req.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        if req.grammar is not None and req.grammar.is_terminated:  # its stop token, under ignore_eos
-            return RequestStatus.FINISHED_STOPPED
-        at_limit = req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len
-        if at_limit and req.grammar is not None and req.grammar.only_stop_next():
-            return RequestStatus.FINISHED_STOPPED  # complete: the next token could only be its stop token
-        if req.num_output_tokens >= sp.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if req.num_tokens >= self.max_model_len:
-            return self._overflow(req)
-        return None
-
-    def _overflow(self, req: Request) -> RequestStatus | None:
-        """``req`` filled the context: "length", or (``context_overflow`` "shift") a context
-        shift (:mod:`.context_shift`) in place, or by recomputing the shorter context."""
-        if not context_shift.shifts(req):
-            return RequestStatus.FINISHED_LENGTH
-        done = context_shift.shift(req, self.kv, self.pending_shifts)
-        if done is None:
-            return RequestStatus.FINISHED_LENGTH
-        self.num_context_shifts += 1
-        if done == "recompute":
-            self._requeue(req)
-        return None

@@ -21,6 +21,11 @@ int4 KV caches (KIVI) keep each sequence's open block's K in a 16-bit *residual*
 when no slot is free), copied for a fork (:attr:`pending_residual_copies`, for the runner) and
 released with its blocks (:meth:`free`: finish, abort, preemption).
 
+The class is split by responsibility: allocation, queries and release here; prefix-cache
+lookups and caching in :mod:`llmd.daemon.kv.manager_prefix` (:class:`PrefixCacheMixin`);
+forks, the copy-on-write queue and residual slots in :mod:`llmd.daemon.kv.manager_fork`
+(:class:`ForkMixin`).
+
 Pure bookkeeping: nothing here touches tensors.
 """
 
@@ -29,10 +34,12 @@ from __future__ import annotations
 from .block_pool import BlockPool, KVCacheBlock
 from .groups import KVCacheGroupSpec
 from .integrity import check_integrity
-from .prefix_cache import extend_block_hashes, extra_keys, find_longest_cache_hit, make_root_hash
+from .manager_fork import ForkMixin
+from .manager_prefix import PrefixCacheMixin
+from .prefix_cache import make_root_hash
 
 
-class KVCacheManager:
+class KVCacheManager(PrefixCacheMixin, ForkMixin):
     """Maps request ids to per-group block tables.
 
     Args:
@@ -217,154 +224,6 @@ class KVCacheManager:
             table.extend(blocks)
             new_ids.extend(b.block_id for b in blocks)
         return new_ids
-
-    def take_residual(self, request_id: str) -> bool:
-        """Give a request its residual slots (one per group) if it needs them and has none;
-        False (nothing taken) when too few are free."""
-        if not self.num_residual_slots or request_id in self.req_residual:
-            return True
-        if len(self.free_residual_slots) < self.num_groups:
-            return False
-        self.req_residual[request_id] = [self.free_residual_slots.pop() for _ in self.groups]
-        return True
-
-    def residual_slots(self, request_id: str) -> list[int] | None:
-        """The request's residual slot per group (int4 caches), or None."""
-        return self.req_residual.get(request_id)
-
-    def take_pending_residual_copies(self) -> list[tuple[int, int]]:
-        """Residual (src slot, dst slot) copies queued by forks since the last call."""
-        out, self.pending_residual_copies = self.pending_residual_copies, []
-        return out
-
-    def _cow_positions(self, request_id: str, num_computed_tokens: int | None) -> list[tuple[int, int]]:
-        """(group, table index) of shared partly filled blocks the next token would write into."""
-        tables = self.req_to_blocks.get(request_id)
-        if not tables or not num_computed_tokens or num_computed_tokens % self.block_size == 0:
-            return []
-        i = num_computed_tokens // self.block_size
-        return [(g, i) for g, t in enumerate(tables) if i < len(t) and t[i].ref_cnt > 1]
-
-    def fork(self, parent_id: str, child_id: str, share: bool = True, residual: bool = True) -> None:
-        """Give ``child_id`` the parent's block tables, sharing every block (ref count +1);
-        the first append into a shared partial block copies it (parallel sampling, beams).
-
-        ``share=False`` (the beam benchmark's baseline without sharing) gives the child fresh
-        blocks instead, each queued in :attr:`pending_copies` from the parent's. Raises
-        ``ValueError`` if the child has tables already, ``RuntimeError`` if the pool cannot
-        hold the copies (nothing allocated then). With int4 residual slots the child gets its own,
-        a copy of the parent's (``residual=False``: none, for a pin that only keeps full blocks;
-        ``RuntimeError`` when none is free)."""
-        if child_id in self.req_to_blocks:
-            raise ValueError(f"request {child_id!r} already has block tables")
-        parent_res = self.req_residual.get(parent_id) if residual else None
-        if parent_res is not None and len(self.free_residual_slots) < self.num_groups:
-            raise RuntimeError(f"no free int4 residual slot for {child_id!r}")
-        tables = [list(t) for t in self.req_to_blocks[parent_id]]
-        if not share:
-            real = [(g, i) for g, t in enumerate(tables) for i, b in enumerate(t) if not b.is_null]
-            if len(real) > self.num_free_blocks:
-                raise RuntimeError(f"copying {len(real)} blocks for {child_id!r}: only {self.num_free_blocks} free")
-            for (g, i), new in zip(real, self.block_pool.get_new_blocks(len(real))):
-                self.pending_copies.append((tables[g][i].block_id, new.block_id))
-                tables[g][i] = new
-        else:
-            for t in tables:
-                self.block_pool.touch(t)
-        if parent_res is not None:
-            self.take_residual(child_id)
-            self.pending_residual_copies.extend(zip(parent_res, self.req_residual[child_id]))
-        self.req_to_blocks[child_id] = tables
-        if parent_id in self.shifted:
-            self.shifted.add(child_id)
-        for d in (self.req_extra, self.req_block_hashes, self.num_cached_block, self.req_keep_blocks):
-            if parent_id in d:
-                d[child_id] = list(d[parent_id]) if isinstance(d[parent_id], list) else d[parent_id]
-
-    def take_pending_copies(self) -> list[tuple[int, int]]:
-        """Copy-on-write (src, dst) block pairs queued since the last call (the runner copies
-        each block's K/V and scales in every cache tensor before the step's forward)."""
-        out, self.pending_copies = self.pending_copies, []
-        return out
-
-    # ---- prefix caching ------------------------------------------------------------
-    def _hashes(self, request_id: str, token_ids: list[int], num_tokens: int) -> list[bytes]:
-        extra = self.req_extra.setdefault(request_id, extra_keys(self.model_id, self.kv_cache_dtype, None))
-        hashes = self.req_block_hashes.setdefault(request_id, [])
-        return extend_block_hashes(hashes, token_ids, self.block_size, self.root_hash, extra, num_tokens)
-
-    def get_computed_blocks(self, request_id: str, token_ids: list[int], num_prompt_tokens: int,
-                            cache_salt: str | None = None) -> tuple[int, list[list[KVCacheBlock | None]]]:
-        """Longest cached prefix of a new request's prompt (tokens, per-group blocks).
-
-        Only full blocks, and never the block of the last prompt token (it must be computed
-        to sample): 31 prompt tokens -> 16 cached, 32 -> 16, 33 -> 32 for block size 16.
-        Empty block lists when caching is off. Called when the request is admitted (never a
-        stale count; :meth:`record_prefix_lookup` counts it); a request waiting at the head of
-        the queue keeps its block hashes between attempts.
-        """
-        extra = extra_keys(self.model_id, self.kv_cache_dtype, cache_salt)
-        if self.req_extra.get(request_id) != extra:
-            self.req_extra[request_id] = extra
-            self.req_block_hashes.pop(request_id, None)
-        if not self.enable_caching:
-            return 0, [[] for _ in self.groups]
-        hashes = self._hashes(request_id, token_ids, num_prompt_tokens)
-        eligible = (num_prompt_tokens - 1) // self.block_size
-        bs = self.block_size
-
-        def lookup(g: int, i: int) -> KVCacheBlock | None:
-            return self.block_pool.get_cached_block(g, hashes[i], tuple(token_ids[i * bs : (i + 1) * bs]))
-
-        num_hit, blocks = find_longest_cache_hit(self.groups, eligible, bs, lookup)
-        return num_hit, blocks
-
-    def uncomputed_block_hashes(self, request_id: str, num_computed_tokens: int) -> list[bytes]:
-        """Chain hashes of a running request's full blocks from position ``num_computed_tokens``
-        on that :meth:`get_computed_blocks` hashed at its admission (its prompt's): blocks it
-        is yet to compute and will then cache. Empty when caching is off."""
-        if not self.enable_caching:
-            return []
-        return self.req_block_hashes.get(request_id, [])[num_computed_tokens // self.block_size :]
-
-    def in_flight_run(self, request_id: str, num_prompt_tokens: int, num_cached_tokens: int,
-                      in_flight: set[bytes]) -> int:
-        """After :meth:`get_computed_blocks`: how many blocks in a row, from the first one a request
-        would compute itself (the one after its ``num_cached_tokens`` hit), have their chain hash
-        in ``in_flight`` (being computed by running requests), counting only blocks that could be
-        hits (full, before the last prompt token's). 0 when caching is off."""
-        if not self.enable_caching:
-            return 0
-        hashes = self.req_block_hashes.get(request_id, [])
-        k, end = num_cached_tokens // self.block_size, min((num_prompt_tokens - 1) // self.block_size, len(hashes))
-        n = 0
-        while k + n < end and hashes[k + n] in in_flight:
-            n += 1
-        return n
-
-    def record_prefix_lookup(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
-        """Count one admitted request's lookup in the query/hit counters (tokens)."""
-        if self.enable_caching:
-            self.prefix_cache_queries += num_prompt_tokens
-            self.prefix_cache_hits += num_cached_tokens
-
-    def cache_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
-        """Register the request's full, computed blocks under their chain hashes."""
-        if not self.enable_caching or request_id not in self.req_to_blocks or request_id in self.shifted:
-            return
-        n_full = num_computed_tokens // self.block_size
-        hashes = self._hashes(request_id, token_ids, n_full * self.block_size)
-        done = self.num_cached_block.setdefault(request_id, [0] * self.num_groups)
-        bs = self.block_size
-        for g, table in enumerate(self.req_to_blocks[request_id]):
-            for i in range(done[g], min(n_full, len(table))):
-                if not table[i].is_null:
-                    self.block_pool.cache_full_block(table[i], g, hashes[i], tuple(token_ids[i * bs : (i + 1) * bs]))
-            done[g] = max(done[g], min(n_full, len(table)))
-
-    def reset_prefix_cache(self) -> int:
-        """Drop cached blocks that are free (in-use blocks stay); returns how many."""
-        return self.block_pool.reset_prefix_cache()
 
     def free(self, request_id: str) -> None:
         """Release all of the request's blocks, each table tail first (vLLM frees in reverse
