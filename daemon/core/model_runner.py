@@ -7,6 +7,8 @@ scales beside the data, see :mod:`llmd.quant.kv`) and turns each step's
 ``gpu_model_runner.py`` ``_prepare_inputs``; nano-vllm ``model_runner.py``). Decode-only steps
 replay CUDA graphs on CUDA with the triton backend unless ``--enforce-eager``
 (:mod:`llmd.daemon.core.cuda_graphs`).
+The CUDA set-up (graphs, Triton warm-up) is :class:`~llmd.daemon.core.model_runner_cuda.CudaMixin`;
+the block copies and context-shift re-rotations :class:`~llmd.daemon.core.model_runner_kv.KVOpsMixin`.
 """
 
 from __future__ import annotations
@@ -17,15 +19,15 @@ from collections.abc import Sequence
 import torch
 
 from llmd.daemon.core.cuda_graphs import DecodeGraphs
-from llmd.daemon.core.errors import LlmdError
 from llmd.daemon.core.input_batch import InputBatch
-from llmd.daemon.core.outputs import BlockShift, ResidualShift, ScheduledRequest, SchedulerOutput
+from llmd.daemon.core.model_runner_cuda import CudaMixin
+from llmd.daemon.core.model_runner_kv import KVOpsMixin
+from llmd.daemon.core.outputs import ScheduledRequest, SchedulerOutput
 from llmd.daemon.core.request import Request
 from llmd.daemon.core.sampler import Sampler, SamplerOutput
 from llmd.daemon.kv import KVCacheGroupSpec, layer_placement, make_kv_cache_groups
-from llmd.kernels import AttentionMetadata, amx_linear, cpu_glue, cpu_native, shift_keys
+from llmd.kernels import AttentionMetadata, amx_linear, cpu_glue, cpu_native
 from llmd.kernels.cpu_attention import compute_dtype_for
-from llmd.kernels.kv_shift import shift_residual
 from llmd.kernels.native import build
 from llmd.models.config import ModelConfig
 from llmd.quant import fp16_linear, prepacked
@@ -37,7 +39,7 @@ def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[
     return (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
 
 
-class ModelRunner:
+class ModelRunner(CudaMixin, KVOpsMixin):
     """Runs the model on a scheduled batch.
 
     Args:
@@ -144,48 +146,6 @@ class ModelRunner:
             if cuda_graphs and not fmt.k_per_block:  # int4: its store plans each step on the host
                 self.enable_decode_graphs(capture=True)
 
-    def enable_decode_graphs(self, capture: bool) -> int:
-        """Route decode-only steps through :class:`DecodeGraphs` (padded static inputs); with
-        ``capture`` (CUDA only) capture every bucket's graph now. Returns the graphs captured (0
-        without ``capture``: the padded steps then run eagerly, as tests do on CPU).
-
-        Raises:
-            LlmdError: a capture failed (one line with CUDA's error), or an int4 KV cache (its K
-                store plans each step on the host and its reads need the residual slots).
-        """
-        if self.caches[0].fmt.k_per_block:
-            raise LlmdError("decode steps of an int4 KV cache run eagerly (no CUDA graphs): its K store plans "
-                            "each step on the host")
-        max_num_seqs, max_model_len = self._graph_limits
-        graphs = DecodeGraphs(self.model, self.layer_caches, self.layer_group, len(self.groups), self.block_size,
-                              max_num_seqs, max_model_len, self.device, self.attention_backend)
-        self.host_inputs = InputBatch(len(self.groups), self.block_size, "cpu", self.attention_backend,
-                                      max_num_seqs, max_num_seqs, -(-max_model_len // self.block_size))
-        try:
-            captured = graphs.capture() if capture else 0
-        except RuntimeError as e:
-            raise LlmdError(f"CUDA graph capture failed ({e}); --enforce-eager runs without graphs") from None
-        self.decode_graphs = graphs
-        return captured
-
-    def warm_up_kernels(self, model_dtype: torch.dtype, kv_cache_dtype: str, static_scales: bool,
-                        max_model_len: int) -> int:
-        """Compile every Triton variant this model will launch by running each once on tiny
-        tensors (:mod:`llmd.kernels.warmup`), before any request; returns how many (0 on CPU).
-
-        Raises:
-            LlmdError: a variant failed to compile (one line naming it and the device's sm_XY).
-        """
-        from llmd.kernels.warmup import WarmupSpec, warm_up
-
-        c = self.config
-        spec = WarmupSpec(c.head_dim, c.num_heads, c.num_kv_heads, model_dtype, self.block_size, kv_cache_dtype,
-                          static_scales, tuple(set(c.layer_windows)), max_model_len)
-        try:
-            return warm_up(spec, self.device)
-        except RuntimeError as e:
-            raise LlmdError(str(e)) from None
-
     @property
     def attention_backend(self) -> str:
         """The backend name every step's AttentionMetadata carries (settable)."""
@@ -210,53 +170,6 @@ class ModelRunner:
         metas = step.metas
         meta = metas[0] if len(metas) == 1 else [metas[g] for g in self.layer_group]
         return step.input_ids, step.positions, meta, step.logits_indices
-
-    @torch.inference_mode()
-    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Copy-on-write: block ``src``'s K/V (and scales) into block ``dst`` in every cache tensor."""
-        if not pairs:
-            return
-        src = torch.tensor([p[0] for p in pairs], device=self.device)
-        dst = torch.tensor([p[1] for p in pairs], device=self.device)
-        for c in self.caches:
-            c.data[:, dst] = c.data[:, src]
-            if c.scales is not None:
-                c.scales[:, dst] = c.scales[:, src]
-
-    @torch.inference_mode()
-    def copy_residuals(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """int4 forks: residual slot ``src``'s 16-bit K into slot ``dst`` in every cache tensor."""
-        if not pairs:
-            return
-        src = torch.tensor([p[0] for p in pairs], device=self.device)
-        dst = torch.tensor([p[1] for p in pairs], device=self.device)
-        for c in self.caches:
-            c.residual[dst] = c.residual[src]
-
-    @torch.inference_mode()
-    def shift_blocks(self, shifts: Sequence[BlockShift], residuals: Sequence[ResidualShift] = ()) -> None:
-        """Context shift: re-rotate each op's block keys by ``-delta`` positions in every layer of
-        its KV cache group, with that layer's RoPE base (:func:`llmd.kernels.kv_shift.shift_keys`).
-        One call per cache tensor with every op that touches it (the layers of several groups share
-        a tensor): all sources are read before any destination is written, so a block released by
-        one shift and taken as another's fresh block in the same step is never read overwritten.
-        int4: ``residuals`` re-rotate the shifting sequences' open-block K in their residual slots
-        (:func:`llmd.kernels.kv_shift.shift_residual`; a slot belongs to one sequence and group)."""
-        if not shifts and not residuals:
-            return
-        per_cache: dict[int, tuple] = {}  # id(cache tensor) -> (cache, [(src, dst, delta, theta)], [(slot, ...)])
-        for layer, g in enumerate(self.layer_group):
-            cache, theta = self.layer_caches[layer], self.config.layer_rope_theta(layer)
-            _, ops, res = per_cache.setdefault(id(cache), (cache, [], []))
-            ops.extend((op.src, op.dst, op.delta, theta) for op in shifts if op.group == g)
-            res.extend((op.slot, op.delta, theta) for op in residuals if op.group == g)
-        for cache, ops, res in per_cache.values():
-            if ops:
-                src, dst, delta, theta = (list(c) for c in zip(*ops))
-                shift_keys(cache, src, dst, delta, theta)
-            if res:
-                slots, delta, theta = (list(c) for c in zip(*res))
-                shift_residual(cache, slots, delta, theta)
 
     @torch.inference_mode()
     def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:
