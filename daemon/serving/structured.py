@@ -8,7 +8,8 @@ Accepted (at most one constraint per request; two are a 400 naming the second):
   object), ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`` (OpenAI).
 * ``structured_outputs``: ``{"json": schema, "regex": str, "grammar": EBNF, "choice": [str],
   "json_object": true}``, exactly one of them (vLLM's ``StructuredOutputsParams``; its
-  ``disable_*`` flags are ignored: llmd's JSON never has free whitespace anyway).
+  ``disable_*`` flags and ``whitespace_pattern`` are taken and ignored: llmd's JSON never has free
+  whitespace anyway; any other key is a 400 naming it, as is one ``json_schema`` does not have).
 * ``guided_json`` (a schema, or its JSON text), ``guided_regex``, ``guided_grammar``,
   ``guided_choice`` (vLLM's older names).
 * ``tools`` (``[{"type": "function", "function": {"name", "description", "parameters"}}]``)
@@ -42,6 +43,11 @@ MAX_TOOLS = 128
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's function name rule
 GUIDED = ("guided_json", "guided_regex", "guided_grammar", "guided_choice")
 SO_KEYS = {"json": "json", "regex": "regex", "grammar": "grammar", "choice": "choice", "json_object": "json_object"}
+# vLLM's StructuredOutputsParams fields llmd takes without acting on them (its JSON has no free
+# whitespace; there is no other backend to fall back to); structural_tag is refused on its own
+SO_IGNORED = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern",
+              "structural_tag")
+JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")  # OpenAI's response_format.json_schema
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,10 @@ def _response_format(rf) -> GrammarSpec | None:
     if not isinstance(js, dict):
         raise ApiError("response_format.json_schema must be an object with name and schema",
                        "response_format.json_schema")
+    for key in js:
+        if key not in JSON_SCHEMA_KEYS:  # a misspelt "schema" gave any JSON object
+            raise ApiError(f"response_format.json_schema.{key} is not a field of json_schema (it takes "
+                           f"{', '.join(JSON_SCHEMA_KEYS)})", f"response_format.json_schema.{key}")
     name = js.get("name")
     if not isinstance(name, str) or not TOOL_NAME.match(name):
         raise ApiError("response_format.json_schema.name must be 1-64 characters of a-z, A-Z, 0-9, _ and -",
@@ -192,6 +202,10 @@ def parse_structured(body: dict, chat: bool) -> tuple[GrammarSpec | None, ToolCa
     if so is not None:
         if not isinstance(so, dict):
             raise ApiError(f"structured_outputs must be an object, got {json_typed(so)}", "structured_outputs")
+        for key in so:
+            if key not in SO_KEYS and key not in SO_IGNORED:  # a misspelt key gave unconstrained output
+                raise ApiError(f"structured_outputs.{key} is not a field of structured_outputs (it takes "
+                               f"{', '.join(SO_KEYS)})", f"structured_outputs.{key}")
         if so.get("structural_tag") is not None:
             raise ApiError("structured_outputs.structural_tag is not supported by llmd",
                            "structured_outputs.structural_tag")

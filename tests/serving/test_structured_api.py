@@ -169,6 +169,10 @@ def test_tool_choice_named_and_required_return_tool_calls(engine_loop):
     ({"tool_choice": "auto"}, "tool_choice"),  # OpenAI and vLLM refuse it without tools too
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}], "tool_choice": "required"},
      "tools[0].function.name"),
+    # misspelt keys: they gave unconstrained output / any JSON object with a 200
+    ({"structured_outputs": {"regexp": "[0-9]"}}, "structured_outputs.regexp"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "scheme": {"type": "object"}}}},
+     "response_format.json_schema.scheme"),
 ])
 def test_bad_constraints_are_400_naming_the_field(engine_loop, extra, param):
     """Each malformed or uncompilable constraint is a 400 whose ``param`` names the field;
@@ -182,6 +186,20 @@ def test_bad_constraints_are_400_naming_the_field(engine_loop, extra, param):
     assert status == 400 and body["error"]["param"] == param, body
     assert param.split(".")[0].split("[")[0] in body["error"]["message"]
     assert engine_loop.engine.counters.requests_finished == admitted and not engine_loop.engine.requests
+
+
+def test_vllm_flags_beside_a_constraint_are_taken():
+    """vLLM's ``disable_*`` flags and ``whitespace_pattern`` are StructuredOutputsParams fields:
+    taken (and ignored) beside the constraint, not refused as unknown keys."""
+    from llmd.daemon.serving.structured import parse_structured
+
+    so = {"regex": "a+", "disable_any_whitespace": True, "disable_fallback": False,
+          "disable_additional_properties": True, "whitespace_pattern": None}
+    spec, calling = parse_structured({"structured_outputs": so}, chat=False)
+    assert (spec.kind, spec.value, spec.param, calling) == ("regex", "a+", "structured_outputs.regex", None)
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "description": "d", "strict": True,
+                                                 "schema": {"type": "object"}}}
+    assert parse_structured({"response_format": rf}, chat=True)[0].kind == "json"
 
 
 def test_tools_on_completions_are_refused(engine_loop):
