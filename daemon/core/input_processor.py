@@ -178,9 +178,15 @@ class InputProcessor:
         if defaulted:
             params.max_tokens = context - n
         elif n + params.max_tokens > context and params.context_overflow != "shift":
+            if params.use_beam_search:  # beams cannot shift: no hint that would only get another 400
+                hint = f"beams stop at the context: max_tokens <= {context - n}"
+            elif self.context_overflow == "shift":  # the daemon shifts; this request asked for "stop"
+                hint = (f"context_overflow \"stop\" ends at the context: max_tokens <= {context - n}, or leave "
+                        "context_overflow out to shift as this daemon does")
+            else:
+                hint = "context_overflow \"shift\" or --context-overflow shift goes on past it"
             raise RequestError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
-                               f"exceeds the context of {context} tokens (context_overflow \"shift\" or "
-                               "--context-overflow shift goes on past it)", "max_tokens")
+                               f"exceeds the context of {context} tokens ({hint})", "max_tokens")
         elif n + params.max_tokens > context and params.n_keep == -1 and n > self.max_keep:
             # the explicit n_keep check above, for -1 once the prompt's length is known: it would never shift
             raise RequestError(f"n_keep -1 keeps the whole prompt ({n} tokens), which leaves no whole block of the "
