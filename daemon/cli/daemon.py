@@ -39,6 +39,16 @@ def serve_title(argv: list[str]) -> str:
     return " ".join(["llmd", "serve", *shown])
 
 
+def given_options(ctx: click.Context, *names: str) -> set[str]:
+    """The flags (``--kv-pin-timeout``) of the parameters ``names`` that the user set, on the
+    command line or through the environment, rather than left at their defaults."""
+    from click.core import ParameterSource
+
+    by_name = {p.name: p for p in ctx.command.params}
+    return {by_name[n].opts[0] for n in names
+            if ctx.get_parameter_source(n) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)}
+
+
 def _exit_on_sigterm(signum, frame):
     """SIGTERM before the server runs: exit as SIGTERM's default would (status 143), but through
     ``SystemExit``, so ``serve``'s cleanup removes its lock file."""
@@ -48,7 +58,8 @@ def _exit_on_sigterm(signum, frame):
 @click.command()
 @socket_option
 @click.option("--host", default=None, help="Also listen on TCP at this host (needs --port; default 127.0.0.1).")
-@click.option("--port", default=None, type=int, help="Also listen on TCP at this port (off by default).")
+@click.option("--port", default=None, type=click.IntRange(1, 65535),
+              help="Also listen on TCP at this port (off by default).")
 @click.option("--api-key-file", default=None, metavar="PATH",
               help="File holding the key TCP clients must send as 'Authorization: Bearer KEY' (else $LLMD_API_KEY; "
                    "needed for a non-loopback --host; the Unix socket needs none).")
@@ -84,9 +95,12 @@ def serve(socket_path, host, port, api_key_file, api_key, served_model_name, dra
           **engine_kw):
     """Run the daemon: OpenAI-style HTTP API on a Unix socket (SIGTERM or `llmd stop` ends it)."""
     from llmd.daemon.protocol import lock_path, unlock_file
-    from llmd.daemon.serving.access import check_bind, resolve_api_key
+    from llmd.daemon.serving.access import check_bind, check_listen, resolve_api_key
+    from llmd.daemon.serving.kv_transfer.config import check_role_flags
     from llmd.daemon.serving.socket_claim import claim_socket
 
+    check_role_flags(kv_role, given_options(click.get_current_context(), "kv_pin_timeout", "kv_pull_timeout",
+                                            "kv_advertise_host", "kv_producers"))
     if host is not None and port is None:
         raise LlmdError("--host needs --port")
     if port is None and (api_key is not None or api_key_file is not None):
@@ -96,6 +110,7 @@ def serve(socket_path, host, port, api_key_file, api_key, served_model_name, dra
         click.echo(line, err=True)
     if port is not None:
         check_bind(host or "127.0.0.1", port, key)
+        check_listen(host or "127.0.0.1", port)  # a port in use: one line now, not after the lock and load
     path = socket_path_of(socket_path)
     # the lock first, before torch is imported (~2 s): from here `llmd status` / `llmd stop` see a
     # daemon starting, and a second `llmd serve` on the path is refused at once. Until run_server

@@ -21,8 +21,9 @@ every local user, and by web pages through the browser, so on TCP:
    page can send a ``text/plain`` POST cross-site without a CORS preflight, never a JSON one.
 
 A non-loopback bind without a key is refused before anything listens
-(:func:`check_bind`). The key is read from ``$LLMD_API_KEY`` or ``--api-key-file``
-(:func:`resolve_api_key`); it is never logged or echoed.
+(:func:`check_bind`), and so is an address that cannot be bound (:func:`check_listen`). The
+key is read from ``$LLMD_API_KEY`` or ``--api-key-file`` (:func:`resolve_api_key`); it is
+never logged or echoed.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import os
+import socket
 import stat
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -143,6 +145,49 @@ def check_bind(host: str, port: int, api_key: str | None) -> None:
     if api_key is None and not is_loopback_host(host):
         raise LlmdError(f"refusing to listen on {host}:{port} without an API key (anyone who can reach it could "
                         f"use and stop the daemon): set ${API_KEY_ENV} or --api-key-file, or bind 127.0.0.1")
+
+
+def listen_error(host: str, port: int, err: OSError) -> str:
+    """``cannot listen on HOST:PORT: REASON``: the OS's reason for ``err`` (asyncio wraps a bind
+    error in its own sentence: only the errno's text is kept), lower-cased as asyncio words it."""
+    if isinstance(err, socket.gaierror) or not err.errno:
+        reason = err.strerror or str(err)
+    else:
+        reason = os.strerror(err.errno)
+    where = f"[{host}]" if ":" in host else host
+    return f"cannot listen on {where}:{port}: {reason[:1].lower()}{reason[1:]}"
+
+
+def check_listen(host: str, port: int) -> None:
+    """Bind ``host:port`` and let go, as the daemon's listener will (asyncio's ``create_server``
+    under aiohttp's ``TCPSite``: every address ``host`` resolves to, ``SO_REUSEADDR``, IPv6 only
+    on an IPv6 socket), so a port in use or an address not of this machine is one line before
+    the socket is claimed or the model loads. A port taken between this and the real bind is
+    caught there (``lifecycle.run_server``).
+
+    Raises:
+        LlmdError: ``port`` out of 0–65535, ``host`` unresolvable, or a bind fails.
+    """
+    if not 0 <= port <= 65535:
+        raise LlmdError(f"cannot listen on {host}:{port}: the port must be in 1-65535")
+    try:
+        infos = set(socket.getaddrinfo(host, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE))
+    except OSError as e:
+        raise LlmdError(listen_error(host, port, e)) from None
+    for family, type_, proto, _, addr in infos:
+        try:
+            s = socket.socket(family, type_, proto)
+        except OSError:
+            continue  # asyncio skips a family this machine lacks too
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            s.bind(addr)
+        except OSError as e:
+            raise LlmdError(listen_error(host, port, e)) from None
+        finally:
+            s.close()
 
 
 def check_key(key: str, source: str) -> str:

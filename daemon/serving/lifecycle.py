@@ -19,7 +19,8 @@ umask 077, so it is 0600 from its first instant and other users cannot connect.
   vLLM's server force the exit. Then the listeners close, the socket is removed, exit 0.
 * An optional TCP listener (``--host/--port``), off by default, loopback unless asked; its
   requests go through :mod:`.access` (API key, loopback Host/Origin, JSON bodies). A
-  non-loopback host needs a key.
+  non-loopback host needs a key. A port that cannot be bound (in use, an address not of this
+  machine) is one line, the socket and lock file removed, before the engine starts loading.
 * A ``--socket`` directory others can write to (not sticky) or own, or a lock file or socket
   of another user, is refused with one line (:func:`prepare_socket_dir`, :func:`claim_socket`).
 """
@@ -33,8 +34,15 @@ import signal
 
 from aiohttp import web
 
+from llmd.daemon.core.errors import LlmdError
 from llmd.daemon.protocol import lock_path, unlock_file
-from llmd.daemon.serving.access import AccessPolicy, access_middleware, check_bind, is_loopback_host
+from llmd.daemon.serving.access import (
+    AccessPolicy,
+    access_middleware,
+    check_bind,
+    is_loopback_host,
+    listen_error,
+)
 from llmd.daemon.serving.api import ServerState, make_app
 from llmd.daemon.serving.connections import ServingRunner
 from llmd.daemon.serving.engine_health import DEFAULT_STALL_TIMEOUT_S
@@ -97,7 +105,9 @@ async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[s
     SIGTERM or ``llmd stop`` during loading ends the daemon cleanly.
     Raises:
         LlmdError: a non-loopback ``host`` without ``api_key`` (:func:`check_bind`), before
-            anything is claimed or loaded; a socket path :func:`claim_socket` refuses.
+            anything is claimed or loaded; a socket path :func:`claim_socket` refuses; a listener
+            that cannot be bound (a port in use: :func:`_listen`), before the engine starts
+            loading, with the socket and lock file removed.
     """
     host = host or "127.0.0.1"
     if port is not None:
@@ -105,25 +115,25 @@ async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[s
     if lock_fd is None:
         lock_fd = claim_socket(socket_path)
     loop = asyncio.get_running_loop()
-    metrics = DaemonMetrics(model_id, metrics_compat)
-    eloop = EngineLoop(engine, model_id, metrics=metrics, freeze_gc=freeze_gc).start()
-    state = ServerState(engine_loop=eloop, model_id=model_id, model_ids=model_ids, vocab_size=0, max_model_len=0,
-                        shutdown=asyncio.Event(), metrics=metrics, health_stall_timeout=health_stall_timeout,
-                        loaded=False, kv_transfer=kv_transfer)  # filled in once the engine is ready
-    access = access_middleware(AccessPolicy(api_key, is_loopback_host(host))) if port is not None else None
-    runner = ServingRunner(make_app(state, access), state.limits, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=2.0)
-    await runner.setup()
-    old_umask = os.umask(0o077)
     try:
-        sites = [web.UnixSite(runner, socket_path)]
-        await sites[0].start()
-    finally:
-        os.umask(old_umask)
-    os.chmod(socket_path, 0o600)
-    if port is not None:
-        sites.append(web.TCPSite(runner, host, port))
-        await sites[-1].start()
+        metrics = DaemonMetrics(model_id, metrics_compat)
+        eloop = EngineLoop(engine, model_id, metrics=metrics, freeze_gc=freeze_gc)  # started once listening
+        state = ServerState(engine_loop=eloop, model_id=model_id, model_ids=model_ids, vocab_size=0, max_model_len=0,
+                            shutdown=asyncio.Event(), metrics=metrics, health_stall_timeout=health_stall_timeout,
+                            loaded=False, kv_transfer=kv_transfer)  # filled in once the engine is ready
+        access = access_middleware(AccessPolicy(api_key, is_loopback_host(host))) if port is not None else None
+        runner = ServingRunner(make_app(state, access), state.limits, handler_cancellation=True, access_log=None,
+                               shutdown_timeout=2.0)
+        await runner.setup()
+        try:
+            await _listen(runner, socket_path, host, port)
+        except BaseException:
+            await runner.cleanup()
+            raise
+    except BaseException:  # nothing loaded yet: no socket or lock file left behind
+        _release(socket_path, lock_fd)
+        raise
+    eloop.start()  # the engine loads (a factory) only once the listeners are up
     force = asyncio.Event()  # a second signal: abort what is in flight now
 
     def on_signal() -> None:
@@ -159,9 +169,36 @@ async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[s
         eloop.stop(10.0 if state.loaded else 0.0)  # a loading engine cannot be interrupted: not waited for
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
-        try:
-            os.unlink(socket_path)
-        except FileNotFoundError:
-            pass
-        unlock_file(lock_path(socket_path), lock_fd)  # removes <socket>.lock, then releases it
+        _release(socket_path, lock_fd)
         echo("llmd: stopped")
+
+
+async def _listen(runner: ServingRunner, socket_path: str, host: str, port: int | None) -> None:
+    """Start the Unix socket's site (0600 from its first instant) and the TCP one if ``port``.
+
+    Raises:
+        LlmdError: a bind fails (a port in use, an address not of this machine): one line naming
+            the address and the OS's reason, instead of asyncio's OSError traceback.
+    """
+    old_umask = os.umask(0o077)
+    try:
+        await web.UnixSite(runner, socket_path).start()
+    except OSError as e:
+        raise LlmdError(f"cannot listen on {socket_path}: {os.strerror(e.errno) if e.errno else e}") from None
+    finally:
+        os.umask(old_umask)
+    os.chmod(socket_path, 0o600)
+    if port is not None:
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except OSError as e:
+            raise LlmdError(listen_error(host, port, e)) from None
+
+
+def _release(socket_path: str, lock_fd: int) -> None:
+    """Remove the socket file and ``<socket>.lock`` (then release the lock)."""
+    try:
+        os.unlink(socket_path)
+    except FileNotFoundError:
+        pass
+    unlock_file(lock_path(socket_path), lock_fd)  # removes <socket>.lock, then releases it

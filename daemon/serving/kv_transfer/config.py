@@ -23,6 +23,23 @@ DEFAULT_PIN_TIMEOUT_S = 60.0
 DEFAULT_PULL_TIMEOUT_S = 30.0
 
 
+#: ``llmd serve`` flag → the one ``--kv-role`` that reads it (any other role would ignore it)
+ROLE_OF_FLAG = {"--kv-advertise-host": "producer", "--kv-pin-timeout": "producer",
+                "--kv-producer": "consumer", "--kv-pull-timeout": "consumer"}
+
+
+def check_role_flags(role: str, given: set[str]) -> None:
+    """Refuse a P/D flag the user gave (``given``: flag names) that ``role`` does not read.
+
+    Raises:
+        LlmdError: the first such flag, naming the role it needs.
+    """
+    for flag, needs in ROLE_OF_FLAG.items():
+        if flag in given and role != needs:
+            raise LlmdError(f"{flag} is for --kv-role {needs} only (this daemon is --kv-role {role}, "
+                            "which would ignore it)")
+
+
 @dataclass
 class KVTransferConfig:
     """The daemon's disaggregation settings (``ServerState.kv_transfer``).
