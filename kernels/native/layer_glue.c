@@ -17,7 +17,8 @@
  *   silu_mul: out = bf16(bf16(g / (1 + exp(-g))) · u) with paged_decode.c's exp (1-2 float32 ulp;
  *             torch uses Sleef's 1-ulp expf): equal but where the float32 silu lies within those
  *             ulps of a bfloat16 rounding boundary; silu(g) for g < -87 is taken as 0 (it is below
- *             1e-36; torch gives 0 from g < -88.7 on).
+ *             1e-36; torch gives 0 from g < -88.7 on). bf16(silu(g)) is looked up: a table of the
+             65536 bfloat16 g filled by that vector code as the library loads (layer_glue_vec.h);
  *   add_rms_norm: res = bf16(res + y), then rms_norm of it (torch's add, then the norm above);
  *   rope_store: rope of Q and K as above, K and V written to the cache's slots unchanged (bit for bit);
  *   store_int8: K and V quantized per (token, KV head) into an int8 cache as llmd.quant.kv's torch
@@ -26,69 +27,60 @@
  * Tested against the torch forms in tests/kernels/test_cpu_glue.py.
  *
  * Threads: rows split statically over an OpenMP team (torch's, build.py) when there are enough of
- * them; small steps run on the calling thread.
+ * them (team_rows: a thread per row and per 2048 elements at most; the float32 passes and
+ * store_int8 from 32768 elements on); small steps run on the calling thread.
+ *
+ * Speed (2026-12-07, 2-core AMD EPYC Zen 4 with AVX512-BF16, shared; SmolLM2-135M: hidden 576,
+ * intermediate 1536, 9 + 3 + 3 heads of 64). The kernel alone on one thread (thread CPU time, µs
+ * at 1 / 8 / 32 / 64 rows, before -> now): rms_norm 0.56 / 2.35 / 8.4 / 16.4 -> 0.50 / 1.74 / 5.9
+ * / 12.9; add_rms_norm 0.63 / 2.93 / 10.6 / 21.0 -> 0.56 / 2.30 / 8.1 / 16.0; silu_mul 1.31 / 8.4
+ * / 32.3 / 64.3 -> 0.81 / 4.4 / 16.5 / 32.6; rope_store 0.52 / 2.05 / 7.0 / 13.7 -> 0.49 / 1.69 /
+ * 5.6 / 10.9. From: Σx² in one double vector of the 8 partial sums (gcc had split them into xmm
+ * pairs), SiLU looked up (computed: an exp and a division per lane; a 16-lane gather took 1.5x the
+ * scalar lookups), the stores rounded by vcvtne(2)ps2bf16, cos / sin widened once per row. Per
+ * ctypes call with torch's 2 threads (~2 µs of it the call): rms_norm 2.1 / 3.9 / 9.9 / 10.3 ->
+ * 2.0 / 2.9 / 5.1 / 7.8, add_rms_norm 2.2 / 4.6 / 12.2 / 12.6 -> 2.2 / 3.3 / 6.3 / 10.1, silu_mul
+ * 2.6 / 9.6 / 18.0 / 34.2 -> 2.1 / 4.0 / 10.0 / 18.0, rope_store 3.3 / 4.7 / 9.8 / 10.1 -> 3.2 /
+ * 4.1 / 6.1 / 8.8; part of it team_rows (two threads from 4096 elements, was 32768: after a
+ * torch matmul, two threads at 8-16 rows took 0.7-0.8x the one-thread call, add_rms_norm 1.0x; at
+ * 2 rows 1.0-1.2x). The decode step (glue_forward, 512 cached tokens, the two libraries
+ * alternated in one process, 30 rounds): batch 8 22.4 -> 21.8 ms (0.98x per round), batch 32
+ * 48.0 -> 47.1 ms (0.986x); batch 1 and 64 within noise (1.005x, 0.998x).
  */
 #include "paged_decode.c"
 
 #include <omp.h>
 
-#define PAR_MIN_ELEMS 32768  /* torch's grain size: fewer elements run on one thread */
+#define PAR_MIN_ELEMS 32768  /* torch's grain size: fewer elements run on one thread (float32 passes, store_int8) */
+#define PAR_GRAIN 2048       /* the bfloat16 norm / RoPE / SwiGLU passes: elements per thread at least */
 
-static inline vf bf16v(const uint16_t *p) { return loadv(p, 0, KV_BF16, 0); }
-
-/* VL float32 lanes -> VL bfloat16, round to nearest even (finite inputs). */
-static inline void store_bf16v(uint16_t *dst, vf v) {
-    vu u;
-    memcpy(&u, &v, sizeof u);
-    u = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-#if defined(__AVX512F__)
-    _mm256_storeu_si256((__m256i *)dst, _mm512_cvtepi32_epi16((__m512i)u));
-#elif defined(__AVX2__)
-    const __m256i w = (__m256i)u;
-    const __m128i lo = _mm256_castsi256_si128(w), hi = _mm256_extracti128_si256(w, 1);
-    _mm_storeu_si128((__m128i *)dst, _mm_packus_epi32(lo, hi));
-#else
-    for (int k = 0; k < VL; k++) dst[k] = (uint16_t)u[k];
-#endif
-}
-
-static inline float rbf(float f) { return bf16_to_f32(f32_to_bf16(f)); }  /* round to bfloat16 and back */
-static inline vf rbfv(vf v) {
-    vu u;
-    memcpy(&u, &v, sizeof u);
-    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    memcpy(&v, &u, sizeof v);
-    return v;
-}
+#include "layer_glue_vec.h"  /* bfloat16 loads, rounding and stores; Σx²; SiLU, its lookup table */
 
 static int team(int64_t elems, int nthreads) { return elems >= PAR_MIN_ELEMS && nthreads > 1 ? nthreads : 1; }
+
+/* The team of a bfloat16 pass over rows: at most one thread per row and per PAR_GRAIN elements
+ * (~0.7 µs of work on Zen 4, about what waking torch's spinning threads costs; see the top). */
+static int team_rows(int64_t elems, int64_t rows, int nthreads) {
+    int64_t n = elems / PAR_GRAIN;
+    n = n < rows ? n : rows;
+    return n < nthreads ? (n > 1 ? (int)n : 1) : nthreads;
+}
 
 /* o[:dim] = w · rmsnorm(xr[:dim]) for one row. */
 static inline void norm_row(const uint16_t *xr, const uint16_t *w, int dim, float eps, uint16_t *o) {
     const int vec = dim - dim % VL;
-    /* x² is exact in float32 (bfloat16 x); summed in double (8 partial sums), so the float32 mean
-     * below is the correctly rounded one but in ties of ~1e-9 relative */
-    double acc[8] = {0};
+    const float k = 1.0f / sqrtf((float)(sumsq(xr, dim) / dim) + eps);
     int i = 0;
-    for (; i + 8 <= dim; i += 8)
-        for (int j = 0; j < 8; j++) {
-            const float v = bf16_to_f32(xr[i + j]);
-            acc[j] += (double)(v * v);
-        }
-    for (; i < dim; i++) {
-        const float v = bf16_to_f32(xr[i]);
-        acc[0] += (double)(v * v);
-    }
-    const double ss = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    const float k = 1.0f / sqrtf((float)(ss / dim) + eps);
-    for (int i = 0; i < vec; i += VL) store_bf16v(o + i, rbfv(bf16v(xr + i) * k) * bf16v(w + i));
-    for (int i = vec; i < dim; i++) o[i] = f32_to_bf16(rbf(bf16_to_f32(xr[i]) * k) * bf16_to_f32(w[i]));
+    for (; i + 2 * VL <= vec; i += 2 * VL)
+        store2_bf16v(o + i, rbfv(bf16v(xr + i) * k) * bf16v(w + i), rbfv(bf16v(xr + i + VL) * k) * bf16v(w + i + VL));
+    for (; i < vec; i += VL) store1_bf16v(o + i, rbfv(bf16v(xr + i) * k) * bf16v(w + i));
+    for (; i < dim; i++) o[i] = f32_to_bf16(rbf(bf16_to_f32(xr[i]) * k) * bf16_to_f32(w[i]));
 }
 
 /* out[r, :] = w · rmsnorm(x[r, :]) for rows r < rows; x rows x_stride elements apart, out contiguous. */
 void llmd_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, int64_t rows, int dim, float eps,
                         uint16_t *out, int nthreads) {
-#pragma omp parallel for num_threads(team(rows * dim, nthreads)) schedule(static)
+#pragma omp parallel for num_threads(team_rows(rows * dim, rows, nthreads)) schedule(static)
     for (int64_t r = 0; r < rows; r++) norm_row(x + r * x_stride, w, dim, eps, out + r * (int64_t)dim);
 }
 
@@ -99,7 +91,7 @@ void llmd_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, 
 void llmd_add_rms_norm_bf16(const uint16_t *y, int64_t y_stride, uint16_t *res, const uint16_t *w, int64_t rows,
                             int dim, float eps, uint16_t *out, int nthreads) {
     const int vec = dim - dim % VL;
-#pragma omp parallel for num_threads(team(rows * dim, nthreads)) schedule(static)
+#pragma omp parallel for num_threads(team_rows(rows * dim, rows, nthreads)) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *yr = y + r * y_stride;
         uint16_t *xr = res + r * (int64_t)dim;
@@ -109,18 +101,31 @@ void llmd_add_rms_norm_bf16(const uint16_t *y, int64_t y_stride, uint16_t *res, 
     }
 }
 
-/* o[:D] = rope(a[:D]) with the position's cos / sin rows c, s (D even). */
-static inline void rope_head(const uint16_t *a, const uint16_t *c, const uint16_t *s, int D, uint16_t *o) {
+/* o[:D] = rope(a[:D]) with the position's cos / sin rows c, s, widened to float32 (D even). */
+static inline void rope_head(const uint16_t *a, const float *c, const float *s, int D, uint16_t *o) {
     const int h2 = D / 2, vec = h2 - h2 % VL;
     for (int i = 0; i < vec; i += VL) {
+        vf c1, c2, s1, s2;
+        memcpy(&c1, c + i, sizeof c1);
+        memcpy(&c2, c + h2 + i, sizeof c2);
+        memcpy(&s1, s + i, sizeof s1);
+        memcpy(&s2, s + h2 + i, sizeof s2);
         const vf x1 = bf16v(a + i), x2 = bf16v(a + h2 + i);
-        store_bf16v(o + i, rbfv(x1 * bf16v(c + i)) + rbfv(x2 * bf16v(s + i)));
-        store_bf16v(o + h2 + i, rbfv(x2 * bf16v(c + h2 + i)) + rbfv(x1 * bf16v(s + h2 + i)));
+        store1_bf16v(o + i, rbfv(x1 * c1) + rbfv(x2 * s1));
+        store1_bf16v(o + h2 + i, rbfv(x2 * c2) + rbfv(x1 * s2));
     }
     for (int i = vec; i < h2; i++) {
         const float x1 = bf16_to_f32(a[i]), x2 = bf16_to_f32(a[h2 + i]);
-        o[i] = f32_to_bf16(rbf(x1 * bf16_to_f32(c[i])) + rbf(x2 * bf16_to_f32(s[i])));
-        o[h2 + i] = f32_to_bf16(rbf(x2 * bf16_to_f32(c[h2 + i])) + rbf(x1 * bf16_to_f32(s[h2 + i])));
+        o[i] = f32_to_bf16(rbf(x1 * c[i]) + rbf(x2 * s[i]));
+        o[h2 + i] = f32_to_bf16(rbf(x2 * c[h2 + i]) + rbf(x1 * s[h2 + i]));
+    }
+}
+
+/* The position's cos / sin rows as float32 (rope_head reads them once per head). */
+static inline void widen2(const uint16_t *c, const uint16_t *s, int D, float *cf, float *sf) {
+    for (int i = 0; i < D; i++) {
+        cf[i] = bf16_to_f32(c[i]);
+        sf[i] = bf16_to_f32(s[i]);
     }
 }
 
@@ -129,11 +134,13 @@ static inline void rope_head(const uint16_t *a, const uint16_t *c, const uint16_
  * [rows, heads, D] contiguous. */
 void llmd_rope_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, int heads, int D, const uint16_t *cs,
                     int64_t c_stride, const uint16_t *sn, int64_t s_stride, uint16_t *out, int nthreads) {
-#pragma omp parallel for num_threads(team(rows * heads * D, nthreads)) schedule(static)
-    for (int64_t t = 0; t < rows; t++)
+#pragma omp parallel for num_threads(team_rows(rows * heads * D, rows, nthreads)) schedule(static)
+    for (int64_t t = 0; t < rows; t++) {
+        float c[D], s[D];
+        widen2(cs + t * c_stride, sn + t * s_stride, D, c, s);
         for (int h = 0; h < heads; h++)
-            rope_head(x + t * x_stride + (int64_t)h * D, cs + t * c_stride, sn + t * s_stride, D,
-                      out + (t * heads + h) * (int64_t)D);
+            rope_head(x + t * x_stride + (int64_t)h * D, c, s, D, out + (t * heads + h) * (int64_t)D);
+    }
 }
 
 /* The attention's inputs from a fused QKV row in one pass: for rows t < rows of qkv (x_stride
@@ -146,9 +153,11 @@ void llmd_rope_store_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, int
                           const uint16_t *cs, int64_t c_stride, const uint16_t *sn, int64_t s_stride,
                           uint16_t *q_out, uint16_t *kv, int64_t kv_plane, const int64_t *slots, int nthreads) {
     const int64_t row = (int64_t)kv_heads * D;
-#pragma omp parallel for num_threads(team(rows * (heads + 2 * kv_heads) * D, nthreads)) schedule(static)
+#pragma omp parallel for num_threads(team_rows(rows * (heads + 2 * kv_heads) * D, rows, nthreads)) schedule(static)
     for (int64_t t = 0; t < rows; t++) {
-        const uint16_t *a = x + t * x_stride, *c = cs + t * c_stride, *s = sn + t * s_stride;
+        const uint16_t *a = x + t * x_stride;
+        float c[D], s[D];
+        widen2(cs + t * c_stride, sn + t * s_stride, D, c, s);
         for (int h = 0; h < heads; h++) rope_head(a + (int64_t)h * D, c, s, D, q_out + (t * heads + h) * (int64_t)D);
         if (slots[t] < 0) continue;
         uint16_t *k = kv + slots[t] * row;
@@ -209,38 +218,18 @@ void llmd_store_int8(const uint16_t *k, int64_t k_stride, const uint16_t *v, int
     }
 }
 
-static inline float silu1(float g) {  /* g / (1 + exp(-g)), through exp(-|g|) as below */
-    if (g < -87.0f) return g * 0.0f;
-    const float e = expf(-fabsf(g));
-    return g >= 0.0f ? g / (1.0f + e) : g * e / (1.0f + e);
-}
-
-/* silu(x) = x / (1 + exp(-x)) per lane, through exp(-|x|) (no overflow): x / (1 + e) for x >= 0,
- * x e / (1 + e) below; 0 for x < -87, where exp(-|x|) is clamped (silu is x · exp(x) < 1e-36). */
-static inline vf siluv(vf x) {
-    const vf ax = vmax(x, (vf){0} - x);
-    const vf e = expv((vf){0} - ax); /* exp(-|x|) in (0, 1] */
-    const vf xe = x * e;
-    vi ge = (vi)(x >= 0.0f); /* lanes of all ones where x >= 0 */
-    vi pi, ni;
-    memcpy(&pi, &x, sizeof pi);
-    memcpy(&ni, &xe, sizeof ni);
-    ni &= (vi)(x >= -87.0f);
-    vi si = (pi & ge) | (ni & ~ge);
-    vf num;
-    memcpy(&num, &si, sizeof num);
-    return num / (1.0f + e);
-}
-
 /* out[r, :] = silu(gu[r, :I]) · gu[r, I:2I]; gu rows stride elements apart, out [rows, I] contiguous. */
 void llmd_silu_mul_bf16(const uint16_t *gu, int64_t stride, int64_t rows, int I, uint16_t *out, int nthreads) {
     const int vec = I - I % VL;
-#pragma omp parallel for num_threads(team(rows * I, nthreads)) schedule(static)
+#pragma omp parallel for num_threads(team_rows(rows * I, rows, nthreads)) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *g = gu + r * stride, *u = g + I;
         uint16_t *o = out + r * (int64_t)I;
-        for (int i = 0; i < vec; i += VL) store_bf16v(o + i, rbfv(siluv(bf16v(g + i))) * bf16v(u + i));
-        for (int i = vec; i < I; i++) o[i] = f32_to_bf16(rbf(silu1(bf16_to_f32(g[i]))) * bf16_to_f32(u[i]));
+        int i = 0;
+        for (; i + 2 * VL <= vec; i += 2 * VL)
+            store2_bf16v(o + i, silu_tabv(g + i) * bf16v(u + i), silu_tabv(g + i + VL) * bf16v(u + i + VL));
+        for (; i < vec; i += VL) store1_bf16v(o + i, silu_tabv(g + i) * bf16v(u + i));
+        for (; i < I; i++) o[i] = f32_to_bf16(rbf(silu1(bf16_to_f32(g[i]))) * bf16_to_f32(u[i]));
     }
 }
 

@@ -14,7 +14,7 @@ from llmd.models.layers import apply_rope, rope_tables
 
 pytestmark = pytest.mark.skipif(build.load_glue() is None, reason="no C compiler for the native glue")
 
-ROWS = (1, 3, 32, 70, 600)  # 600 x 576 > the 32,768-element threshold: the threaded split
+ROWS = (1, 3, 32, 70, 600)  # from 4096 elements (layer_glue.c team_rows; 32768 for int8) the threaded split
 
 
 @pytest.fixture(autouse=True)
@@ -28,7 +28,7 @@ def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (ai - bi).abs()
 
 
-@pytest.mark.parametrize("dim", [576, 64, 100, 7])
+@pytest.mark.parametrize("dim", [576, 64, 100, 88, 7])  # 88 = 2 pairs of vectors + 1 + 8: every path
 def test_rms_norm_matches_torch_within_two_ulps(dim):
     g = torch.Generator().manual_seed(dim)
     w = (torch.rand(dim, generator=g) * 2).bfloat16()
@@ -49,6 +49,10 @@ def test_rms_norm_matches_torch_within_two_ulps(dim):
     assert cpu_glue.rms_norm(x3, w, eps).shape == (4, 3, dim)
     print(f"rms_norm dim {dim}: {diff} of {total} differ")
     assert diff / total < 1e-3  # the order of the sum of squares moves r by an ulp, rarely visible
+    tiny = (w.float() * 1e-38).bfloat16()  # subnormal outputs (the vector store's fallback), not flushed
+    x = torch.randn(3, dim, generator=g).bfloat16()
+    got, want = cpu_glue.rms_norm(x, tiny, eps), tiny * F.rms_norm(x, (dim,), eps=eps)
+    assert got.abs().max() > 0 and int(ulps(got, want).max()) <= 2
 
 
 @pytest.mark.parametrize("heads,d", [(12, 64), (3, 128), (2, 18)])
@@ -58,6 +62,7 @@ def test_rope_bit_for_bit(heads, d):
         pos = torch.randint(0, 5000, (rows,), generator=g)
         cos, sin = rope_tables(pos, d, 10000.0, torch.bfloat16)
         qkv = torch.randn(rows, heads + 4, d, generator=g).bfloat16()
+        qkv[0, 0] *= 1e-37  # subnormal products and sums (the vector store's fallback), not flushed
         x = qkv[:, :heads]  # rows strided, as a slice of the fused QKV output
         got = cpu_glue.rope(x, cos, sin)
         assert got.is_contiguous() and torch.equal(got, apply_rope(x, (cos, sin))), rows
@@ -65,7 +70,7 @@ def test_rope_bit_for_bit(heads, d):
         assert torch.equal(cpu_glue.rope(x, both[:, :1], both[:, 1:]), apply_rope(x, (cos, sin)))
 
 
-@pytest.mark.parametrize("inter", [1536, 64, 40])
+@pytest.mark.parametrize("inter", [1536, 64, 48, 40])
 def test_silu_mul_matches_torch_within_an_ulp(inter):
     g = torch.Generator().manual_seed(inter)
     total = diff = 0
@@ -80,6 +85,32 @@ def test_silu_mul_matches_torch_within_an_ulp(inter):
             total, diff = total + d.numel(), diff + int((d > 0).sum())
     print(f"silu_mul inter {inter}: {diff} of {total} differ")
     assert diff / total < 1e-3
+
+
+@pytest.mark.parametrize("inter", [128, 1040])
+def test_silu_lookup_is_the_computed_silu(inter):
+    """The bfloat16 SwiGLU's silu(gate) comes from a table of the 65536 bfloat16 gates (filled by
+    the vector silu as the library loads): for every gate it is bit for bit the float32 glue's
+    computed silu (the same vector code) rounded to bfloat16; subnormal, infinite and NaN gates
+    included (up = 1). Then times up, rounded once: silu · up of tiny ups (subnormal products)."""
+    lib = build.load_glue()
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    gate = torch.cat((bits, bits[: -len(bits) % inter])).view(torch.bfloat16).view(-1, inter)
+    rows = gate.shape[0]
+    ones = torch.ones_like(gate)
+    got = cpu_glue.silu_mul(torch.cat((gate, ones), 1))
+    gu32 = torch.cat((gate, ones), 1).float()
+    want = torch.empty(rows, inter)
+    lib.llmd_silu_mul_f32(gu32.data_ptr(), 2 * inter, rows, inter, want.data_ptr(), 1)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got.view(torch.int16)[~nan], want.bfloat16().view(torch.int16)[~nan])
+    up = (torch.randn(gate.shape, generator=torch.Generator().manual_seed(inter)) * 1e-36).bfloat16()
+    got = cpu_glue.silu_mul(torch.cat((gate, up), 1))
+    fin = want.isfinite()
+    want = (want.bfloat16().float() * up.float()).bfloat16()  # one rounding of the float32 product
+    assert torch.equal(got.view(torch.int16)[fin], want.view(torch.int16)[fin])
+    assert (got[fin].float().abs() < 1.2e-38).sum() > 1000  # subnormal products, not flushed
 
 
 def test_declines_what_it_does_not_serve(monkeypatch):
@@ -121,7 +152,7 @@ def test_engine_uses_glue_for_bfloat16_only(tmp_path):
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
 
 
-@pytest.mark.parametrize("dim", [576, 64, 7])
+@pytest.mark.parametrize("dim", [576, 64, 88, 7])
 def test_add_rms_norm_is_the_add_then_the_norm(dim):
     """``residual += y`` rounds as torch's bfloat16 add (bit for bit) and the output is
     :func:`cpu_glue.rms_norm` of the new residual (bit for bit), strided ``y`` rows included."""
