@@ -10,23 +10,9 @@ import os
 import socket
 
 import pytest
-from click.testing import CliRunner
+from serve_cli import one_error_line, serve
 
-from llmd.daemon.cli.main import main
 from llmd.daemon.core.errors import LlmdError
-
-
-def serve(*args, env=None):
-    """``llmd serve ARGS`` in-process: (exit code, output). The model does not exist, so a check
-    that fails to refuse ends in a model error (another line), never in a serving daemon."""
-    result = CliRunner().invoke(main, ["serve", "--model", "/nonexistent/none.gguf", *args], env=env)
-    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit), result.exception
-    return result.exit_code, result.output
-
-
-def one_error_line(out: str, match: str) -> None:
-    lines = [x for x in out.splitlines() if x.startswith("llmd: error:")]
-    assert len(lines) == 1 and match in lines[0] and "Traceback" not in out, out
 
 
 @pytest.fixture
