@@ -58,12 +58,16 @@ class GrammarSpec:
         value: the schema text, regex or grammar.
         choices: the strings of ``choice``.
         param: the request field it came from (error messages only; not compared).
+        parts: specs this one is built from, each with its own ``param`` (``tool_choice:
+            "required"``: each tool's parameters schema); compiled only when this spec fails, to
+            name the part at fault. Not compared.
     """
 
     kind: str
     value: str = ""
     choices: tuple[str, ...] = ()
     param: str = field(default="structured_outputs", compare=False)
+    parts: tuple["GrammarSpec", ...] = field(default=(), compare=False)
 
     @classmethod
     def json_schema(cls, schema: dict | bool, param: str) -> "GrammarSpec":
@@ -111,7 +115,8 @@ class GrammarCompiler:
 
         Raises:
             RequestError: xgrammar refused it (an unsupported or malformed schema, regex or
-                grammar); the message is xgrammar's, ``param`` is ``spec.param``.
+                grammar); the message is xgrammar's, ``param`` is ``spec.param``, or the
+                ``param`` of the first of ``spec.parts`` refused alone.
         """
         with self._lock:
             hit = self._cache.get(spec)
@@ -136,6 +141,8 @@ class GrammarCompiler:
         except (RuntimeError, ValueError, TypeError) as e:
             if isinstance(e, RequestError):
                 raise
+            for part in spec.parts:  # a part xgrammar refuses alone is named by its own field
+                self.compile(part)
             raise RequestError(f"{spec.param} is not a valid {_WHAT[spec.kind]}: {_message(e)}", spec.param) from None
         with self._lock:
             self._cache[spec] = compiled

@@ -29,6 +29,7 @@ same field, also a 400). Every refusal is an :class:`ApiError` naming its field.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import uuid
@@ -177,7 +178,8 @@ def _tool_constraint(body: dict, chat: bool) -> tuple[GrammarSpec | None, ToolCa
         schema = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
         if body.get("parallel_tool_calls") is False:
             schema["maxItems"] = 1
-        return _schema(schema, "tools"), ToolCalling(None)
+        parts = tuple(_schema(p, f"tools[{i}].function.parameters") for i, p in enumerate(schemas.values()))
+        return dataclasses.replace(_schema(schema, "tools"), parts=parts), ToolCalling(None)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
         raise ApiError("tool_choice must be none, auto, required or {type: 'function', function: {name}}",

@@ -169,6 +169,9 @@ def test_tool_choice_named_and_required_return_tool_calls(engine_loop):
     ({"tool_choice": "auto"}, "tool_choice"),  # OpenAI and vLLM refuse it without tools too
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}], "tool_choice": "required"},
      "tools[0].function.name"),
+    # a tool whose parameters xgrammar refuses is named (it was "tools")
+    ({"tools": [TOOLS[0], {"type": "function", "function": {"name": "x", "parameters": {"type": "objekt"}}}],
+      "tool_choice": "required"}, "tools[1].function.parameters"),
     # misspelt keys: they gave unconstrained output / any JSON object with a 200
     ({"structured_outputs": {"regexp": "[0-9]"}}, "structured_outputs.regexp"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "scheme": {"type": "object"}}}},
