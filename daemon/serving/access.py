@@ -166,9 +166,9 @@ def check_listen(host: str, port: int) -> None:
     caught there (``lifecycle.run_server``).
 
     Raises:
-        LlmdError: ``port`` out of 0–65535, ``host`` unresolvable, or a bind fails.
+        LlmdError: ``port`` out of 1–65535 (``--port``'s range), ``host`` unresolvable, or a bind fails.
     """
-    if not 0 <= port <= 65535:
+    if not 1 <= port <= 65535:
         raise LlmdError(f"cannot listen on {host}:{port}: the port must be in 1-65535")
     try:
         infos = set(socket.getaddrinfo(host, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE))
