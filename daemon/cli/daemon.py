@@ -55,6 +55,16 @@ def _exit_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)
 
 
+def _defer_signal(signum, frame):
+    """SIGTERM / SIGINT once ``serve``'s checks have passed and before ``run_server`` installs its
+    own handlers: kept in :data:`_deferred_signals` (``run_server`` drains at once when it finds
+    one), so no exception can leave the lock file behind between the two."""
+    _deferred_signals.append(signum)
+
+
+_deferred_signals: list[int] = []
+
+
 @click.command()
 @socket_option
 @click.option("--host", default=None, help="Also listen on TCP at this host (needs --port; default 127.0.0.1).")
@@ -116,6 +126,7 @@ def serve(socket_path, host, port, api_key_file, api_key, served_model_name, dra
     # daemon starting, and a second `llmd serve` on the path is refused at once. Until run_server
     # takes SIGTERM over (its drain), `llmd stop` on a starting daemon ends it, removing its lock file.
     main_thread = threading.current_thread() is threading.main_thread()  # signal.signal's condition
+    sigint = signal.getsignal(signal.SIGINT)
     sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main_thread else None
     lock_fd = claim_socket(path)
     try:
@@ -130,10 +141,14 @@ def serve(socket_path, host, port, api_key_file, api_key, served_model_name, dra
         from llmd.daemon.serving.lifecycle import run_server
 
         check_options_before_load(EngineConfig(**engine_kw).resolve())  # one line, before anything loads
+        if main_thread:  # from here a signal is kept for run_server, which drains: no lock file left behind
+            signal.signal(signal.SIGTERM, _defer_signal)
+            signal.signal(signal.SIGINT, _defer_signal)
     except BaseException:
         unlock_file(lock_path(path), lock_fd)  # a bad option: no lock file left behind
         if main_thread:
             signal.signal(signal.SIGTERM, sigterm)
+            signal.signal(signal.SIGINT, sigint)
         raise
     import setproctitle
 
@@ -147,6 +162,7 @@ def serve(socket_path, host, port, api_key_file, api_key, served_model_name, dra
                            drain_timeout=drain_timeout, lock_fd=lock_fd, metrics_compat=metrics_compat,
                            api_key=key if port is not None else None, health_stall_timeout=health_stall_timeout,
                            kv_transfer=kv_transfer, freeze_gc=True,  # this process is the daemon's own
+                           deferred_signals=_deferred_signals,
                            echo=lambda m: click.echo(m, err=True)))
 
 

@@ -31,6 +31,7 @@ import asyncio
 import logging
 import os
 import signal
+from collections.abc import Sequence
 
 from aiohttp import web
 
@@ -73,7 +74,7 @@ async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[s
                      host: str | None = None, port: int | None = None, drain_timeout: float = 30.0,
                      lock_fd: int | None = None, metrics_compat: str | None = None, api_key: str | None = None,
                      health_stall_timeout: float = DEFAULT_STALL_TIMEOUT_S, kv_transfer=None, echo=print,
-                     freeze_gc: bool = False) -> None:
+                     freeze_gc: bool = False, deferred_signals: Sequence[int] = ()) -> None:
     """Serve until SIGTERM/SIGINT or ``POST /v1/shutdown``; then drain and clean up.
 
     Args:
@@ -98,6 +99,9 @@ async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[s
         freeze_gc: once a factory has built the engine, ``gc.collect()`` + ``gc.freeze()``
             (:func:`~llmd.daemon.serving.engine_loop.freeze_startup_heap`); ``llmd serve`` sets it,
             in-process callers (tests) leave it off.
+        deferred_signals: a live list the caller's own SIGTERM / SIGINT handler appends to
+            until this function's handlers replace it (``llmd serve``, from its checks on):
+            non-empty once they are installed, it drains at once, as the signal would have.
 
     The socket (and TCP listener) is bound *before* the engine is ready: while it loads on
     its thread, ``/health`` answers 503 ``loading`` (every other route but ``/metrics`` and
@@ -144,6 +148,8 @@ async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[s
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
+    if deferred_signals:  # one came before the handlers above: act on it now
+        on_signal()
     try:
         engine = await _until_ready(eloop, state)
         if engine is None:  # a shutdown while loading: nothing was served

@@ -76,3 +76,17 @@ def test_serve_takes_the_lock_before_importing_torch_and_drops_it_on_a_bad_optio
     assert res.returncode == 1 and "torch imported: False" in res.stdout, (res.stdout, res.stderr)
     assert res.stderr.strip().splitlines() == ["llmd: error: --block-size must be >= 1, got 0"], res.stderr
     assert not os.path.exists(path + ".lock") and not os.path.exists(path)
+
+
+def test_a_signal_between_the_checks_and_the_servers_handlers_drains_and_leaves_no_lock(tmp_path):
+    """SIGTERM after ``serve``'s checks (here from inside ``setproctitle``, which runs in that
+    window) used to raise SystemExit where nothing removed ``<socket>.lock`` (exit 143, lock file
+    left). It is now kept until ``run_server``'s handlers are in place, which drain at once."""
+    path = str(tmp_path / "d.sock")
+    code = ("import os, signal, setproctitle\n"
+            "setproctitle.setproctitle = lambda title: os.kill(os.getpid(), signal.SIGTERM)\n"
+            "from llmd.daemon.cli.main import main\nmain()\n")
+    res = subprocess.run([sys.executable, "-c", code, "serve", "--socket", path,
+                          "--model", "random:qwen3-0.6b:layers=1"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stderr.strip().endswith("llmd: stopped"), (res.returncode, res.stderr)
+    assert not os.path.exists(path + ".lock") and not os.path.exists(path)
