@@ -25,7 +25,8 @@ with AVX512-BF16 but no AMX (AMD Zen 4, Intel Cooper Lake) the same case runs th
 ``kernels/native/bf16dp_decode.h``: scores by VDPBF16PS on the raw bfloat16 query and K rows
 (exact products, float32 sums, the scale applied to the sums) and the float32 ``probs · V`` over
 V widened by two bit operations; :func:`dot_scores` says when, ``LLMD_BF16_DOT=0`` turns it off.
-Both keep the position order per sequence, so S4 holds on them too.
+Both keep the position order per sequence, so S4 holds on them too. Those probes and switches live
+in :mod:`llmd.kernels.cpu_native_paths` (re-exported here).
 
 Not served here (the torch path runs instead): float64 models (the oracle's own dtype), grouped
 scales (``--kv-scale-group-size``), int4 caches, block sizes over 128, head_dim over 256 or not a
@@ -38,6 +39,15 @@ from dataclasses import dataclass
 
 import torch
 
+from llmd.kernels.cpu_native_paths import (  # noqa: F401 (re-exported: the paths' probes and switches)
+    amx_available,
+    dot_available,
+    dot_scores,
+    set_amx,
+    set_avx2,
+    set_dot,
+    tile_scores,
+)
 from llmd.kernels.native import build
 from llmd.quant.kv import PagedKVCache, planes_contiguous
 from llmd.quant.kv_format import KVCacheFormat
@@ -102,61 +112,6 @@ def supports(cache: PagedKVCache, cdt: torch.dtype, group: int) -> bool:
     return (serves(cache.fmt, cdt, data.shape[2]) and (data.dtype in _KV_CODES or data.dtype in _BYTE_DTYPES)
             and planes_contiguous(data) and supports_shape(data.shape[4], group)
             and _lib(data.shape[4], group) is not None)
-
-
-def amx_available() -> bool:
-    """The kernel was built with AMX on this CPU, the OS granted the tile state and
-    ``LLMD_AMX_ATTENTION`` is not 0 (:func:`set_amx` may have turned it off since)."""
-    lib = build.load()
-    return lib is not None and lib.llmd_paged_decode_amx() == 1
-
-
-def set_amx(on: bool, head_dim: int | None = None, group: int | None = None) -> bool:
-    """Turn the tile-unit scores off or back on in the runtime-shape build and, with ``head_dim``
-    and ``group``, that shape's build (side-by-side measurements and tests); returns whether they
-    are on afterwards. Call between steps, never during one."""
-    libs = [build.load(), build.loaded((head_dim // 16, group)) if head_dim and group else None]
-    states = [lib.llmd_paged_decode_set_amx(int(on)) for lib in libs if lib is not None]
-    return bool(states) and all(states)
-
-
-def tile_scores(data_dtype: torch.dtype, cdt: torch.dtype, block_size: int, head_dim: int) -> bool:
-    """:func:`decode` scores on the tile unit for this cache dtype, compute dtype, block size and
-    head_dim: bfloat16 both, blocks a multiple of 16 slots, head_dim a multiple of 32, AMX on."""
-    return (data_dtype == torch.bfloat16 and cdt == torch.bfloat16 and block_size % 16 == 0 and head_dim % 32 == 0
-            and amx_available())
-
-
-def dot_available() -> bool:
-    """The kernel was built with AVX512-BF16 (bf16dp_decode.h) and ``LLMD_BF16_DOT`` is not 0
-    (:func:`set_dot` may have turned it off since)."""
-    lib = build.load()
-    return lib is not None and lib.llmd_paged_decode_dot() == 1
-
-
-def set_dot(on: bool, head_dim: int | None = None, group: int | None = None) -> bool:
-    """Turn the AVX512-BF16 dot-product path off or back on, as :func:`set_amx`; returns whether
-    it is on afterwards in the runtime-shape build and, with ``head_dim`` and ``group``, that
-    shape's build. Call between steps, never during one."""
-    libs = [build.load(), build.loaded((head_dim // 16, group)) if head_dim and group else None]
-    states = [lib.llmd_paged_decode_set_dot(int(on)) for lib in libs if lib is not None]
-    return bool(states) and all(states)
-
-
-def set_avx2(on: bool, head_dim: int | None = None, group: int | None = None) -> bool:
-    """Turn the 8-lane AVX2 loops (``kernels/native/decode_avx2.h``) off or back on, as
-    :func:`set_amx`; returns whether they are on afterwards (False on builds without them: AVX-512
-    or no AVX2). Call between steps, never during one."""
-    libs = [build.load(), build.loaded((head_dim // 16, group)) if head_dim and group else None]
-    states = [lib.llmd_paged_decode_set_avx2(int(on)) for lib in libs if lib is not None]
-    return bool(states) and all(states)
-
-
-def dot_scores(data_dtype: torch.dtype, cdt: torch.dtype, block_size: int, head_dim: int) -> bool:
-    """:func:`decode` scores by VDPBF16PS (bf16dp_decode.h) for this configuration: bfloat16
-    cache and compute, head_dim a multiple of 32, the path on, and the tile path not taking it."""
-    return (data_dtype == torch.bfloat16 and cdt == torch.bfloat16 and head_dim % 32 == 0 and dot_available()
-            and not tile_scores(data_dtype, cdt, block_size, head_dim))
 
 
 def _lut(dtype: torch.dtype) -> torch.Tensor:
