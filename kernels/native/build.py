@@ -12,7 +12,8 @@ shape (``-DSPEC_NV=head_dim/16 -DSPEC_G=query heads per KV head``: that shape's 
 into ``$XDG_CACHE_HOME/llmd/native`` (default ``~/.cache/llmd/native``), named by a hash of the
 source, the flags and the compiler's version, so an edit or another CPU rebuilds and a second
 process reuses it (written to a temporary name, then renamed: concurrent builders do not
-collide). A build takes ~3 s on the 2-core machine (plain C, no torch headers).
+collide). A build takes ~3 s on the 2-core machine (plain C, no torch headers). The compile itself
+(sources, switches, compiler, cache key) is :mod:`llmd.kernels.native.compiler` (re-exported here).
 
 OpenMP: ``-fopenmp`` links ``libgomp.so.1``; torch's wheel loads its own copy under that soname
 first (``import torch`` happens before this module loads the kernel), so the dynamic loader binds
@@ -26,74 +27,31 @@ take the pure-torch path, which computes the same attention.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
 import subprocess
-import tempfile
-from pathlib import Path
 
 import torch  # noqa: F401  (loads torch's libgomp before the kernel's NEEDED entry is resolved)
 
+from llmd.kernels.native.compiler import (  # noqa: F401 (re-exported: the sources, the switches, the compile)
+    FLAGS,
+    HEADERS,
+    SOURCE,
+    SOURCES,
+    _build,
+    _compiler,
+    cache_dir,
+)
+
 log = logging.getLogger("llmd.kernels")
-SOURCE = Path(__file__).with_name("paged_decode.c")
-# fused_decode.c includes paged_decode.c (its attention)
-SOURCES = {"paged_decode": SOURCE, "fused_decode": Path(__file__).with_name("fused_decode.c"),
-           "layer_glue": Path(__file__).with_name("layer_glue.c"),  # layer_glue.c includes paged_decode.c too
-           "bf16_scores": Path(__file__).with_name("bf16_scores.c"),
-           "kv_read": Path(__file__).with_name("kv_read.c"),
-           "amx_linear": Path(__file__).with_name("amx_linear.c")}
-# headers the sources include (every *.h beside them, so a new one cannot be left out): part of every build's hash
-HEADERS = sorted(Path(__file__).parent.glob("*.h"))
-# no -ffast-math: with GCC < 13 linking a shared object with it adds crtfastmath.o, whose constructor
-# sets the FTZ/DAZ bits of the loading thread's MXCSR: every later float op of the process would flush
-# subnormals (hypothesis refuses to run then). The kernel's vector code is explicit, so it needs none of it.
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 _cache: dict[tuple[int, int] | None, ctypes.CDLL | None] = {}  # paged_decode builds per shape
 _fused: dict[tuple[int, int] | None, ctypes.CDLL | None] = {}  # fused_decode builds per shape
 why_not: str | None = None  # why the kernel is unavailable, once load() has been called
 
 
-def cache_dir() -> Path:
-    """Where built kernels live: ``$XDG_CACHE_HOME/llmd/native`` (default ``~/.cache/llmd/native``),
-    beside the rest of llmd's cache (:mod:`llmd.models.paths`, a layer above this one)."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "llmd" / "native"
-
-
 def loaded(shape: tuple[int, int] | None) -> ctypes.CDLL | None:
     """The library :func:`load` already loaded for ``shape``, else None (never builds)."""
     return _cache.get(shape)
-
-
-def _compiler() -> str | None:
-    cc = os.environ.get("CC") or "cc"
-    return shutil.which(cc) or (shutil.which("gcc") if not os.environ.get("CC") else None)
-
-
-def _build(cc: str, flags: list[str], name: str = "paged_decode") -> Path:
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    sources = b"".join(p.read_bytes() for p in [*SOURCES.values(), *HEADERS])  # fused_decode.c includes the rest
-    digest = hashlib.sha256(sources + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
-    out = cache_dir() / f"{name}-{digest}.so"
-    source = SOURCES[name]
-    if out.exists():
-        return out
-    os.makedirs(out.parent.parent, mode=0o700, exist_ok=True)  # llmd's cache directory is private (models/paths.py)
-    out.parent.mkdir(mode=0o700, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        res = subprocess.run([cc, *flags, "-o", tmp, str(source), "-lm"], capture_output=True, text=True, timeout=300)
-        if res.returncode != 0:
-            last = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else f"exit {res.returncode}"
-            raise RuntimeError(f"{cc} failed: {last}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
 
 
 def load(shape: tuple[int, int] | None = None) -> ctypes.CDLL | None:
