@@ -17,7 +17,7 @@ import socket
 import stat
 
 from llmd.daemon.core.errors import LlmdError
-from llmd.daemon.protocol import check_socket_path, default_socket_dir, lock_file, lock_path
+from llmd.daemon.protocol import check_socket_path, default_socket_dir, lock_file, lock_path, unlock_file
 
 log = logging.getLogger("llmd.serve")
 
@@ -75,7 +75,9 @@ def claim_socket(path: str) -> int:
     Raises:
         LlmdError: path too long, an unsafe directory (:func:`prepare_socket_dir`), a lock file
             or socket of another user (or a symlink as the lock), another daemon holds the lock
-            or answers on the path, or the path exists and is not a socket.
+            or answers on the path, or the path exists and is not a socket. A refusal once the
+            lock is won removes ``<socket>.lock`` (:func:`unlock_file`); a lock another process
+            holds, or a lock file of another user, is left alone.
     """
     err = check_socket_path(path)
     if err:
@@ -92,21 +94,23 @@ def claim_socket(path: str) -> int:
                         "remove it or pick another --socket") from None
     if not _owner_is_safe(os.fstat(fd)):
         uid = os.fstat(fd).st_uid
-        os.close(fd)
+        os.close(fd)  # their file: left where it is
         raise LlmdError(f"the lock file {lock} belongs to another user (uid {uid}); pick another --socket")
-    if os.path.lexists(path):
-        if not stat.S_ISSOCK(os.lstat(path).st_mode):
-            os.close(fd)
-            raise LlmdError(f"{path} exists and is not a socket; remove it or pick another --socket")
-        if not _owner_is_safe(os.lstat(path)):
-            os.close(fd)
-            raise LlmdError(f"the socket {path} belongs to another user (uid {os.lstat(path).st_uid}); "
-                            "pick another --socket")
-        if socket_is_live(path):
-            os.close(fd)
-            raise LlmdError(f"an llmd daemon is already serving on {path}; stop it with `llmd stop --socket {path}`")
-        log.info("removing stale socket %s", path)
-        os.unlink(path)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # who holds it, for a client during startup
+    try:
+        if os.path.lexists(path):
+            if not stat.S_ISSOCK(os.lstat(path).st_mode):
+                raise LlmdError(f"{path} exists and is not a socket; remove it or pick another --socket")
+            if not _owner_is_safe(os.lstat(path)):
+                raise LlmdError(f"the socket {path} belongs to another user (uid {os.lstat(path).st_uid}); "
+                                "pick another --socket")
+            if socket_is_live(path):
+                raise LlmdError(f"an llmd daemon is already serving on {path}; "
+                                f"stop it with `llmd stop --socket {path}`")
+            log.info("removing stale socket %s", path)
+            os.unlink(path)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # who holds it, for a client during startup
+    except BaseException:
+        unlock_file(lock, fd)  # refused with the lock held: ours, so no <socket>.lock left behind
+        raise
     return fd
