@@ -78,9 +78,10 @@ class StatsMixin:
         it, self._iteration = self._iteration, IterationStats()
         return it
 
-    def make_stats(self) -> EngineStats:
+    def make_stats(self, block_states: list[str] | None = None) -> EngineStats:
         """A snapshot of the KV cache, prefix cache, scheduler, live requests and counters
-        (O(blocks + live requests))."""
+        (O(blocks + live requests)). ``block_states``: an earlier snapshot's per-block states to
+        reuse (the only O(blocks) part: ~1.9 ms for 65,536 blocks); None reads the pool's now."""
         now = time.monotonic()
         kv, sched = self.kv_manager, self.scheduler
         cached_free = kv.block_pool.num_cached_free_blocks
@@ -109,7 +110,8 @@ class StatsMixin:
             runtime=runtime,
             kv_cache_dtype=c.dtype if c.kv_cache_dtype == "auto" else c.kv_cache_dtype,
             kv_cache=KVCacheStats(kv.block_size, kv.num_blocks, total, used, cached_free, free, self.bytes_per_token,
-                                  self.num_blocks * self.block_bytes, kv.usage, groups, kv.block_pool.block_states()),
+                                  self.num_blocks * self.block_bytes, kv.usage, groups,
+                                  kv.block_pool.block_states() if block_states is None else block_states),
             prefix_cache=PrefixCacheStats(kv.prefix_cache_queries, kv.prefix_cache_hits, kv.enable_caching,
                                           kv.block_pool.num_evictions),
             scheduler=SchedulerStats(len(sched.running), len(sched.waiting),

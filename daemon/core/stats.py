@@ -181,8 +181,10 @@ class EngineStats:
     kv_transfer: dict = field(default_factory=dict)  # KVExchange.stats(): pins, pulls, imports
     runtime: str = ""  # Engine.runtime_summary(): dtype, attention backend and kernels, threads, linears
 
-    def to_dict(self, model_id: str, uptime_s: float) -> dict:
-        """The ``GET /v1/stats`` payload (schema ``STATS_SCHEMA_VERSION`` of ``protocol.py``)."""
+    def to_dict(self, model_id: str, uptime_s: float, block_map: dict | None = None) -> dict:
+        """The ``GET /v1/stats`` payload (schema ``STATS_SCHEMA_VERSION`` of ``protocol.py``).
+        ``block_map``: an earlier payload's ``block_map`` to reuse (the run-length encoding of
+        ``kv_cache.block_states`` is O(blocks): ~4.6 ms for 65,536 blocks); None encodes this one's."""
         kv, c = self.kv_cache, self.counters
         return {
             "schema_version": STATS_SCHEMA_VERSION,
@@ -194,7 +196,7 @@ class EngineStats:
                          "cached_free": kv.cached_free, "free": kv.free, "bytes_per_token": kv.bytes_per_token,
                          "memory_bytes": kv.memory_bytes, "usage": kv.usage,
                          "groups": [vars(g).copy() for g in kv.groups]},
-            "block_map": {"encoding": "rle", "runs": rle(kv.block_states)},
+            "block_map": block_map if block_map is not None else {"encoding": "rle", "runs": rle(kv.block_states)},
             "prefix_cache": vars(self.prefix_cache).copy(),
             "scheduler": vars(self.scheduler).copy(),
             "throughput": {"prompt_tokens_per_s": self.prompt_tokens_per_s,

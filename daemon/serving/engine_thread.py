@@ -193,6 +193,8 @@ class EngineThreadMixin:
             return
         self.health.step_succeeded()
         self._publish_events()
+        if any(out.finished for out in outputs):  # before the last chunks go out: a /v1/stats read
+            self._publish_snapshot(light=True)  # after a reply's end sees it gone and its blocks free
         for out in outputs:
             self._deliver(out)
 
@@ -231,11 +233,21 @@ class EngineThreadMixin:
         except Exception:  # the client's event loop is gone; its request is aborted elsewhere
             log.debug("sink for %s failed", out.request_id, exc_info=True)
 
-    def _publish_snapshot(self) -> None:
-        """Rebuild the stats snapshot (engine thread; O(blocks + live requests))."""
+    def _publish_snapshot(self, light: bool = False) -> None:
+        """Rebuild the stats snapshot (engine thread; O(blocks + live requests)).
+
+        ``light``: everything but the per-block map (``block_map``, the dashboard's cells), which
+        is reused from the last full snapshot; O(live requests). A step that finishes requests
+        takes one before their last outputs reach the sinks, so a ``/v1/stats`` read after a
+        reply's end sees the request gone (the full snapshots, every ``snapshot_interval``,
+        lagged it by up to that long: a client checking for leaked blocks saw one). It leaves the
+        full snapshot's clock alone, so the block map still refreshes on schedule."""
         now = time.monotonic()
-        stats = self.engine.make_stats()
-        self._snapshot = stats.to_dict(self.model_id, now - self.started_at)
+        prev = self._stats if light else None
+        stats = self.engine.make_stats(None if prev is None else prev.kv_cache.block_states)
+        self._snapshot = stats.to_dict(self.model_id, now - self.started_at,
+                                       None if prev is None else self._snapshot.get("block_map"))
         self._stats = stats
-        self._snapshot_time = now
-        self._changed = False
+        if prev is None:
+            self._snapshot_time = now
+            self._changed = False
