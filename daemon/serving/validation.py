@@ -225,5 +225,6 @@ def _cache_salt(body: dict) -> str | None:
     if salt is None:
         return None
     if not isinstance(salt, str) or not salt or len(salt) > 1024:
-        raise ApiError("cache_salt must be a non-empty string of at most 1024 characters", "cache_salt")
+        got = f"a string of {len(salt)} characters" if isinstance(salt, str) and salt else json_typed(salt)
+        raise ApiError(f"cache_salt must be a non-empty string of at most 1024 characters, got {got}", "cache_salt")
     return check_utf8(salt, "cache_salt")

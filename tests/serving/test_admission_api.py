@@ -42,6 +42,10 @@ def test_priority_and_cache_salt_fields():
         with pytest.raises(ApiError) as ei:
             parse_request({"prompt": "hi", **bad}, False, ["m"], 1000)
         assert ei.value.status == 400 and ei.value.param in ("priority", "cache_salt")
+    for salt, got in (("", 'got string ""'), (7, "got number 7"), ("x" * 1025, "got a string of 1025 characters")):
+        with pytest.raises(ApiError) as ei:
+            parse_request({"prompt": "hi", "cache_salt": salt}, False, ["m"], 1000)
+        assert ei.value.message.endswith(got), ei.value.message
 
 
 def test_stats_carry_groups_prefix_and_preemption_fields(llmd_daemon):
