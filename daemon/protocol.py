@@ -125,7 +125,7 @@ def check_socket_path(path: str) -> str | None:
     n = len(os.fsencode(path))
     if n > MAX_UNIX_PATH_BYTES:
         return (f"socket path is {n} bytes, over the AF_UNIX limit of {MAX_UNIX_PATH_BYTES}: {path} "
-                "(pick a shorter --socket or XDG_RUNTIME_DIR)")
+                "(pick a shorter --socket, $LLMD_SOCKET or $XDG_RUNTIME_DIR)")
     return None
 
 

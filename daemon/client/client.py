@@ -4,6 +4,8 @@ the dashboard and the tests.
 
 Both raise :class:`DaemonUnavailable` when nothing listens on the socket and
 :class:`ApiResponseError` (``.status``, ``.message``, ``.param``) for a 4xx/5xx answer.
+Building either on a path over the AF_UNIX limit raises :class:`LlmdError` with
+``protocol.check_socket_path``'s line, so every client command says that in one line.
 Streams yield the decoded JSON of each Server-Sent Event until ``[DONE]``; closing the
 iterator early closes the connection, which makes the daemon abort the request.
 """
@@ -16,11 +18,25 @@ import socket
 from typing import AsyncIterator, Iterator
 
 from llmd.daemon.core.errors import LlmdError
-from llmd.daemon.protocol import default_socket_path
+from llmd.daemon.protocol import check_socket_path, default_socket_path
 
 
 class DaemonUnavailable(LlmdError):
     """No daemon answers on the socket (missing file, refused connection)."""
+
+
+def checked_socket_path(socket_path: str | None) -> str:
+    """``socket_path``, else :func:`default_socket_path` (``$LLMD_SOCKET`` ...), checked.
+
+    Raises:
+        LlmdError: the path is over the AF_UNIX limit (``protocol.check_socket_path``'s line;
+            connecting would raise ``OSError: AF_UNIX path too long``).
+    """
+    path = socket_path or default_socket_path()
+    problem = check_socket_path(path)
+    if problem:
+        raise LlmdError(problem)
+    return path
 
 
 class ApiResponseError(LlmdError):
@@ -80,10 +96,12 @@ class Client:
     Args:
         socket_path: the daemon's socket (default: :func:`default_socket_path`).
         timeout: seconds to wait on connect and on each read (None: forever).
+    Raises:
+        LlmdError: ``socket_path`` is over the AF_UNIX limit (:func:`checked_socket_path`).
     """
 
     def __init__(self, socket_path: str | None = None, timeout: float | None = 600.0):
-        self.socket_path = socket_path or default_socket_path()
+        self.socket_path = checked_socket_path(socket_path)
         self.timeout = timeout
 
     def _send(self, method: str, path: str, body=None) -> tuple[_UnixHTTPConnection, http.client.HTTPResponse]:
@@ -175,10 +193,12 @@ class AsyncClient:
     Args:
         socket_path: the daemon's socket (default: :func:`default_socket_path`).
         timeout: total seconds per request (None: no limit).
+    Raises:
+        LlmdError: ``socket_path`` is over the AF_UNIX limit (:func:`checked_socket_path`).
     """
 
     def __init__(self, socket_path: str | None = None, timeout: float | None = 600.0):
-        self.socket_path = socket_path or default_socket_path()
+        self.socket_path = checked_socket_path(socket_path)
         self.timeout = timeout
         self._session = None
 
