@@ -183,11 +183,12 @@ def engine_options(fn):
     return fn
 
 
-def build_engine(name: str | None = None, **kw):
+def build_engine(name: str | None = None, echo=None, **kw):
     """An :class:`Engine` from engine options, with the loading and loaded lines on stderr
     (settings are validated before the weights load). ``name``: the model's name in those
     lines (the daemon's served name; default the ``--model`` value), never the GGUF's own
-    ``general.name``."""
+    ``general.name``. ``echo``: what writes those lines (default ``click.echo`` to stderr;
+    ``llmd serve`` passes one that survives a gone reader)."""
     from llmd.daemon.core.config import EngineConfig
     from llmd.daemon.core.engine import Engine
     from llmd.daemon.core.prompt_check import check_options_before_load
@@ -196,11 +197,12 @@ def build_engine(name: str | None = None, **kw):
     check_options_before_load(config)  # and those whose limits are in the model's header (--keep)
     threads = f"{config.threads} thread{'' if config.threads == 1 else 's'}"
     name = name or kw["model"]
-    click.echo(f"llmd: loading {name} ({config.dtype}, {threads}) ...", err=True)
+    echo = echo or functools.partial(click.echo, err=True)
+    echo(f"llmd: loading {name} ({config.dtype}, {threads}) ...")
     t0 = time.monotonic()
     engine = Engine.from_config(config)
-    click.echo(f"llmd: loaded {name} in {time.monotonic() - t0:.1f} s; {engine.runtime_summary()}; "
-               f"{engine.capacity_summary()}", err=True)
+    echo(f"llmd: loaded {name} in {time.monotonic() - t0:.1f} s; {engine.runtime_summary()}; "
+         f"{engine.capacity_summary()}")
     return engine
 
 

@@ -19,6 +19,7 @@ from llmd.daemon.cli.common import (
     socket_option,
     socket_path_of,
 )
+from llmd.daemon.cli.daemon_output import DaemonLogHandler, echo_err
 from llmd.daemon.core.errors import LlmdError
 from llmd.daemon.serving.engine_health import DEFAULT_STALL_TIMEOUT_S
 
@@ -153,17 +154,20 @@ def serve(socket_path, host, port, api_key_file, api_key, served_model_name, dra
     import setproctitle
 
     setproctitle.setproctitle(serve_title(sys.argv))  # ps: `llmd serve ...`, not `python3 -c ...`
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # its lines and log go on (to /dev/null) once their reader has gone: `llmd serve 2>&1 | head -1`
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        handlers=[DaemonLogHandler()])
     # one served name: the `model` field accepts exactly what /v1/models lists (vLLM's rule)
     model_id = served_model_name or served_id(engine_kw["model"])
     # the engine loads on the engine loop's thread, the one that runs its steps (see engine_loop)
-    asyncio.run(run_server(lambda: build_engine(name=model_id, **engine_kw), path, model_id, (model_id,),
+    asyncio.run(run_server(lambda: build_engine(name=model_id, echo=echo_err, **engine_kw), path, model_id,
+                           (model_id,),
                            host=host, port=port,
                            drain_timeout=drain_timeout, lock_fd=lock_fd, metrics_compat=metrics_compat,
                            api_key=key if port is not None else None, health_stall_timeout=health_stall_timeout,
                            kv_transfer=kv_transfer, freeze_gc=True,  # this process is the daemon's own
                            deferred_signals=_deferred_signals,
-                           echo=lambda m: click.echo(m, err=True)))
+                           echo=echo_err))
 
 
 @click.command()
