@@ -89,11 +89,13 @@ class TopApp(App):
             self._polling = False
 
     def _failed(self, e: Exception) -> None:
-        from llmd.daemon.client.client import ApiResponseError, DaemonUnavailable
+        from llmd.daemon.client.client import ApiResponseError, DaemonStarting, DaemonUnavailable
 
         self.failures += 1
         retry = f"retrying every {self.interval:g} s (attempt {self.failures})"
-        if isinstance(e, DaemonUnavailable):
+        if isinstance(e, DaemonStarting):  # its lock is held, its socket not up yet: no "start one"
+            self._status("down", f"the llmd daemon on {self.where} (pid {e.pid}) is starting ({retry})")
+        elif isinstance(e, DaemonUnavailable):
             lead = ("daemon down" if self.ever_connected
                     else f"no llmd daemon on {self.where}; start one with `llmd serve`")
             self._status("down", f"{lead}; {retry}" if self.ever_connected else f"{lead} ({retry})")

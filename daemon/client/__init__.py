@@ -5,6 +5,6 @@ probe, wait for its exit), ``chat`` (the ``llmd chat`` REPL). Imports only ``pro
 ``core.errors`` from the daemon (``chat``'s in-process backend takes an engine it is handed).
 """
 
-from llmd.daemon.client.client import ApiResponseError, AsyncClient, Client, DaemonUnavailable
+from llmd.daemon.client.client import ApiResponseError, AsyncClient, Client, DaemonStarting, DaemonUnavailable
 
-__all__ = ["ApiResponseError", "AsyncClient", "Client", "DaemonUnavailable"]
+__all__ = ["ApiResponseError", "AsyncClient", "Client", "DaemonStarting", "DaemonUnavailable"]

@@ -2,7 +2,8 @@
 and :class:`AsyncClient` (aiohttp). Used by ``llmd chat`` / ``ps`` / ``status`` / ``stop``,
 the dashboard and the tests.
 
-Both raise :class:`DaemonUnavailable` when nothing listens on the socket and
+Both raise :class:`DaemonUnavailable` when nothing listens on the socket (:class:`DaemonStarting`
+when a daemon holds ``<socket>.lock`` but has not bound the socket yet) and
 :class:`ApiResponseError` (``.status``, ``.message``, ``.param``) for a 4xx/5xx answer.
 Building either on a path over the AF_UNIX limit raises :class:`LlmdError` with
 ``protocol.check_socket_path``'s line, so every client command says that in one line.
@@ -23,6 +24,29 @@ from llmd.daemon.protocol import check_socket_path, default_socket_path
 
 class DaemonUnavailable(LlmdError):
     """No daemon answers on the socket (missing file, refused connection)."""
+
+
+class DaemonStarting(DaemonUnavailable):
+    """A daemon holds ``<socket>.lock`` (process ``pid``) but has not bound its socket yet
+    (``llmd serve`` importing torch, checking its options): try again in a moment, start no other."""
+
+    def __init__(self, socket_path: str, pid: int):
+        self.pid = pid
+        super().__init__(f"the llmd daemon on {socket_path} (pid {pid}) is starting: its socket is not up yet; "
+                         "try again in a moment")
+
+
+def unavailable(socket_path: str, reason: str) -> DaemonUnavailable:
+    """The error for a connection to ``socket_path`` that failed (``reason``: the OS's words,
+    e.g. ``No such file or directory``): :class:`DaemonStarting` when a daemon is starting on
+    the path (``spawn.starting_pid``), else "no llmd daemon on PATH (reason); start one with
+    `llmd serve`"."""
+    from llmd.daemon.client.spawn import starting_pid  # spawn imports this module
+
+    pid = starting_pid(socket_path)
+    if pid is not None:
+        return DaemonStarting(socket_path, pid)
+    return DaemonUnavailable(f"no llmd daemon on {socket_path} ({reason}); start one with `llmd serve`")
 
 
 def checked_socket_path(socket_path: str | None) -> str:
@@ -82,8 +106,7 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
             s.connect(self.unix_path)
         except (FileNotFoundError, ConnectionRefusedError) as e:
             s.close()
-            raise DaemonUnavailable(f"no llmd daemon on {self.unix_path} ({e.strerror}); "
-                                    "start one with `llmd serve`") from None
+            raise unavailable(self.unix_path, e.strerror) from None
         except OSError:
             s.close()
             raise

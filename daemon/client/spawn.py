@@ -77,15 +77,23 @@ def starting_pid(socket_path: str) -> int | None:
     """The pid of a daemon that holds ``<socket>.lock`` but has no socket file yet (``llmd serve``
     between taking its lock, first thing, and binding its socket: importing torch, checking its
     options), read from the lock file (:func:`llmd.daemon.serving.socket_claim.claim_socket`
-    writes it); None when no such daemon (or the file holds no pid)."""
-    if os.path.exists(socket_path) or not lock_held(lock_path(socket_path)):
+    writes it); None when no such daemon (or the file holds no pid).
+
+    The lock is probed (taken and dropped at once) only once the file names a live process: the
+    daemon writes its pid after taking the lock, so a probe never makes a daemon that is taking
+    it that moment fail ("another llmd daemon is already running"), however often clients call
+    this while it starts (every failed connection does, :func:`llmd.daemon.client.client.unavailable`)."""
+    if os.path.exists(socket_path):
         return None
     try:
         with open(lock_path(socket_path)) as f:
             text = f.read(32).strip()
     except OSError:
         return None
-    return int(text) if text.isdigit() and int(text) > 0 else None
+    pid = int(text) if text.isdigit() and int(text) > 0 else None
+    if pid is None or not pid_running(pid) or not lock_held(lock_path(socket_path)):
+        return None
+    return pid
 
 
 def wait_for_daemon_exit(socket_path: str, timeout: float, pid: int | None = None) -> bool:

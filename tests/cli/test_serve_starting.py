@@ -12,9 +12,12 @@ import sys
 import threading
 import time
 
+import pytest
 from click.testing import CliRunner
 
 from llmd.daemon.cli.main import main
+from llmd.daemon.client import spawn
+from llmd.daemon.client.client import Client, DaemonStarting, DaemonUnavailable
 from llmd.daemon.client.spawn import starting_pid
 from llmd.daemon.serving.socket_claim import claim_socket
 
@@ -58,6 +61,48 @@ def test_status_and_stop_see_a_starting_daemon(tmp_path):
         if holder.poll() is None:
             holder.kill()
             holder.wait()
+
+
+def test_ps_and_the_client_see_a_starting_daemon(tmp_path):
+    """`llmd ps` (any command that connects: the client's error) names the starting daemon and
+    says to try again, where it said "no llmd daemon ...; start one with `llmd serve`"."""
+    path = str(tmp_path / "d.sock")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, path], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        ps = CliRunner().invoke(main, ["ps", "--socket", path])
+        assert ps.exit_code == 1 and "start one" not in ps.output, ps.output
+        assert ps.output.splitlines() == [f"llmd: error: the llmd daemon on {path} (pid {holder.pid}) is starting: "
+                                          "its socket is not up yet; try again in a moment"], ps.output
+        with pytest.raises(DaemonStarting) as e:
+            Client(path).stats()
+        assert e.value.pid == holder.pid and isinstance(e.value, DaemonUnavailable)  # callers that retry still do
+        assert Client(path).health(ready_only=False) is None
+    finally:
+        holder.kill()
+        holder.wait()
+    ps = CliRunner().invoke(main, ["ps", "--socket", path])  # gone: the usual line
+    assert ps.exit_code == 1 and f"no llmd daemon on {path} (No such file or directory); start one" in ps.output
+
+
+def test_starting_pid_probes_the_lock_only_once_it_names_a_live_process(tmp_path, monkeypatch):
+    """A failed connection asks whether a daemon is starting; the probe takes the lock for a
+    moment, so it must not run while a daemon may be taking it (before it writes its pid), or
+    that daemon would be refused as "another llmd daemon is already running"."""
+    path = str(tmp_path / "d.sock")
+    probes = []
+    monkeypatch.setattr(spawn, "lock_held", lambda p: probes.append(p) or True)
+    assert starting_pid(path) is None  # no lock file
+    open(path + ".lock", "w").close()  # created, its pid not written yet
+    assert starting_pid(path) is None
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    with open(path + ".lock", "w") as f:
+        f.write(f"{dead.pid}\n")  # a crashed daemon's file
+    assert starting_pid(path) is None and probes == []
+    with open(path + ".lock", "w") as f:
+        f.write(f"{os.getpid()}\n")
+    assert starting_pid(path) == os.getpid() and probes == [path + ".lock"]
 
 
 def test_serve_takes_the_lock_before_importing_torch_and_drops_it_on_a_bad_option(tmp_path):

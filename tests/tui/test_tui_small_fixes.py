@@ -11,7 +11,7 @@ from rich.console import Console
 from stats_payloads import load
 from test_tui import FakeClient, screen_lines
 
-from llmd.daemon.client.client import DaemonUnavailable
+from llmd.daemon.client.client import DaemonStarting, DaemonUnavailable
 from llmd.tui.app import TopApp
 from llmd.tui.confirm_screen import ConfirmScreen
 from llmd.tui.history import History
@@ -70,5 +70,19 @@ def test_no_daemon_header_claims_no_windows():
             shown = "\n".join(screen_lines(app))
             assert app.kind == "down" and "no llmd daemon" in shown
             assert "windows" not in shown, shown
+
+    asyncio.run(go())
+
+
+def test_a_starting_daemon_is_named_not_start_one():
+    """A daemon holding its lock without a socket yet: the status line says it is starting, not
+    "no llmd daemon ...; start one with `llmd serve`"."""
+    async def go():
+        app = TopApp(FakeClient(DaemonStarting("/tmp/llmd-fake.sock", 4242)), interval=1000)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await app.workers.wait_for_complete()
+            await pilot.pause()
+            assert app.kind == "down" and "start one" not in app.message, app.message
+            assert app.message.startswith("the llmd daemon on /tmp/llmd-fake.sock (pid 4242) is starting"), app.message
 
     asyncio.run(go())
