@@ -1,9 +1,13 @@
 """``llmd top``: the live dashboard of a running daemon (the Textual app lives in ``tui/``).
 
 Textual is imported only when the command runs, so other commands start as fast as before.
+It needs a terminal: with stdout not a TTY (a pipe, a file) it refuses in one line instead of
+drawing escape codes into the file and retrying forever.
 """
 
 from __future__ import annotations
+
+import sys
 
 import click
 
@@ -23,6 +27,8 @@ def top(socket_path, interval):
     client = Client(socket_path_of(socket_path), timeout=max(5.0, 3 * interval))
     if not 0.05 <= interval <= 3600:
         raise LlmdError(f"--interval must be in [0.05, 3600] seconds, got {interval:g}")
+    if not sys.stdout.isatty():
+        raise LlmdError("llmd top needs a terminal (stdout is not a TTY); use `llmd status` or `llmd ps` for text")
     from llmd.tui.app import TopApp
 
     TopApp(client, interval=interval).run()
