@@ -26,7 +26,7 @@ import torch
 from llmd.daemon.core.config import DEFAULT_KV_CACHE_MEMORY_CPU, DTYPES, EngineConfig
 from llmd.daemon.core.errors import LlmdError
 from llmd.daemon.core.gpu_memory import activation_bytes, cuda_kv_cache_bytes
-from llmd.daemon.core.kv_size import kv_cache_block_bytes, kv_cache_bytes_per_token, kv_residual_bytes, residual_slots
+from llmd.daemon.core.kv_size import check_kv_cache_memory, kv_cache_bytes_per_token, residual_slots
 from llmd.daemon.core.model_runner import ModelRunner
 from llmd.daemon.kv import KVCacheManager
 from llmd.kernels.launch import check_triton_config
@@ -128,7 +128,6 @@ def size_kv_cache(config: EngineConfig, cfg: ModelConfig, kv_dtype: torch.dtype,
     fewer than 2 blocks (int4: beside its open-block residual)."""
     fmt = config.kv_format
     bytes_per_token = kv_cache_bytes_per_token(cfg, fmt, kv_dtype)
-    block_bytes = kv_cache_block_bytes(cfg, groups, config.block_size, fmt, kv_dtype)
     memory = config.kv_cache_memory
     if memory is None:
         if config.device.startswith("cuda"):  # --gpu-memory-utilization of the device's total
@@ -139,15 +138,7 @@ def size_kv_cache(config: EngineConfig, cfg: ModelConfig, kv_dtype: torch.dtype,
         else:
             memory = DEFAULT_KV_CACHE_MEMORY_CPU
     num_residual = residual_slots(groups, config.max_num_seqs) if fmt.k_per_block else 0
-    residual_bytes = kv_residual_bytes(cfg, groups, config.block_size, config.kv_cache_dtype, config.max_num_seqs)
-    if memory - residual_bytes < 2 * block_bytes:
-        if residual_bytes:
-            raise LlmdError(f"--kv-cache-memory {memory} B leaves no room for blocks beside int4's open-block "
-                            f"residual ({residual_bytes} B for --max-num-seqs {config.max_num_seqs}); "
-                            f"raise --kv-cache-memory or lower --max-num-seqs")
-        raise LlmdError(f"--kv-cache-memory {memory} B holds fewer than 2 KV blocks of {block_bytes} B "
-                        f"({config.block_size} tokens x {cfg.num_layers} layers, {config.kv_cache_dtype}); "
-                        f"give at least {2 * block_bytes} B")
+    block_bytes, residual_bytes = check_kv_cache_memory(config, cfg, groups, kv_dtype, memory)
     num_blocks = num_kv_blocks(memory - residual_bytes, config.block_size, block_bytes)
     if residual_bytes:  # int4: the residual's share of the pool, spread over its tokens
         bytes_per_token = round(bytes_per_token * (1 + residual_bytes / (num_blocks * block_bytes)))

@@ -162,6 +162,32 @@ def check_kv_memory(cfg: ModelConfig, memory: int, block_size: int, hybrids: lis
                         f"smallest: {block} B, {block_size} tokens x {layers} layers, {name}); give at least {need} B")
 
 
+def check_kv_cache_memory(config, cfg: ModelConfig, groups: list[KVCacheGroupSpec],
+                          model_dtype: "torch.dtype | str", memory: int) -> tuple[int, int]:
+    """Refuse a ``memory``-byte pool of the resolved engine ``config`` (its block size, cache dtype
+    and --max-num-seqs) that holds fewer than :data:`MIN_KV_BLOCKS` blocks of ``groups`` (int4:
+    beside its open-block residual), in the engine's words for ``--kv-cache-memory``. Shared by
+    the engine (:func:`llmd.daemon.core.engine_setup.size_kv_cache`) and the check before the
+    weights load (:func:`llmd.daemon.core.prompt_check.check_options_before_load`).
+
+    Returns:
+        ``(block_bytes, residual_bytes)``: one block of every group and layer; int4's residual (else 0).
+    Raises:
+        LlmdError: ``--kv-cache-memory 1024 B holds fewer than 2 KV blocks of 184320 B (...); give at least ...``.
+    """
+    block_bytes = kv_cache_block_bytes(cfg, groups, config.block_size, config.kv_format, model_dtype)
+    residual_bytes = kv_residual_bytes(cfg, groups, config.block_size, config.kv_cache_dtype, config.max_num_seqs)
+    if memory - residual_bytes < MIN_KV_BLOCKS * block_bytes:
+        if residual_bytes:
+            raise LlmdError(f"--kv-cache-memory {memory} B leaves no room for blocks beside int4's open-block "
+                            f"residual ({residual_bytes} B for --max-num-seqs {config.max_num_seqs}); "
+                            f"raise --kv-cache-memory or lower --max-num-seqs")
+        raise LlmdError(f"--kv-cache-memory {memory} B holds fewer than {MIN_KV_BLOCKS} KV blocks of {block_bytes} B "
+                        f"({config.block_size} tokens x {cfg.num_layers} layers, {config.kv_cache_dtype}); "
+                        f"give at least {MIN_KV_BLOCKS * block_bytes} B")
+    return block_bytes, residual_bytes
+
+
 def group_summary(groups: list[KVCacheGroupSpec], block_size: int) -> str:
     """One line naming each group, its layers and (for windows) its per-sequence block bound."""
     parts = []

@@ -7,7 +7,8 @@ header (cached, :mod:`llmd.models.header_cache`) and the tokenizer (cached,
 :class:`~llmd.daemon.core.input_processor.InputProcessor` the engine's ``add_request`` applies.
 What depends on the KV pool (a request that can never fit in it) is still checked by the
 engine, after the load. :func:`check_options_before_load` does the same for the engine options
-whose limits need the model's context (``--keep``), for every command that builds an engine.
+whose limits need the model's header (``--keep``, ``--kv-cache-memory``), for every command that
+builds an engine.
 """
 
 from __future__ import annotations
@@ -48,14 +49,23 @@ def check_prompt_before_load(config: EngineConfig, prompt: Prompt, params: Sampl
 
 def check_options_before_load(config: EngineConfig) -> None:
     """Refuse a resolved ``config`` whose ``--keep`` leaves no block of the context to discard,
-    as the engine would after loading the weights, from the model's header alone.
+    or whose ``--kv-cache-memory`` holds fewer than 2 KV blocks, as the engine would after
+    loading the weights, from the model's header alone (a ``random:`` preset's config).
 
     Raises:
-        LlmdError: that ``--keep`` (the engine's words), or an unknown / unreadable model.
+        LlmdError: that ``--keep`` or ``--kv-cache-memory`` (the engine's words), or an unknown /
+            unreadable model.
     """
-    if config.keep <= 0:  # 0 and -1 (the prompt) always fit: nothing to read
+    if config.keep <= 0 and config.kv_cache_memory is None:  # nothing whose limit is in the model
         return
     from llmd.models.header_cache import model_config
 
-    context = model_context(config.max_model_len, model_config(config.model).max_position)
-    check_keep_option(config.keep, context, config.block_size)
+    cfg = model_config(config.model)
+    if config.keep > 0:  # 0 and -1 (the prompt) always fit
+        check_keep_option(config.keep, model_context(config.max_model_len, cfg.max_position), config.block_size)
+    if config.kv_cache_memory is not None:  # the default share is the engine's to size (CUDA: the free memory)
+        from llmd.daemon.core.kv_size import check_kv_cache_memory
+        from llmd.daemon.kv import make_kv_cache_groups
+
+        groups = make_kv_cache_groups(cfg.layer_windows, hybrid=not config.disable_hybrid_kv_cache_manager)
+        check_kv_cache_memory(config, cfg, groups, config.dtype, config.kv_cache_memory)
