@@ -5,9 +5,12 @@ A backend streams replies (``stream_chat``) and answers ``/stats`` (``stats_line
 found or started; ``llmd chat --no-daemon`` brings its own over an in-process engine
 (``llmd.daemon.cli.chat``). Both format ``/stats`` with :func:`stats_line`.
 
-REPL: ``/reset``, ``/system TEXT``, ``/stats``, ``/exit``; a line ending in ``\\`` continues
-on the next line; Ctrl-C cancels the reply being streamed (closing the connection makes
-the daemon abort it) and returns to the prompt; Ctrl-D exits.
+REPL: ``/reset``, ``/system TEXT`` (no text clears it), ``/stats``, ``/exit``; a message
+starting with ``/`` is a command, its first whitespace-separated word: an unknown word, or an
+argument to a command that takes none, prints one line and sends nothing (``//`` sends a
+literal ``/``); a line ending in ``\\`` continues on the next line; Ctrl-C cancels the reply
+being streamed (closing the connection makes the daemon abort it) and returns to the prompt;
+Ctrl-D exits.
 
 The daemon may go away mid-session (``llmd stop``, a crash): the next message waits for the
 old process to exit and starts or finds a daemon again (the backend's ``reconnect``), with the
@@ -32,6 +35,8 @@ from llmd.daemon.core.errors import LlmdError
 from llmd.daemon.protocol import DRAINING_CODE
 
 REPL_COMMANDS = ("/reset", "/system TEXT", "/stats", "/exit")
+#: the REPL's command words (``/quit``: ``/exit``); only ``/system`` takes an argument (none clears it)
+COMMANDS = ("/reset", "/system", "/stats", "/exit", "/quit")
 #: ``llmd chat``'s sampling defaults (the API keeps OpenAI's), Ollama's: of the candidates measured
 #: on SmolLM2-135M over ten everyday prompts, seeded 0..9, the only one whose ten replies all end
 #: with ``stop`` within 512 tokens (README "`llmd chat`'s defaults"; ``tests/client/test_chat_defaults.py``)
@@ -194,26 +199,29 @@ def run_chat(backend, params: dict, system: str | None = None, prompt: str | Non
             continue
         if not text:
             continue
-        if text in ("/exit", "/quit"):
-            return
-        if text == "/reset":
-            messages = list(base)
-            click.echo("(conversation cleared)")
-            continue
-        if text.startswith("/system"):
-            base = [{"role": "system", "content": text[len("/system"):].strip()}] if text[7:].strip() else []
-            messages = base + [m for m in messages if m["role"] != "system"]
-            click.echo("(system prompt set)")
-            continue
-        if text == "/stats":
-            try:
-                click.echo(backend.stats_line())
-            except LlmdError as e:
-                click.echo(f"llmd: error: {e}", err=True)
-            continue
-        if text.startswith("/") and not text.startswith("//") and " " not in text.split("\n")[0]:
-            click.echo(f"unknown command {text.split()[0]} (commands: {', '.join(REPL_COMMANDS)}; "
-                       f"start a message with // to send a literal /)", err=True)
+        if text.startswith("/") and not text.startswith("//"):
+            word, arg = (text.split(None, 1) + [""])[:2]  # the command is the first whitespace-separated word
+            if word not in COMMANDS:
+                click.echo(f"unknown command {word} (commands: {', '.join(REPL_COMMANDS)}; "
+                           f"start a message with // to send a literal /)", err=True)
+                continue
+            if arg and word != "/system":
+                click.echo(f"{word} takes no argument (usage: {word}); nothing was sent", err=True)
+                continue
+            if word in ("/exit", "/quit"):
+                return
+            if word == "/reset":
+                messages = list(base)
+                click.echo("(conversation cleared)")
+            elif word == "/system":
+                base = [{"role": "system", "content": arg.strip()}] if arg.strip() else []
+                messages = base + [m for m in messages if m["role"] != "system"]
+                click.echo("(system prompt set)" if base else "(system prompt cleared)")
+            else:  # /stats
+                try:
+                    click.echo(backend.stats_line())
+                except LlmdError as e:
+                    click.echo(f"llmd: error: {e}", err=True)
             continue
         if text.startswith("//"):
             text = text[1:]

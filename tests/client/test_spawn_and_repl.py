@@ -67,6 +67,40 @@ def test_repl_unknown_command_is_not_sent_to_the_model(monkeypatch, capsys):
     assert "unknown command /bogus" in capsys.readouterr().err
 
 
+def test_repl_commands_are_their_first_word(monkeypatch, capsys):
+    """A ``/`` message is a command named by its first word: an unknown word (``/systemfoo``, a
+    typo ``/sytem You are...``, ``/etc/hosts is...``) and an argument to a command that takes
+    none (``/reset extra``, ``/stats now``, ``/exit now``) print one line each and reach neither
+    the model nor the system prompt; ``/system`` alone clears the prompt and says so."""
+    from llmd.daemon.client import chat
+
+    sent = []
+
+    class Backend:
+        def stream_chat(self, messages, params):
+            sent.append([(m["role"], m["content"]) for m in messages])
+            yield "ok"
+
+        def stats_line(self):
+            return "KV 0.0%"
+
+    type_lines(monkeypatch, ["/systemfoo", "/sytem You are a pirate.", "/etc/hosts is a file?", "/reset extra",
+                             "/stats now", "/exit now", "/quit please", "hi", "/system", "again",
+                             "/system  Be  brief.", "/stats", "three", "/exit"])
+    chat.run_chat(Backend(), {}, system="be kind")
+    out = capsys.readouterr()
+    assert sent == [[("system", "be kind"), ("user", "hi")],
+                    [("user", "hi"), ("assistant", "ok"), ("user", "again")],
+                    [("system", "Be  brief."), ("user", "hi"), ("assistant", "ok"), ("user", "again"),
+                     ("assistant", "ok"), ("user", "three")]]
+    err = out.err.splitlines()
+    for word in ("/systemfoo", "/sytem", "/etc/hosts"):
+        assert sum(line.startswith(f"unknown command {word} (commands:") for line in err) == 1, out.err
+    for word in ("/reset", "/stats", "/exit", "/quit"):
+        assert f"{word} takes no argument (usage: {word}); nothing was sent" in err, out.err
+    assert out.out.splitlines() == ["ok", "(system prompt cleared)", "ok", "(system prompt set)", "KV 0.0%", "ok"]
+
+
 def test_repl_notes_a_capped_reply_and_survives_a_failed_one(monkeypatch, capsys):
     """A reply that hit its cap ends with ``[stopped at N tokens]``; ``verbose`` adds tokens/s;
     a refused request (here a 400) prints one line and the REPL goes on without that turn."""
