@@ -135,12 +135,12 @@ such as ``llmd chat`` wait for it to exit and reconnect on it, not on the messag
 
 
 def fmt_bytes(n) -> str:
-    """A byte count for people: ``536870912`` → ``512 MiB``, ``409600`` → ``400 KiB``, ``1.5 GiB``;
-    not a number → ``-``."""
+    """A byte count for people: ``536870912`` → ``512 MiB``, ``409600`` → ``400 KiB``, ``1.5 GiB``,
+    ``2**50`` → ``1 PiB``; not a number → ``-``."""
     if not isinstance(n, (int, float)):
         return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
             return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.1f} {unit}"
         n /= 1024
     return "-"  # pragma: no cover

@@ -21,12 +21,12 @@ MAX_BYTES = 2**50  # 1 PiB: above any machine's memory; a larger --memory is a t
 
 
 def parse_bytes(text: str) -> int:
-    """Parse a byte size such as ``536870912``, ``512MiB``, ``2GiB``, ``300MB``, ``1TiB`` (an
-    integer literal exactly; at most :data:`MAX_BYTES`). Raises LlmdError."""
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    """Parse a byte size such as ``536870912``, ``512MiB``, ``2GiB``, ``300MB``, ``1TiB``, ``1PiB``
+    (an integer literal exactly; at most :data:`MAX_BYTES`). Raises LlmdError."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50}
     s = text.strip().lower().replace(" ", "")
-    num = s.rstrip("kmgtib")
+    num = s.rstrip("kmgtpib")
     unit = s[len(num):]
     try:
         value = float(num)
