@@ -65,6 +65,7 @@ async def run_serve_bench(socket_path: str, num_requests: int, rate: float, prom
             for _ in range(num_requests)]
     gaps = [rng.expovariate(rate) for _ in range(num_requests)]
     async with AsyncClient(socket_path, timeout=None) as ac:
+        await ac.request("GET", "/health")  # no daemon (or one still loading): one line now, not after the arrivals
         tasks = []
         t0 = time.perf_counter()
         for (prompt, n), gap in zip(work, gaps):

@@ -242,7 +242,9 @@ class AsyncClient:
             self._session = None
 
     def _wrap(self, e: Exception) -> Exception:
-        return DaemonUnavailable(f"no llmd daemon on {self.socket_path} ({e})")
+        """aiohttp's connect error as the sync client's (the OS's words, not aiohttp's
+        "Cannot connect to unix socket ... ssl:default [...]")."""
+        return unavailable(self.socket_path, getattr(e, "strerror", None) or str(getattr(e, "os_error", e)))
 
     async def request(self, method: str, path: str, body=None):
         import aiohttp
