@@ -45,6 +45,8 @@ def bench_prefix(system_tokens, users, turns, max_tokens, **engine_kw):
     """Median TTFT and prompt tokens computed with prefix caching on vs off (same model, one run)."""
     from llmd.daemon.bench.prefix import run_prefix_bench
 
+    if not engine_kw["enable_prefix_caching"]:  # its "on" engine forces caching on: the flag would do nothing
+        raise LlmdError("llmd bench prefix runs with prefix caching on and off itself; drop --no-prefix-caching")
     engine = build_engine(**engine_kw)
     run_prefix_bench(engine, system_tokens, users, turns, max_tokens, echo=click.echo)
 
