@@ -129,7 +129,12 @@ def serve(socket_path, host, port, api_key_file, api_key, served_model_name, dra
     main_thread = threading.current_thread() is threading.main_thread()  # signal.signal's condition
     sigint = signal.getsignal(signal.SIGINT)
     sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main_thread else None
-    lock_fd = claim_socket(path)
+    try:
+        lock_fd = claim_socket(path)
+    except BaseException:  # refused: the caller's SIGTERM handler back (an in-process caller keeps its own)
+        if main_thread:
+            signal.signal(signal.SIGTERM, sigterm)
+        raise
     try:
         kv_transfer = None
         if kv_role != "both":

@@ -6,6 +6,7 @@ is theirs and stays (click's runner, in-process; no model loads)."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -66,3 +67,14 @@ def test_a_lock_held_by_another_process_stays(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_refused_claim_restores_the_callers_sigterm_handler(tmp_path):
+    """``serve`` sets its startup SIGTERM handler before claiming the socket; a refused claim
+    (here: the path is a regular file) puts the caller's handler back, as a later refusal does."""
+    path = tmp_path / "a.sock"
+    path.write_text("")
+    before = signal.getsignal(signal.SIGTERM)
+    code, out = serve("--socket", str(path))
+    assert code == 1 and "is not a socket" in out, out
+    assert signal.getsignal(signal.SIGTERM) is before
