@@ -8,7 +8,9 @@ AMX or AVX512-BF16 the kernel runs twice per round, with its bfloat16 path (scor
 unit, or by VDPBF16PS) and with it off (``cpu_native.set_amx`` / ``set_dot``: the generic vector
 kernel), and that ratio is printed too. The kernel also runs over the same caches with their V
 planes a whole number of 4 KiB pages after their K planes (the layout before quant/kv.py's
-``kv_planes`` skewed them by 2 KiB), and that ratio is printed.
+``kv_planes`` skewed them by 2 KiB), and that ratio is printed. And the kernel over one layer's cache
+``--layers`` times (12.6 MiB at the defaults: resident in a 32 MiB L3) against ``--layers`` separate
+caches: the attention with its reads from L3 instead of DRAM.
 
     python benchmarks/native_decode.py --batch 32 --context 512 [--kv-cache-dtype int8] [--threads 2]
         [--dtype float32 --kv-cache-dtype float16]
@@ -74,7 +76,7 @@ def main() -> None:
     fast = "AMX tiles" if tile else "VDPBF16PS" if cpu_native.dot_scores(
         model_dtype, model_dtype, 16, a.head_dim) else None
     fast = fast if a.kv_cache_dtype == "auto" and a.dtype == "bfloat16" else None
-    times = {True: [], False: [], "vector": [], "aligned": [], "generic": []}
+    times = {True: [], False: [], "vector": [], "aligned": [], "generic": [], "resident": []}
 
     def vector_step() -> float:  # the C kernel with its bfloat16 paths off
         cpu_native.set_amx(False, a.head_dim, a.group)
@@ -93,7 +95,8 @@ def main() -> None:
             cpu_native.set_avx2(True, a.head_dim, a.group)
 
     avx2 = cpu_native.set_avx2(True, a.head_dim, a.group)
-    paths = [(True, lambda: step(True)), (False, lambda: step(False)), ("aligned", lambda: step(True, aligned))]
+    paths = [(True, lambda: step(True)), (False, lambda: step(False)), ("aligned", lambda: step(True, aligned)),
+             ("resident", lambda: step(True, [caches[0]] * a.layers))]
     paths += [("vector", vector_step)] if fast else []
     paths += [("generic", generic_step)] if avx2 else []
     for _, run in paths:
@@ -109,6 +112,9 @@ def main() -> None:
     al = statistics.median(times["aligned"]) * 1e3
     print(f"  V plane 2 KiB past a page multiple {on:.1f} ms   page-aligned {al:.1f} ms   skewed / aligned = "
           f"{on / al:.2f}x")
+    res = statistics.median(times["resident"]) * 1e3
+    print(f"  one layer's cache read {a.layers} times ({kv_mb / a.layers:.1f} MiB, in L3 if it fits) {res:.1f} ms   "
+          f"{a.layers} layers' caches {on:.1f} ms   resident / from memory = {res / on:.2f}x")
     if avx2:
         gen = statistics.median(times["generic"]) * 1e3
         print(f"  8-lane AVX2 loops (decode_avx2.h) {on:.1f} ms   decode_task's own {gen:.1f} ms   "
