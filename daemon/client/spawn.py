@@ -179,8 +179,12 @@ def ensure_daemon(socket_path: str, serve_args: list[str], log_path: str | None 
     try:
         if serving(client):
             return client
-        proc, log_start = None, 0
+        proc, log_start, starting = None, 0, None
         if client.health(ready_only=False) is None:  # nothing answers (one that answers 503 is loading)
+            starting = starting_pid(socket_path)
+        if starting is not None:  # an `llmd serve` holds the lock and has no socket yet: wait for it
+            echo(f"llmd: the daemon on {socket_path} (pid {starting}) is starting; waiting for it")
+        elif client.health(ready_only=False) is None:
             with open_log(log_path) as log:
                 log_start = log.tell()  # the log is appended to: progress shows this daemon's lines only
                 cmd = [*SERVE_COMMAND, "--socket", socket_path, *serve_args]
@@ -196,6 +200,9 @@ def ensure_daemon(socket_path: str, serve_args: list[str], log_path: str | None 
                 raise LlmdError(f"the daemon exited with code {proc.returncode}; see {log_path}: "
                                 f"{_tail(log_path, 3, log_start)}")
             state = client.health(ready_only=False) or {}
+            if starting is not None and not state and not lock_held(lock_path(socket_path)):
+                raise LlmdError(f"the daemon that was starting on {socket_path} (pid {starting}) exited before it "
+                                "served; run the command again to start one")
             if state.get("status") in ("dead", "stalled"):
                 raise LlmdError(f"the daemon on {socket_path} is unhealthy ({state.get('reason')}); see {log_path}")
             if elapsed > timeout:

@@ -19,6 +19,7 @@ from llmd.daemon.cli.main import main
 from llmd.daemon.client import spawn
 from llmd.daemon.client.client import Client, DaemonStarting, DaemonUnavailable
 from llmd.daemon.client.spawn import starting_pid
+from llmd.daemon.core.errors import LlmdError
 from llmd.daemon.serving.socket_claim import claim_socket
 
 HOLDER = "import sys, time\nfrom llmd.daemon.serving.socket_claim import claim_socket\nclaim_socket(sys.argv[1])\n" \
@@ -135,3 +136,30 @@ def test_a_signal_between_the_checks_and_the_servers_handlers_drains_and_leaves_
                           "--model", "random:qwen3-0.6b:layers=1"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stderr.strip().endswith("llmd: stopped"), (res.returncode, res.stderr)
     assert not os.path.exists(path + ".lock") and not os.path.exists(path)
+
+
+def test_chat_waits_for_a_starting_daemon_instead_of_starting_another(tmp_path, monkeypatch):
+    """``ensure_daemon`` (``llmd chat``) on a path whose daemon is still starting used to spawn a
+    second daemon (which failed to take the lock) and say "starting a daemon (pid X)". It now says
+    it waits for the starting one, spawns nothing, and, if that one exits without serving, says so
+    at once instead of waiting out its timeout."""
+    path = str(tmp_path / "d.sock")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, path], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+
+        def no_spawn(*a, **k):
+            raise AssertionError("a second daemon was spawned")
+
+        monkeypatch.setattr(spawn.subprocess, "Popen", no_spawn)
+        threading.Timer(1.0, holder.kill).start()  # the starting daemon dies before it serves
+        events = []
+        t0 = time.monotonic()
+        with pytest.raises(LlmdError, match=rf"\(pid {holder.pid}\) exited before it served"):
+            spawn.ensure_daemon(path, [], str(tmp_path / "d.log"), timeout=30,
+                                echo=lambda m, nl=True: events.append(m))
+        assert time.monotonic() - t0 < 10
+        assert events[0] == f"llmd: the daemon on {path} (pid {holder.pid}) is starting; waiting for it", events
+    finally:
+        holder.kill()
+        holder.wait()
