@@ -120,7 +120,10 @@ def chat(socket_path, prompt, system, temperature, top_k, top_p, repetition_pena
         backend = LocalBackend(build_engine(**engine_kw))
     else:
         path, serve_args = socket_path_of(socket_path), spawn.engine_args(engine_kw)
-        already = spawn.serving(client_for(socket_path)) is not None  # a draining one is waited out
+        probe = client_for(socket_path)
+        # a daemon of its own options: one that serves, loads, or is still starting (a draining one is waited out)
+        already = spawn.serving(probe) is not None or (probe.health(ready_only=False) or {}).get("status") == \
+            "loading" or spawn.starting_pid(path) is not None
         if not already:  # a daemon would be started for this model
             check_chat_template(engine_kw["model"])
         client = spawn.ensure_daemon(path, serve_args, daemon_log)

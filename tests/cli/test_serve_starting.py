@@ -163,3 +163,24 @@ def test_chat_waits_for_a_starting_daemon_instead_of_starting_another(tmp_path, 
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_chat_checks_its_options_against_a_daemon_that_was_starting(tmp_path, monkeypatch):
+    """``llmd chat --model B`` while a daemon (of model A, say) is still starting waits for that
+    daemon, so it must then check its options against it, as against one that served already
+    (``spawn.check_running_daemon``: a model it does not serve is refused); it chatted on silently."""
+    path = str(tmp_path / "d.sock")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, path], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        monkeypatch.setattr(spawn, "ensure_daemon", lambda *a, **k: Client(path))  # as once it serves
+
+        def checked(client, model, ignored, **kw):
+            raise LlmdError(f"checked against the running daemon: model {model}")
+
+        monkeypatch.setattr(spawn, "check_running_daemon", checked)
+        result = CliRunner().invoke(main, ["chat", "--socket", path, "--model", "other-model", "-p", "hi"])
+        assert "checked against the running daemon: model other-model" in result.output, result.output
+    finally:
+        holder.kill()
+        holder.wait()
