@@ -56,14 +56,14 @@ def _exit_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def _defer_signal(signum, frame):
-    """SIGTERM / SIGINT once ``serve``'s checks have passed and before ``run_server`` installs its
-    own handlers: kept in :data:`_deferred_signals` (``run_server`` drains at once when it finds
-    one), so no exception can leave the lock file behind between the two."""
-    _deferred_signals.append(signum)
+class _DeferSignals(list):
+    """The SIGTERM / SIGINT handler of one ``serve`` call once its checks have passed and before
+    ``run_server`` installs its own handlers: each signal is kept in this list (``run_server``
+    drains at once when it finds one), so no exception can leave the lock file behind between
+    the two. One per call: a signal kept by an earlier in-process ``serve`` never drains a later one."""
 
-
-_deferred_signals: list[int] = []
+    def __call__(self, signum, frame) -> None:
+        self.append(signum)
 
 
 @click.command()
@@ -127,7 +127,7 @@ def serve(socket_path, host, port, api_key_file, api_key, served_model_name, dra
     # daemon starting, and a second `llmd serve` on the path is refused at once. Until run_server
     # takes SIGTERM over (its drain), `llmd stop` on a starting daemon ends it, removing its lock file.
     main_thread = threading.current_thread() is threading.main_thread()  # signal.signal's condition
-    sigint = signal.getsignal(signal.SIGINT)
+    sigint, deferred = signal.getsignal(signal.SIGINT), _DeferSignals()
     sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main_thread else None
     try:
         lock_fd = claim_socket(path)
@@ -148,8 +148,8 @@ def serve(socket_path, host, port, api_key_file, api_key, served_model_name, dra
 
         check_options_before_load(EngineConfig(**engine_kw).resolve())  # one line, before anything loads
         if main_thread:  # from here a signal is kept for run_server, which drains: no lock file left behind
-            signal.signal(signal.SIGTERM, _defer_signal)
-            signal.signal(signal.SIGINT, _defer_signal)
+            signal.signal(signal.SIGTERM, deferred)
+            signal.signal(signal.SIGINT, deferred)
     except BaseException:
         unlock_file(lock_path(path), lock_fd)  # a bad option: no lock file left behind
         if main_thread:
@@ -165,14 +165,19 @@ def serve(socket_path, host, port, api_key_file, api_key, served_model_name, dra
     # one served name: the `model` field accepts exactly what /v1/models lists (vLLM's rule)
     model_id = served_model_name or served_id(engine_kw["model"])
     # the engine loads on the engine loop's thread, the one that runs its steps (see engine_loop)
-    asyncio.run(run_server(lambda: build_engine(name=model_id, echo=echo_err, **engine_kw), path, model_id,
-                           (model_id,),
-                           host=host, port=port,
-                           drain_timeout=drain_timeout, lock_fd=lock_fd, metrics_compat=metrics_compat,
-                           api_key=key if port is not None else None, health_stall_timeout=health_stall_timeout,
-                           kv_transfer=kv_transfer, freeze_gc=True,  # this process is the daemon's own
-                           deferred_signals=_deferred_signals,
-                           echo=echo_err))
+    try:
+        asyncio.run(run_server(lambda: build_engine(name=model_id, echo=echo_err, **engine_kw), path, model_id,
+                               (model_id,),
+                               host=host, port=port,
+                               drain_timeout=drain_timeout, lock_fd=lock_fd, metrics_compat=metrics_compat,
+                               api_key=key if port is not None else None, health_stall_timeout=health_stall_timeout,
+                               kv_transfer=kv_transfer, freeze_gc=True,  # this process is the daemon's own
+                               deferred_signals=deferred,
+                               echo=echo_err))
+    finally:  # run_server failed before its handlers took over (a bind): the caller's back, not the deferral
+        for sig, before in ((signal.SIGTERM, sigterm), (signal.SIGINT, sigint)):
+            if main_thread and signal.getsignal(sig) is deferred:
+                signal.signal(sig, before)
 
 
 @click.command()

@@ -78,3 +78,23 @@ def test_a_refused_claim_restores_the_callers_sigterm_handler(tmp_path):
     code, out = serve("--socket", str(path))
     assert code == 1 and "is not a socket" in out, out
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_failed_listen_after_the_checks_restores_the_callers_signal_handlers(tmp_path, monkeypatch):
+    """After its checks ``serve`` keeps SIGTERM / SIGINT for ``run_server``; when ``run_server``
+    fails before its own handlers take over (a listener that cannot be bound), the caller's
+    handlers come back (they stayed the deferral: an in-process caller's Ctrl-C was swallowed),
+    and the lock and socket are gone."""
+    from llmd.daemon.core.errors import LlmdError
+    from llmd.daemon.serving import lifecycle
+
+    async def refuse(*a, **k):
+        raise LlmdError("cannot listen (test)")
+
+    monkeypatch.setattr(lifecycle, "_listen", refuse)
+    path = tmp_path / "a.sock"
+    term, intr = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    code, out = serve("--socket", str(path), "--model", "random:qwen3-0.6b:layers=1")
+    assert code == 1 and "cannot listen (test)" in out, out
+    assert signal.getsignal(signal.SIGTERM) is term and signal.getsignal(signal.SIGINT) is intr
+    assert not os.path.exists(str(path) + ".lock") and not path.exists()
