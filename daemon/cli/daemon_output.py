@@ -2,9 +2,11 @@
 
 ``llmd serve 2>&1 | head -1``: once the pipe's reader has gone, the next write raises
 BrokenPipeError, and the daemon died of it (exit 1) at its next line. A daemon keeps serving:
-a write that fails with an OSError points that stream's file descriptor at ``os.devnull``
-(every later write there, the log's and the interpreter's last flush included, succeeds and is
-dropped) and goes on.
+a write that fails because the reader has gone (:data:`GONE`: BrokenPipeError, ECONNRESET)
+points that stream's file descriptor at ``os.devnull`` (every later write there, the log's and
+the interpreter's last flush included, succeeds and is dropped) and goes on. Other write errors
+(a full disk under ``daemon.log``) are not a reader that left: the line raises as before, and a
+log record gets logging's own error report, so the stream is kept for the lines after.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import os
 import sys
 
 import click
+
+GONE = (BrokenPipeError, ConnectionResetError)  # the stream's reader has gone for good
 
 
 def drop_stream(stream) -> None:
@@ -34,7 +38,7 @@ def echo_err(message: str) -> None:
     """``click.echo(message, err=True)``, or nothing once stderr's reader has gone (see the module)."""
     try:
         click.echo(message, err=True)
-    except OSError:
+    except GONE:
         drop_stream(sys.stderr)
 
 
@@ -43,7 +47,7 @@ class DaemonLogHandler(logging.StreamHandler):
     of printing logging's "--- Logging error ---" report (to that same stream) at every record."""
 
     def handleError(self, record: logging.LogRecord) -> None:
-        if isinstance(sys.exc_info()[1], OSError):
+        if isinstance(sys.exc_info()[1], GONE):
             drop_stream(self.stream)
         else:
             super().handleError(record)

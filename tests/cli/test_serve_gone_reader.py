@@ -59,3 +59,19 @@ def test_a_log_write_to_a_gone_reader_drops_the_stream_without_a_report(capsys):
         assert "Logging error" not in capsys.readouterr().err
     finally:
         stream.close()
+
+
+def test_a_full_disk_is_not_a_gone_reader(capsys):
+    """ENOSPC (a full disk under ``daemon.log``) keeps the stream: the record gets logging's own
+    error report, and the descriptor still points where it did (only a reader that left is dropped)."""
+    stream = open("/dev/full", "w")
+    try:
+        handler = DaemonLogHandler(stream)
+        handler.emit(logging.LogRecord("llmd.serve", logging.INFO, __file__, 1, "a line", None, None))
+        assert os.path.samestat(os.fstat(stream.fileno()), os.stat("/dev/full"))
+        assert "Logging error" in capsys.readouterr().err
+    finally:
+        try:
+            stream.close()
+        except OSError:  # its buffered line still fails to flush
+            pass
