@@ -64,8 +64,10 @@ def check_options_before_load(config: EngineConfig) -> None:
     if config.keep > 0:  # 0 and -1 (the prompt) always fit
         check_keep_option(config.keep, model_context(config.max_model_len, cfg.max_position), config.block_size)
     if config.kv_cache_memory is not None:  # the default share is the engine's to size (CUDA: the free memory)
+        from llmd.daemon.core.engine_setup import check_kv_layout
         from llmd.daemon.core.kv_size import check_kv_cache_memory
         from llmd.daemon.kv import make_kv_cache_groups
 
+        check_kv_layout(cfg, config.kv_format, config.kv_rotation)  # the engine's order: the layout first
         groups = make_kv_cache_groups(cfg.layer_windows, hybrid=not config.disable_hybrid_kv_cache_manager)
         check_kv_cache_memory(config, cfg, groups, config.dtype, config.kv_cache_memory)

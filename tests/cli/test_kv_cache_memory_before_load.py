@@ -64,3 +64,12 @@ def test_the_header_check_says_what_the_engine_says(tmp_path, options):
     assert str(header_error.value) == str(engine_error.value)
     tiny_engine(gguf, kv_cache_memory=2**20)  # the tiny model's default pool fits
     check_options_before_load(EngineConfig(**kw, kv_cache_memory=2**20).resolve())
+
+
+def test_a_layout_the_format_cannot_take_is_named_before_the_size():
+    """The engine checks the KV layout first (``engine_setup.check_kv_layout``); so does the early
+    check: qwen3's head_dim 128 is no multiple of a 256-wide scale group, and that is what is said,
+    not a block size computed for a layout the engine would refuse anyway."""
+    cfg = EngineConfig(model=MODEL, kv_cache_memory=1024, kv_cache_dtype="int8", kv_scale_group_size=256).resolve()
+    with pytest.raises(LlmdError, match="--kv-scale-group-size 256 needs head_dim a multiple of 256"):
+        check_options_before_load(cfg)
