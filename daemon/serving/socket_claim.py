@@ -97,6 +97,8 @@ def claim_socket(path: str) -> int:
         os.close(fd)  # their file: left where it is
         raise LlmdError(f"the lock file {lock} belongs to another user (uid {uid}); pick another --socket")
     try:
+        os.ftruncate(fd, 0)  # this pid at once: a crashed daemon's stale pid in a reused lock file would
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # name an unrelated process to a client during the checks
         if os.path.lexists(path):
             if not stat.S_ISSOCK(os.lstat(path).st_mode):
                 raise LlmdError(f"{path} exists and is not a socket; remove it or pick another --socket")
@@ -108,8 +110,6 @@ def claim_socket(path: str) -> int:
                                 f"stop it with `llmd stop --socket {path}`")
             log.info("removing stale socket %s", path)
             os.unlink(path)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # who holds it, for a client during startup
     except BaseException:
         unlock_file(lock, fd)  # refused with the lock held: ours, so no <socket>.lock left behind
         raise
