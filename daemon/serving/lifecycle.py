@@ -173,9 +173,9 @@ async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[s
     finally:
         await runner.cleanup()
         eloop.stop(10.0 if state.loaded else 0.0)  # a loading engine cannot be interrupted: not waited for
+        _release(socket_path, lock_fd)  # before the handlers go: a SIGTERM here would kill with the files left
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
-        _release(socket_path, lock_fd)
         echo("llmd: stopped")
 
 
