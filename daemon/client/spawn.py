@@ -207,8 +207,8 @@ def ensure_daemon(socket_path: str, serve_args: list[str], log_path: str | None 
                 raise LlmdError(f"the daemon on {socket_path} is unhealthy ({state.get('reason')}); see {log_path}")
             if elapsed > timeout:
                 raise LlmdError(f"the daemon did not answer within {timeout:.0f} s; see {log_path}")
-            # the log's last line, when this call started the daemon (another one's output is not in it)
-            last = (_tail(log_path, 1, log_start).splitlines()[-1:] or [""])[0][:70] if proc is not None else ""
+            # the log's last line, but not for an `llmd serve` started elsewhere (its output is not in this log)
+            last = "" if starting is not None else (_tail(log_path, 1, log_start).splitlines()[-1:] or [""])[0][:70]
             if live:  # one line redrawn in place
                 echo(f"\rllmd: waiting for the daemon ({elapsed:4.0f} s) {last:<70}", nl=False)
             elif elapsed >= next_line:  # a log or pipe: a plain line every 10 s
