@@ -85,11 +85,12 @@ def generate(prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, be
     engine.add_parallel_request(request, params, child_request_ids("generate", beam_width))
     beams: dict[int, str] = {}
     t0 = time.monotonic()
-    n, reason = 0, None
+    n, reason, error = 0, None, None
     while engine.has_unfinished_requests():
         for out in engine.step():
             n += len(out.new_token_ids)
             reason = out.finish_reason
+            error = out.error or error
             if beam:
                 beams[out.index] = f"[beam {out.index}, {out.finish_reason}] {out.new_text}"
                 continue
@@ -100,6 +101,8 @@ def generate(prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, be
     sys.stdout.write("\n")
     dt = time.monotonic() - t0
     click.echo(f"llmd: {n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s), finish_reason={reason}", err=True)
+    if error is not None:  # a failed generation is a failed command (exit 1), as llama-cli and ollama run
+        raise LlmdError(f"the generation failed: {error}")
 
 
 @click.command("kv-size")

@@ -246,3 +246,14 @@ def test_serve_and_generate_refuse_bad_engine_options_before_the_socket_or_the_w
         r = run_cli(args)
         assert r.output.strip().splitlines() == [f"llmd: error: {words}"], r.output
         assert r.exit_code == 1 and not os.path.exists(sock) and not os.path.exists(sock + ".lock")
+
+
+def test_a_failed_generation_exits_1(monkeypatch):
+    """``llmd generate`` whose request ends with finish_reason "error" (here: NaN logits, as a
+    float16 overflow gives) printed the error and exited 0; it now ends with one error line, exit 1."""
+    from llmd.daemon.core.model_runner import ModelRunner
+
+    logits = ModelRunner.compute_logits
+    monkeypatch.setattr(ModelRunner, "compute_logits", lambda self, out: logits(self, out) * float("nan"))
+    result = run_cli(["generate", "hi", "--model", "random:qwen3-0.6b:layers=1", "--max-tokens", "3"])
+    assert_one_line_error(result, "the generation failed: the model produced non-finite logits")
