@@ -168,6 +168,8 @@ async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[s
         while eloop.num_live and loop.time() < deadline and not force.is_set():
             await asyncio.sleep(0.05)
         if eloop.num_live:
+            why = "second signal" if force.is_set() else f"drain timeout ({drain_timeout:.0f} s)"
+            echo(f"llmd: {why}: aborting {eloop.num_live} sequence{'' if eloop.num_live == 1 else 's'} in flight")
             await asyncio.wait_for(asyncio.wrap_future(eloop.abort_all()), 10.0)
             await asyncio.sleep(0.2)  # let the handlers write finish_reason "abort" and [DONE]
     finally:

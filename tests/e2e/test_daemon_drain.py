@@ -65,4 +65,6 @@ def test_a_draining_daemon_answers_and_a_second_signal_aborts(daemon):
     assert chunks[-1]["choices"][0]["finish_reason"] == "abort", chunks[-1]
     assert proc.wait(15) == 0 and time.monotonic() - t0 < 15, open(log).read()  # not the 30 s drain
     assert not os.path.exists(sock)
-    assert "second signal: aborting the requests in flight now" in open(log).read()
+    text = open(log).read()
+    assert "second signal: aborting the requests in flight now" in text
+    assert "llmd: second signal: aborting 1 sequence in flight" in text, text  # what the drain's end did
