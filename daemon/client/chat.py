@@ -133,11 +133,16 @@ def context_full(e: Exception) -> str | None:
         "; /reset starts a new one"
 
 
-def _reply(backend, messages: list[dict], params: dict, verbose: bool = False, repl: bool = False) -> str | None:
+FULL = object()  # _reply's answer when the conversation fills the context and older turns could go
+
+
+def _reply(backend, messages: list[dict], params: dict, verbose: bool = False, repl: bool = False,
+           can_drop: bool = False):
     """Stream one reply to stdout; None if cancelled with Ctrl-C or, in the ``repl``, failed
-    (the error is printed, the REPL goes on). Then ``[stopped at N tokens]`` when the reply hit
-    its cap, and with ``verbose`` its tokens, seconds and tokens/s (wall clock from the request,
-    and decode rate after the first text).
+    (the error is printed, the REPL goes on); :data:`FULL`, printing nothing, when ``can_drop``
+    and the conversation leaves the context no room (the caller drops its oldest turn). Then
+    ``[stopped at N tokens]`` when the reply hit its cap, and with ``verbose`` its tokens,
+    seconds and tokens/s (wall clock from the request, and decode rate after the first text).
 
     Raises:
         LlmdError: outside the ``repl``, what the backend raised (no daemon, a refused request).
@@ -156,6 +161,8 @@ def _reply(backend, messages: list[dict], params: dict, verbose: bool = False, r
     except LlmdError as e:  # ReplyLost, ApiResponseError, DaemonUnavailable
         if not repl:
             raise
+        if can_drop and not parts and context_full(e):
+            return FULL
         sys.stdout.write("\n" if parts else "")
         click.echo(f"llmd: error: {context_full(e) or e}" + ("; this reply is dropped" if parts else ""), err=True)
         return None
@@ -226,7 +233,14 @@ def run_chat(backend, params: dict, system: str | None = None, prompt: str | Non
         if text.startswith("//"):
             text = text[1:]
         messages.append({"role": "user", "content": text})
-        reply = _reply(backend, messages, params, verbose, repl=True)
+        # a history past the context (a shifted reply stays in it whole) loses its oldest turns, the
+        # system prompt kept (as Ollama's chat), instead of refusing every later message
+        while (reply := _reply(backend, messages, params, verbose, repl=True,
+                               can_drop=len(messages) > len(base) + 1)) is FULL:
+            del messages[len(base)]  # the oldest user message, and the reply to it
+            if len(messages) > len(base) + 1 and messages[len(base)]["role"] == "assistant":
+                del messages[len(base)]
+            _dim("[the conversation is longer than the context: its oldest turn is dropped]")
         if reply is None:
             messages.pop()  # a cancelled or failed turn leaves no trace in the conversation
         else:

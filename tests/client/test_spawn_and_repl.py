@@ -277,3 +277,33 @@ def test_a_draining_daemon_is_waited_out_then_replaced(monkeypatch, tmp_path, ca
     backend = chat.DaemonBackend(refusing("the daemon is shutting down"), reconnect=lambda: new)
     with pytest.raises(ApiResponseError):
         list(backend.stream_chat([{"role": "user", "content": "hi"}], {}))
+
+
+def test_a_conversation_past_the_context_drops_its_oldest_turns(monkeypatch, capsys):
+    """After a reply that shifted the context, the history no longer fits it: every later message
+    was refused until ``/reset``. The REPL now drops the oldest turns (the system prompt kept), one
+    dim line each, until the daemon takes the conversation; a lone message that does not fit is
+    still the one-line refusal."""
+    from llmd.daemon.client import chat
+    from llmd.daemon.client.client import ApiResponseError
+
+    sent = []
+
+    class Backend:
+        def stream_chat(self, messages, params):
+            sent.append([m["content"] for m in messages])
+            words = sum(len(m["content"].split()) for m in messages)
+            if words > 6:
+                raise ApiResponseError(400, {"error": {"param": "messages", "message": (
+                    f"prompt has {words} tokens but the context is 6 tokens (max_model_len), leaving no room "
+                    "to generate (truncate_prompt_tokens opts in to keeping its end)")}})
+            yield "a b"
+
+    type_lines(monkeypatch, ["one", "two", "three", "a b c d e f g", "/exit"])
+    chat.run_chat(Backend(), {}, system="sys")
+    out = capsys.readouterr()
+    assert sent[:3] == [["sys", "one"], ["sys", "one", "a b", "two"], ["sys", "one", "a b", "two", "a b", "three"]]
+    assert sent[3] == ["sys", "two", "a b", "three"]  # the oldest turn dropped, then it fits
+    assert sent[-1] == ["sys", "a b c d e f g"]  # everything else dropped: the message alone is refused
+    assert out.err.count("its oldest turn is dropped") == 1 + 2, out.err
+    assert "llmd: error: the conversation has 8 tokens but the context is 6 tokens" in out.err, out.err
