@@ -107,7 +107,7 @@ def check_chat_template(model: str) -> None:
 def chat(socket_path, prompt, system, temperature, top_k, top_p, repetition_penalty, max_tokens, seed, verbose,
          no_daemon, daemon_log, **engine_kw):
     """Chat with the model; starts a background daemon if none runs (it keeps running: `llmd stop`)."""
-    from llmd.daemon.cli.daemon import served_id
+    from llmd.daemon.cli.common import served_id
     from llmd.daemon.client import chat as repl
     from llmd.daemon.client import spawn
 

@@ -8,6 +8,7 @@ in :mod:`llmd.daemon.cli.main`. Option values are checked before any weights loa
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import time
 
@@ -204,6 +205,13 @@ def build_engine(name: str | None = None, echo=None, **kw):
     echo(f"llmd: loaded {name} in {time.monotonic() - t0:.1f} s; {engine.runtime_summary()}; "
          f"{engine.capacity_summary()}")
     return engine
+
+
+def served_id(model: str) -> str:
+    """The API's model id for ``--model``: a GGUF path's file name without ``.gguf``, else the name
+    (also ``llmd kv-size``'s title for the model)."""
+    base = os.path.basename(model)
+    return base[:-5] if base.endswith(".gguf") else base
 
 
 def socket_path_of(socket_path: str | None) -> str:

@@ -16,18 +16,13 @@ from llmd.daemon.cli.common import (
     client_for,
     engine_options,
     one_line_errors,
+    served_id,
     socket_option,
     socket_path_of,
 )
 from llmd.daemon.cli.daemon_output import DaemonLogHandler, echo_err
 from llmd.daemon.core.errors import LlmdError
 from llmd.daemon.serving.engine_health import DEFAULT_STALL_TIMEOUT_S
-
-
-def served_id(model: str) -> str:
-    """The API's model id for ``--model``: a GGUF path's file name without ``.gguf``, else the name."""
-    base = os.path.basename(model)
-    return base[:-5] if base.endswith(".gguf") else base
 
 
 def serve_title(argv: list[str]) -> str:

@@ -14,6 +14,7 @@ from llmd.daemon.cli.common import (
     one_line_errors,
     parse_bytes_option,
     prompt_text,
+    served_id,
 )
 from llmd.daemon.core.errors import LlmdError, require_at_least_one
 
@@ -144,7 +145,8 @@ def kv_size(model, context, memory, block_size, max_num_seqs, total_memory):
     layouts = ([(True, "")] if all(w is None for w in windows)
                else [(True, " (hybrid KV cache groups)"), (False, " (every layer global)")])
     check_kv_memory(cfg, memory, block_size, [hybrid for hybrid, _ in layouts], max_num_seqs)  # the engine's minimum
-    click.echo(f"{cfg.name}: {cfg.num_layers} layers, {cfg.num_kv_heads} KV heads x {cfg.head_dim} dims; "
+    # the model as llmd names it (the daemon's id for it), not the GGUF's own general.name
+    click.echo(f"{served_id(model)}: {cfg.num_layers} layers, {cfg.num_kv_heads} KV heads x {cfg.head_dim} dims; "
                f"context {context} tokens; memory {memory:,} B ({fmt_bytes(memory)})")
     for hybrid, title in layouts:
         click.echo(group_summary(make_kv_cache_groups(windows, hybrid), block_size) + title)

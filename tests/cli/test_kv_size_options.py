@@ -122,3 +122,11 @@ def test_byte_sizes_take_tebibytes():
     from llmd.daemon.protocol import fmt_bytes
 
     assert (fmt_bytes(409600), fmt_bytes(2**29), fmt_bytes(3 * 2**29)) == ("400 KiB", "512 MiB", "1.5 GiB")
+
+
+def test_the_table_is_titled_with_llmds_name_for_the_model():
+    """The title names the model as ``--model`` and the daemon's id do (``random:llama-3-8b``), not
+    the GGUF's own ``general.name`` ("Random Meta-Llama-3-8B", "Smollm2 135M 8k Lc100K Mix1 Ep2")."""
+    result = run_kv_size("--memory", "1GiB", "--context", "1024")
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[0].startswith(f"{MODEL}: 32 layers, 8 KV heads x 128 dims;"), result.output
