@@ -124,11 +124,16 @@ def serve(socket_path, host, port, api_key_file, api_key, served_model_name, dra
     main_thread = threading.current_thread() is threading.main_thread()  # signal.signal's condition
     sigint, deferred = signal.getsignal(signal.SIGINT), _DeferSignals()
     sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main_thread else None
-    try:
-        lock_fd = claim_socket(path)
-    except BaseException:  # refused: the caller's SIGTERM handler back (an in-process caller keeps its own)
+
+    def restore() -> None:  # the caller's handlers back, however serve ends (an in-process caller keeps its own)
         if main_thread:
             signal.signal(signal.SIGTERM, sigterm)
+            signal.signal(signal.SIGINT, sigint)
+
+    try:
+        lock_fd = claim_socket(path)
+    except BaseException:  # refused
+        restore()
         raise
     try:
         kv_transfer = None
@@ -147,9 +152,7 @@ def serve(socket_path, host, port, api_key_file, api_key, served_model_name, dra
             signal.signal(signal.SIGINT, deferred)
     except BaseException:
         unlock_file(lock_path(path), lock_fd)  # a bad option: no lock file left behind
-        if main_thread:
-            signal.signal(signal.SIGTERM, sigterm)
-            signal.signal(signal.SIGINT, sigint)
+        restore()
         raise
     import setproctitle
 
@@ -169,10 +172,8 @@ def serve(socket_path, host, port, api_key_file, api_key, served_model_name, dra
                                kv_transfer=kv_transfer, freeze_gc=True,  # this process is the daemon's own
                                deferred_signals=deferred,
                                echo=echo_err))
-    finally:  # run_server failed before its handlers took over (a bind): the caller's back, not the deferral
-        for sig, before in ((signal.SIGTERM, sigterm), (signal.SIGINT, sigint)):
-            if main_thread and signal.getsignal(sig) is deferred:
-                signal.signal(sig, before)
+    finally:  # also when run_server failed before its handlers took over (a bind): not the deferral
+        restore()
 
 
 @click.command()
