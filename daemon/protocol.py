@@ -146,8 +146,22 @@ def fmt_bytes(n) -> str:
     return "-"  # pragma: no cover
 
 
+def error_type(status: int) -> str:
+    """The error body's ``type`` for an HTTP ``status``, in OpenAI's lowercase style:
+    ``authentication_error`` (401), ``rate_limit_error`` (429: the waiting queue is full),
+    ``server_error`` (any 5xx: a failed request, loading, draining, a dead engine, the
+    connection cap), ``invalid_request_error`` (every other 4xx). OpenAI's SDKs pick their
+    exception class from the status (``RateLimitError``, ``InternalServerError``), not this."""
+    if status == 401:
+        return "authentication_error"
+    if status == 429:
+        return "rate_limit_error"
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
 def error_body(message: str, param: str | None = None, type_: str = "invalid_request_error", code: int = 400) -> dict:
-    """OpenAI-style error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    """OpenAI-style error object: ``{"error": {"message", "type", "param", "code"}}`` (``type_``:
+    :func:`error_type` of the status; ``code``: the status, or OpenAI's string code)."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 

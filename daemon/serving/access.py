@@ -39,7 +39,7 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from llmd.daemon.core.errors import LlmdError
-from llmd.daemon.protocol import error_body
+from llmd.daemon.protocol import error_body, error_type
 
 API_KEY_ENV = "LLMD_API_KEY"
 #: routes a TCP client may call without the key (load balancers and Prometheus probe them)
@@ -86,8 +86,7 @@ class AccessPolicy:
 
 def _error(message: str, status: int, headers: dict | None = None) -> web.Response:
     """OpenAI's error shape (``protocol.error_body``) with ``status`` as its code."""
-    type_ = "authentication_error" if status == 401 else "invalid_request_error"
-    return web.json_response(error_body(message, None, type_, status), status=status, headers=headers)
+    return web.json_response(error_body(message, None, error_type(status), status), status=status, headers=headers)
 
 
 def is_tcp(request: web.Request) -> bool:

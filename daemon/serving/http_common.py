@@ -4,9 +4,11 @@ mapping of errors to responses.
 Errors are ``{"error": {"message", "type", "param", "code"}}`` (:func:`json_error`): an
 :class:`ApiError` answers its 4xx (and its headers: ``Retry-After``); an engine rejection
 (:class:`LlmdError`) is a 400 naming the field, a full waiting queue a 429 (:func:`engine_error`);
-a body over ``MAX_BODY_BYTES`` is a 413 saying the limit; anything else is logged and answers 500
-with ``type: "server_error"``, and the daemon keeps serving (:func:`error_middleware`). While the
-model loads, every route but :data:`OPEN_WHILE_LOADING` answers 503 (:func:`loading_middleware`).
+a body over ``MAX_BODY_BYTES`` is a 413 saying the limit; anything else is logged and answers 500,
+and the daemon keeps serving (:func:`error_middleware`). While the model loads, every route but
+:data:`OPEN_WHILE_LOADING` answers 503 (:func:`loading_middleware`). The body's ``type`` follows
+the status (``protocol.error_type``): 429 ``rate_limit_error``, every 5xx ``server_error``,
+401 ``authentication_error``, any other 4xx ``invalid_request_error``.
 
 Bodies over ``JSON_OFF_LOOP_BYTES`` are decoded on a worker thread (:func:`read_json`), so the
 event loop (other streams' writes) keeps moving; a body that is not JSON, or is nested too deeply,
@@ -24,7 +26,7 @@ from aiohttp import web
 
 from llmd.daemon.core.errors import LlmdError, ServerBusyError
 from llmd.daemon.core.input_processor import check_prompt_size
-from llmd.daemon.protocol import error_body
+from llmd.daemon.protocol import error_body, error_type
 from llmd.daemon.serving.connections import ServingLimits
 from llmd.daemon.serving.engine_health import DEFAULT_STALL_TIMEOUT_S
 from llmd.daemon.serving.engine_loop import EngineLoop
@@ -59,9 +61,11 @@ OPEN_WHILE_LOADING = frozenset({"/health", "/metrics", "/v1/shutdown"})
 
 
 def json_error(message: str, param: str | None = None, status: int = 400,
-               type_: str = "invalid_request_error", code: str | None = None) -> web.Response:
-    """The error response; the body's ``code`` is ``code`` (OpenAI's string) or the status."""
-    return web.json_response(error_body(message, param, type_, code or status), status=status)
+               type_: str | None = None, code: str | None = None) -> web.Response:
+    """The error response; the body's ``type`` is ``type_`` or the status's (:func:`error_type`:
+    429 ``rate_limit_error``, 5xx ``server_error``), its ``code`` is ``code`` (OpenAI's string)
+    or the status."""
+    return web.json_response(error_body(message, param, type_ or error_type(status), code or status), status=status)
 
 
 @web.middleware
@@ -83,7 +87,7 @@ async def error_middleware(request: web.Request, handler):
         raise
     except Exception:
         log.exception("internal error on %s %s", request.method, request.path)
-        return json_error("internal server error (see the daemon log)", None, 500, "server_error")
+        return json_error("internal server error (see the daemon log)", None, 500)
 
 
 @web.middleware
@@ -91,7 +95,7 @@ async def loading_middleware(request: web.Request, handler):
     """While the engine loads (the socket already answers ``/health`` with 503 ``loading``),
     every route but :data:`OPEN_WHILE_LOADING` answers 503."""
     if not request.app[STATE].loaded and request.path not in OPEN_WHILE_LOADING:
-        return json_error("the model is still loading; retry once /health answers 200", None, 503, "server_error")
+        return json_error("the model is still loading; retry once /health answers 200", None, 503)
     return await handler(request)
 
 
