@@ -180,7 +180,8 @@ def _tool_constraint(body: dict, chat: bool) -> tuple[GrammarSpec | None, ToolCa
             schema["maxItems"] = 1
         parts = tuple(_schema(p, f"tools[{i}].function.parameters") for i, p in enumerate(schemas.values()))
         return dataclasses.replace(_schema(schema, "tools"), parts=parts), ToolCalling(None)
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    fn = choice.get("function") if isinstance(choice, dict) else None  # may be any JSON value
+    name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
         raise ApiError("tool_choice must be none, auto, required or {type: 'function', function: {name}}",
                        "tool_choice")
