@@ -116,7 +116,9 @@ class GrammarCompiler:
         Raises:
             RequestError: xgrammar refused it (an unsupported or malformed schema, regex or
                 grammar); the message is xgrammar's, ``param`` is ``spec.param``, or the
-                ``param`` of the first of ``spec.parts`` refused alone.
+                ``param`` of the first of ``spec.parts`` refused alone. Also when it compiles
+                but allows no first token (an empty language: ``[^\\s\\S]``, ``root ::= root``),
+                which would otherwise fail in the sampler (HTTP 500) at the first step.
         """
         with self._lock:
             hit = self._cache.get(spec)
@@ -144,6 +146,8 @@ class GrammarCompiler:
             for part in spec.parts:  # a part xgrammar refuses alone is named by its own field
                 self.compile(part)
             raise RequestError(f"{spec.param} is not a valid {_WHAT[spec.kind]}: {_message(e)}", spec.param) from None
+        if not allowed_tokens([GrammarState(compiled)], self.vocab_size).any():  # one fill, ~0.05 ms
+            raise RequestError(f"{spec.param} matches no text: no token can start it", spec.param)
         with self._lock:
             self._cache[spec] = compiled
             while len(self._cache) > CACHE_SIZE:

@@ -161,6 +161,9 @@ def test_tool_choice_named_and_required_return_tool_calls(engine_loop):
     ({"structured_outputs": {"grammar": "root ::= "}}, "structured_outputs.grammar"),
     ({"guided_json": "{not json"}, "guided_json"),
     ({"guided_choice": []}, "guided_choice"),
+    # compile, but match no text: the sampler found no allowed token at the first step (a 500)
+    ({"guided_regex": "[^\\s\\S]"}, "guided_regex"),
+    ({"structured_outputs": {"grammar": "root ::= root"}}, "structured_outputs.grammar"),
     ({"guided_regex": "a+", "response_format": {"type": "json_object"}}, "guided_regex"),
     ({"tools": TOOLS}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
