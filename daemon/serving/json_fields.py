@@ -61,11 +61,23 @@ def _int(body: dict, name: str, default=None, lo: int | None = None, hi: int | N
     return v
 
 
+def finite_number(v) -> bool:
+    """``v`` is a JSON number other than NaN / ±Infinity (never a boolean). An integer of any
+    size counts (``1e400`` written as 401 digits decodes to an int): it is compared with a
+    range exactly, where ``math.isfinite`` would raise OverflowError on converting it."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    return isinstance(v, int) or math.isfinite(v)
+
+
 def _float(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    """Field ``name`` as a float in [lo, hi] (``(lo, hi]`` with ``lo_open``), or ``default``
+    when absent or null; NaN, ±Infinity, booleans, strings and out-of-range numbers (an integer
+    too large for a float included) raise :class:`ApiError`."""
     v = body.get(name, default)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    if not finite_number(v):
         raise ApiError(f"{name} must be a finite number, got {json_value(v)}", name)
     if v < lo or v > hi or (lo_open and v == lo):
         raise ApiError(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {json_value(v)}", name)

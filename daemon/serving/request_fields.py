@@ -30,8 +30,7 @@ of that choice; vLLM's ``serving_completion.py`` / ``serving_chat.py``); without
 
 from __future__ import annotations
 
-import math
-
+from llmd.daemon.serving.json_fields import finite_number
 from llmd.daemon.serving.validation import MAX_LOGIT_BIAS, ApiError, json_typed, json_value
 
 #: field → (endpoints it is refused on, why); refused when present and not null / false / empty
@@ -97,8 +96,7 @@ def parse_logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
         token = int(key)
         if token >= vocab_size:
             raise ApiError(f"logit_bias has token id {token} outside the vocabulary [0, {vocab_size})", "logit_bias")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                or not -100 <= value <= 100:
+        if not finite_number(value) or not -100 <= value <= 100:
             raise ApiError(f"logit_bias[{json_value(key)}] must be a number in [-100, 100], got {json_value(value)}",
                            "logit_bias")
         out[token] = float(value)

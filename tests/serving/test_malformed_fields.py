@@ -31,3 +31,22 @@ def test_tool_choice_whose_function_is_not_an_object_with_a_name_is_400(engine_l
     status, body = run_app(engine_loop, scenario, timeout=30)
     assert status == 400 and body["error"]["param"] == "tool_choice", body
     assert "tool_choice must be" in body["error"]["message"]
+
+
+BIG = "1" + "0" * 400  # a JSON integer past float's range: Python decodes it to an int
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                                   "presence_penalty", "length_penalty", "logit_bias"])
+def test_a_number_field_holding_an_integer_past_floats_range_is_400(engine_loop, field):
+    """``"temperature": 1000…0`` (401 digits) made ``math.isfinite`` raise OverflowError: a 500."""
+    value = f'{{"1": {BIG}}}' if field == "logit_bias" else BIG
+    raw = f'{{"prompt": "hi", "max_tokens": 2, "{field}": {value}}}'
+
+    async def scenario(client):
+        resp = await client.post("/v1/completions", data=raw, headers={"Content-Type": "application/json"})
+        return resp.status, await resp.json()
+
+    status, body = run_app(engine_loop, scenario, timeout=30)
+    assert status == 400 and body["error"]["param"] == field, body
+    assert "must be" in body["error"]["message"] and "100000" in body["error"]["message"]
