@@ -181,10 +181,13 @@ class EngineStats:
     kv_transfer: dict = field(default_factory=dict)  # KVExchange.stats(): pins, pulls, imports
     runtime: str = ""  # Engine.runtime_summary(): dtype, attention backend and kernels, threads, linears
 
-    def to_dict(self, model_id: str, uptime_s: float, block_map: dict | None = None) -> dict:
+    def to_dict(self, model_id: str, uptime_s: float, block_map: dict | None = None,
+                requests: list[dict] | None = None) -> dict:
         """The ``GET /v1/stats`` payload (schema ``STATS_SCHEMA_VERSION`` of ``protocol.py``).
         ``block_map``: an earlier payload's ``block_map`` to reuse (the run-length encoding of
-        ``kv_cache.block_states`` is O(blocks): ~4.6 ms for 65,536 blocks); None encodes this one's."""
+        ``kv_cache.block_states`` is O(blocks): ~4.6 ms for 65,536 blocks); None encodes this one's.
+        ``requests``: an earlier payload's entries for :attr:`requests` to reuse (shared, not
+        copied); None converts this one's."""
         kv, c = self.kv_cache, self.counters
         return {
             "schema_version": STATS_SCHEMA_VERSION,
@@ -204,6 +207,6 @@ class EngineStats:
             "counters": {"prompt_tokens": c.prompt_tokens, "generation_tokens": c.generation_tokens,
                          "requests_rejected": c.requests_rejected, "num_preemptions": c.num_preemptions,
                          "requests_finished": dict(c.requests_finished)},
-            "requests": [vars(r).copy() for r in self.requests],
+            "requests": requests if requests is not None else [vars(r).copy() for r in self.requests],
             "kv_transfer": dict(self.kv_transfer),
         }

@@ -179,6 +179,7 @@ class BlockPool:
         # (group, block hash) -> the cached block (in use or free); vLLM's cached_block_hash_to_block
         self.cached_block_hash_to_block: dict[tuple[int, bytes], KVCacheBlock] = {}
         self.num_evictions = 0
+        self._num_cached_free = 0  # free blocks with a hash, kept as they change (num_cached_free_blocks)
 
     @property
     def num_usable_blocks(self) -> int:
@@ -207,6 +208,7 @@ class BlockPool:
         del self.cached_block_hash_to_block[(block.group, block.block_hash)]
         block.block_hash = block.token_ids = None
         self.num_evictions += 1
+        self._num_cached_free -= 1  # only free blocks are evicted
 
     def get_cached_block(self, group: int, block_hash: bytes, token_ids: tuple[int, ...]) -> KVCacheBlock | None:
         """The cached block of ``group`` with this hash and exactly these tokens, or None."""
@@ -223,6 +225,7 @@ class BlockPool:
             return False
         block.block_hash, block.token_ids, block.group = block_hash, tuple(token_ids), group
         self.cached_block_hash_to_block[key] = block
+        self._num_cached_free += block.ref_cnt == 0
         return True
 
     def uncache_block(self, block: KVCacheBlock) -> None:
@@ -230,6 +233,7 @@ class BlockPool:
         if block.block_hash is not None:
             del self.cached_block_hash_to_block[(block.group, block.block_hash)]
             block.block_hash = block.token_ids = None
+            self._num_cached_free -= block.ref_cnt == 0
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block that is free (blocks in use stay cached); returns how many."""
@@ -239,12 +243,14 @@ class BlockPool:
             b.block_hash = b.token_ids = None
             self.free_block_queue.remove(b)  # unhashed now: evict these first
             self.free_block_queue.appendleft(b)
+        self._num_cached_free -= len(dropped)
         return len(dropped)
 
     @property
     def num_cached_free_blocks(self) -> int:
-        """Free blocks that still hold cached KV (evictable)."""
-        return sum(1 for b in self.cached_block_hash_to_block.values() if b.ref_cnt == 0)
+        """Free blocks that still hold cached KV (evictable); O(1): a count kept as blocks are
+        freed, touched, evicted, cached and uncached (``/v1/stats`` reads it every snapshot)."""
+        return self._num_cached_free
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Add one reference to each block, taking a free one out of the queue."""
@@ -253,6 +259,7 @@ class BlockPool:
                 continue
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
+                self._num_cached_free -= block.block_hash is not None
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
@@ -274,6 +281,7 @@ class BlockPool:
                     self.free_block_queue.appendleft(block)
                 else:
                     self.free_block_queue.append(block)
+                    self._num_cached_free += 1
 
     def get_usage(self) -> float:
         """Fraction of usable blocks in use, in [0, 1]."""

@@ -58,6 +58,9 @@ def check_integrity(manager: "KVCacheManager") -> None:
             f"cache map entry of block {b.block_id} is stale"
     hashed = sum(1 for b in pool.blocks if b.block_hash is not None)
     assert hashed == len(pool.cached_block_hash_to_block), "a hashed block is missing from the cache map"
+    cached_free = sum(1 for b in pool.cached_block_hash_to_block.values() if b.ref_cnt == 0)
+    assert pool.num_cached_free_blocks == cached_free, (
+        f"num_cached_free_blocks {pool.num_cached_free_blocks} != {cached_free} free blocks with a hash")
     used = sum(1 for b in pool.blocks[1:] if b.ref_cnt > 0)
     assert len(free) + used == pool.num_usable_blocks, (
         f"free ({len(free)}) + used ({used}) != usable ({pool.num_usable_blocks})"
