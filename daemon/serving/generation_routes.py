@@ -79,9 +79,10 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             raise engine_error(e, chat) from None
         tok = st.engine_loop.engine.tokenizer.hf
         text_of = (lambda i: f"token_id:{i}") if parsed.tokens_as_ids else _token_text(tok)
+        bytes_of = None if parsed.tokens_as_ids else _token_bytes(tok, text_of)
         echo = await echo_texts(prompts, tok) if parsed.echo else None
         builder = ResponseBuilder(rid, st.model_id, chat, parsed.n, parsed.logprobs, text_of, parsed.tool_calling,
-                                  len(prompts), echo, parsed.continuous_usage)
+                                  len(prompts), echo, parsed.continuous_usage, token_bytes=bytes_of)
         builder.prompt_tokens = n_prompts
         if parsed.stream:
             try:
@@ -149,3 +150,36 @@ def _token_text(hf_tokenizer):
         return hf_tokenizer.decode([token_id], skip_special_tokens=False)
 
     return text
+
+
+@functools.cache
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: printable character → the byte it stands for
+    (``bytes_to_unicode``: printable Latin-1 bytes map to themselves, the other 68 to U+0100…)."""
+    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    extra = [b for b in range(256) if b not in keep]
+    return {chr(b): b for b in keep} | {chr(256 + i): b for i, b in enumerate(extra)}
+
+
+def _token_bytes(hf_tokenizer, text_of):
+    """token id → its raw bytes as a list of ints (chat logprobs' ``bytes``; OpenAI: joined
+    over a reply's tokens they give its UTF-8 text, also where one character spans tokens).
+
+    A token whose text decodes whole is its UTF-8; one that holds part of a character (its
+    lone decode ends in U+FFFD) is read from its vocabulary string: a byte-level BPE token
+    (SmolLM2, Qwen3: ``"ðŁĺ"`` = F0 9F 98) through GPT-2's alphabet, a byte-fallback token
+    (Gemma: ``"<0xF0>"``) as that byte; any other keeps the UTF-8 of its text."""
+
+    @functools.lru_cache(maxsize=65536)
+    def raw(token_id: int) -> tuple[int, ...]:
+        text = text_of(token_id)
+        if "\ufffd" in text:
+            piece = hf_tokenizer.convert_ids_to_tokens([token_id])[0] or ""
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                return (int(piece[3:5], 16),)
+            decoder = _byte_level_decoder()
+            if piece and all(c in decoder for c in piece):
+                return tuple(decoder[c] for c in piece)
+        return tuple(text.encode())
+
+    return lambda token_id: list(raw(token_id))

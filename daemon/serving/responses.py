@@ -64,14 +64,18 @@ class ResponseBuilder:
         prompts: how many prompts (choices ``prompts × n``).
         echo: each prompt's text to prepend to its choices (completions ``echo``), or None.
         continuous_usage: usage in every streamed chunk (needs ``with_usage`` in the calls).
+        token_bytes: token id → its raw bytes (chat logprobs' ``bytes``), or None for the UTF-8
+            of ``token_text`` (wrong for a token holding part of a character: it decodes to U+FFFD).
     Attributes:
         prompt_tokens, cached_tokens: per prompt, tokens and prefix-cache hits (from the outputs).
     """
 
     def __init__(self, request_id: str, model: str, chat: bool, n: int, logprobs: int | None,
                  token_text: Callable[[int], str], tool_calling: ToolCalling | None = None, prompts: int = 1,
-                 echo: list[str] | None = None, continuous_usage: bool = False):
+                 echo: list[str] | None = None, continuous_usage: bool = False,
+                 token_bytes: Callable[[int], list[int]] | None = None):
         self.id, self.model, self.chat, self.logprobs = request_id, model, chat, logprobs
+        self.token_bytes = token_bytes or (lambda i: list(token_text(i).encode()))
         self.tool_calling = tool_calling if chat else None
         self.created = int(time.time())
         self.token_text = token_text
@@ -101,8 +105,9 @@ class ResponseBuilder:
             content = []
             for lp in entries:
                 tok = self.token_text(lp.token_id)
-                top = [{"token": (t := self.token_text(i)), "logprob": v, "bytes": list(t.encode())} for i, v in lp.top]
-                content.append({"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode()), "top_logprobs": top})
+                top = [{"token": self.token_text(i), "logprob": v, "bytes": self.token_bytes(i)} for i, v in lp.top]
+                content.append({"token": tok, "logprob": lp.logprob, "bytes": self.token_bytes(lp.token_id),
+                                "top_logprobs": top})
             choice.content += content
             return {"content": content}
         d = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}

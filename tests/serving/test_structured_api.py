@@ -151,6 +151,31 @@ def test_tool_choice_named_and_required_return_tool_calls(engine_loop):
     jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
 
 
+def test_chat_logprob_bytes_join_to_the_reply_where_tokens_split_characters(engine_loop):
+    """SmolLM2 spells an emoji or a CJK character in several byte-level tokens: each token's
+    ``bytes`` are its own raw bytes, so they join to the reply's UTF-8 (streamed and not); they
+    were EF BF BD (U+FFFD) for every partial token."""
+    text = "😀 日本語"
+    body = chat("Say it.", guided_choice=[text], logprobs=True, top_logprobs=2)
+
+    async def scenario(client):
+        whole = await (await client.post("/v1/chat/completions", json=body)).json()
+        streamed = await events(await client.post("/v1/chat/completions", json={**body, "stream": True}))
+        return whole, streamed
+
+    whole, streamed = run(engine_loop, scenario)
+    choice = whole["choices"][0]
+    assert choice["message"]["content"] == text and choice["finish_reason"] == "stop"
+    entries = choice["logprobs"]["content"]
+    assert any("\ufffd" in e["token"] for e in entries)  # some tokens do hold part of a character
+    assert b"".join(bytes(e["bytes"]) for e in entries[:-1]).decode() == text  # the last: the stop token
+    streamed_entries = [e for ev in streamed for ch in ev["choices"] for e in (ch["logprobs"] or {}).get("content", [])]
+    assert [e["bytes"] for e in streamed_entries] == [e["bytes"] for e in entries]
+    for e in entries:
+        for top in e["top_logprobs"]:
+            assert bytes(top["bytes"]).decode("utf-8", "replace") == top["token"] or "\ufffd" in top["token"]
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}},
      "response_format.json_schema.schema"),
