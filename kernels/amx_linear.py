@@ -14,7 +14,7 @@ M = 8 12.3–12.7 → 8.7–8.8, M = 32 14.8–15.0 → 10.9–11.0, M = 64 16.5
 Numerics: exact bfloat16 products summed in float32 per 32-column step, rounded once to bfloat16:
 equal to ``F.linear`` for most row counts and within one bfloat16 rounding of it for the others
 (oneDNN changes its blocking with M); a row's output never depends on the other rows of the call
-(``tests/kernels/test_amx_linear.py``). ``LLMD_AMX_LINEAR=0`` keeps oneDNN's packs (the A/B switch).
+(``tests/kernels/test_tile_linears.py``). ``LLMD_AMX_LINEAR=0`` keeps oneDNN's packs (the A/B switch).
 """
 
 from __future__ import annotations
@@ -43,19 +43,28 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         RuntimeError: the kernel refused the call (not granted the tile state, or a shape whose
             K or N is not a multiple of 32: :func:`llmd.quant.prepacked.amx_packable` keeps those out).
     """
+    return product(build.load_amx_linear().llmd_amx_linear, "amx_linear", x, w)
+
+
+def product(fn, name: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Call a packed-weight kernel ``fn(x, ldx, w, y, M, K, N, threads) -> 0 | -1`` (``amx_linear.c``'s
+    ``llmd_amx_linear`` or ``dp_linear.c``'s ``llmd_dp_linear``: the same signature and pack) on ``x
+    [..., K]`` (any float dtype; rows with a stride are passed as they are) → ``[..., N]`` in x's dtype.
+
+    Raises:
+        RuntimeError: ``fn`` returned -1 (``name`` in the message).
+    """
     n, k = w.shape
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    if x2.dtype != torch.bfloat16 or x2.stride(-1) != 1 or x2.stride(0) < k:
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
+    if x2.dtype is not torch.bfloat16 or x2.stride(-1) != 1 or x2.stride(0) < k:
         x2 = x2.to(torch.bfloat16).contiguous()
-    y = torch.empty(x2.shape[0], n, dtype=torch.bfloat16, device=x.device)
-    if x2.shape[0]:
-        rc = build.load_amx_linear().llmd_amx_linear(x2.data_ptr(), x2.stride(0), w.data_ptr(), y.data_ptr(),
-                                                      x2.shape[0], k, n, torch.get_num_threads())
-        if rc != 0:
-            raise RuntimeError(f"amx_linear: the kernel refused a [{x2.shape[0]}, {k}] x [{n}, {k}] product")
-    y = y.view(*lead, n)
-    return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
+    m = x2.shape[0]
+    y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    if m and fn(x2.data_ptr(), x2.stride(0), w.data_ptr(), y.data_ptr(), m, k, n, torch.get_num_threads()):
+        raise RuntimeError(f"{name}: the kernel refused a [{m}, {k}] x [{n}, {k}] product")
+    if x.dim() != 2:
+        y = y.view(*x.shape[:-1], n)
+    return y if x.dtype is torch.bfloat16 else y.to(x.dtype)
 
 
 def install() -> bool:
@@ -63,5 +72,6 @@ def install() -> bool:
     :func:`available`; returns whether it did, i.e. whether ``prepack_model`` packs for AMX."""
     if not available():
         return False
-    prepacked.amx_linear = linear
+    prepacked.tile_linear, prepacked.tile_kernel = linear, "AMX tiles"
+    prepacked.tile_pack, prepacked.tile_unpack = prepacked.amx_pack, prepacked.amx_unpack
     return True

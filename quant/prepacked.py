@@ -22,8 +22,9 @@ packed tensor (``is_mkldnn``; ``to_dense()`` gives the plain one back bit for bi
 keeps one copy of its weights. ``LLMD_ONEDNN_PREPACK=0`` turns it off (the runner's A/B switch);
 on a CPU where oneDNN cannot pack bfloat16 (AVX2 only: Zen 1–3) nothing is packed.
 
-Where the AMX tile kernel is installed (:mod:`llmd.kernels.amx_linear` registers
-:data:`amx_linear`: this layer imports no kernels), weights whose sizes are multiples of 32 are
+Where a tile-order kernel is installed (:mod:`llmd.kernels.amx_linear` on AMX CPUs, else
+:mod:`llmd.kernels.dp_linear` on AVX512-BF16 CPUs; each registers :data:`tile_linear`: this layer
+imports no kernels), weights whose sizes are multiples of 32 are
 packed in its tile order instead (:func:`amx_pack`, a ``uint16 [out, in]`` tensor of the same
 bytes; :func:`dense` unpacks it bit for bit) and :func:`linear` runs them through it; its numerics
 and speed are in that module.
@@ -71,23 +72,29 @@ def packable(w: torch.Tensor) -> bool:
     return w.dim() == 2 and w.dtype == torch.bfloat16 and w.device.type == "cpu" and not w.is_mkldnn
 
 
-# The AMX tile kernel's product (llmd.kernels.amx_linear.linear), registered by that module's
-# install(): this layer imports no kernels. None: weights are packed for oneDNN only.
-amx_linear = None
+# The installed packed-weight kernel (llmd.kernels.amx_linear or llmd.kernels.dp_linear), registered
+# by that module's install(): its product, its name for the startup line, and its pack / unpack
+# (amx_pack / dp_pack and their inverses): this layer imports no kernels. None: packed for oneDNN only.
+tile_linear = None
+tile_kernel = ""
+tile_pack = None
+tile_unpack = None
 
 
 def is_amx(w: torch.Tensor) -> bool:
-    """``w`` is an :func:`amx_pack` (its ``[out, in]`` shape, uint16 elements in tile order)."""
+    """``w`` is a pack of the installed kernel (:func:`amx_pack` or :func:`dp_pack`: its ``[out, in]``
+    shape, uint16 elements in that kernel's order)."""
     return w.dtype == torch.uint16 and w.dim() == 2
 
 
 def amx_packable(w: torch.Tensor) -> bool:
-    """A plain bfloat16 ``[out, in]`` CPU weight whose sizes the AMX kernel takes (multiples of 32)."""
+    """A plain bfloat16 ``[out, in]`` CPU weight whose sizes the tile-order kernels take (multiples of 32)."""
     return packable(w) and w.shape[0] % 32 == 0 and w.shape[1] % 32 == 0
 
 
 def amx_pack(w: torch.Tensor) -> torch.Tensor:
-    """bfloat16 ``W [N, K]`` in the AMX kernel's tile order (``kernels/native/amx_linear.c``:
+    """bfloat16 ``W [N, K]`` in the AMX kernel's tile order (``kernels/native/amx_linear.c``, which
+    ``dp_linear.c`` reads too:
     ``[N/32][K/32][2][16][16][2]``), returned as ``uint16 [N, K]``: the shape readers expect, and a
     dtype that no torch matmul takes by mistake. :func:`dense` undoes it bit for bit."""
     n, k = w.shape
@@ -95,21 +102,47 @@ def amx_pack(w: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint16).view(n, k)
 
 
-def _amx_unpack(p: torch.Tensor) -> torch.Tensor:
+def amx_unpack(p: torch.Tensor) -> torch.Tensor:
+    """The bfloat16 ``[N, K]`` weight of an :func:`amx_pack`, bit for bit."""
     n, k = p.shape
     t = p.view(torch.bfloat16).view(n // 32, k // 32, 2, 16, 16, 2).permute(0, 2, 4, 1, 3, 5)
     return t.contiguous().view(n, k)
 
 
+DP_GROUP = 12  # dp_linear.c's output columns per group
+
+
+def dp_pack(w: torch.Tensor) -> torch.Tensor:
+    """bfloat16 ``W [N, K]`` (N, K multiples of 32) in the VDPBF16PS kernel's order
+    (``kernels/native/dp_linear.c``): groups of 12 rows as ``[N / 12][K / 2][12]`` 32-bit pairs
+    ``(W[n, 2p], W[n, 2p + 1])``, then the last ``N mod 12`` rows as ``[K / 2][N mod 12]``; returned
+    as ``uint16 [N, K]`` as :func:`amx_pack`. :func:`dp_unpack` undoes it bit for bit."""
+    n, k = w.shape
+    full = n // DP_GROUP * DP_GROUP
+    pairs = w.contiguous().view(torch.int32)  # [N, K / 2]
+    head = pairs[:full].view(full // DP_GROUP, DP_GROUP, k // 2).permute(0, 2, 1).reshape(-1)
+    return torch.cat([head, pairs[full:].t().reshape(-1)]).view(torch.uint16).view(n, k)
+
+
+def dp_unpack(p: torch.Tensor) -> torch.Tensor:
+    """The bfloat16 ``[N, K]`` weight of a :func:`dp_pack`, bit for bit."""
+    n, k = p.shape
+    full = n // DP_GROUP * DP_GROUP
+    flat = p.contiguous().view(torch.int32).view(-1)
+    head = flat[: full * k // 2].view(full // DP_GROUP, k // 2, DP_GROUP).permute(0, 2, 1).reshape(full, k // 2)
+    tail = flat[full * k // 2:].view(k // 2, n - full).t()
+    return torch.cat([head, tail]).contiguous().view(torch.bfloat16)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x [..., in] @ w.T`` → ``[..., out]`` in x's dtype; ``w`` plain ``[out, in]``, prepacked
-    for oneDNN, or an :func:`amx_pack` (then through :data:`amx_linear`)."""
+    for oneDNN, or an :func:`amx_pack` (then through :data:`tile_linear`)."""
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
     if is_amx(w):
-        if amx_linear is None:
-            raise RuntimeError("prepacked.linear: an AMX-packed weight, but the AMX kernel is not installed")
-        return amx_linear(x, w)
+        if tile_linear is None:
+            raise RuntimeError("prepacked.linear: a tile-packed weight, but no tile-order kernel is installed")
+        return tile_linear(x, w)
     return F.linear(x, w)
 
 
@@ -167,19 +200,19 @@ def prepack_model(model: nn.Module) -> int:
 
 
 def _pack(w: torch.Tensor) -> torch.Tensor:
-    """``w`` for the AMX kernel when it is installed and takes the shape, else for oneDNN."""
-    if amx_linear is not None and amx_packable(w):
-        return amx_pack(w)
+    """``w`` for the tile-order kernel when one is installed and takes the shape, else for oneDNN."""
+    if tile_linear is not None and amx_packable(w):
+        return tile_pack(w)
     return torch.ops.mkldnn._reorder_linear_weight(w, BATCH_HINT)
 
 
 class TiedHeadCopy(nn.Module):
     """The LM head of a model whose head is its embedding table (tied) and that has no
     ``logits_proj`` of its own (``--weight-quant none``): a packed copy of the table (oneDNN's, or
-    the AMX kernel's where installed), made by :func:`prepack_model` under
+    the tile-order kernel's where installed), made by :func:`prepack_model` under
     :data:`HEAD_COPY_MAX_BYTES` as for a ``--weight-quant`` head. ``forward(x [N, hidden] bfloat16)
-    -> [N, vocab]``, bit for bit ``x @ table.T`` through oneDNN (the AMX kernel's bounds:
-    :mod:`llmd.kernels.amx_linear`). The copy is a
+    -> [N, vocab]``, bit for bit ``x @ table.T`` through oneDNN (the tile-order kernels' bounds:
+    :mod:`llmd.kernels.amx_linear`, :mod:`llmd.kernels.dp_linear`). The copy is a
     plain attribute, not a parameter, so the model's state dict (and the weights' digest) is
     unchanged; :func:`unpack_model` removes it."""
 
@@ -239,7 +272,8 @@ def packed(t: torch.Tensor) -> bool:
 
 
 def amx_count(model: nn.Module) -> int:
-    """How many of :func:`packed_count`'s weights are AMX packs (the rest are oneDNN's)."""
+    """How many of :func:`packed_count`'s weights are tile-order packs (:func:`amx_pack`, run by
+    :data:`tile_kernel`; the rest are oneDNN's)."""
     head = getattr(model, "logits_proj", None)
     tied = isinstance(head, TiedHeadCopy) and is_amx(head.dense)
     return tied + sum(1 for mod, name in linear_params(model) if is_amx(mod._parameters[name]))
@@ -250,4 +284,4 @@ def dense(t: torch.Tensor) -> torch.Tensor:
     of an AMX pack, else ``t`` itself)."""
     if t.is_mkldnn:
         return t.to_dense()
-    return _amx_unpack(t) if is_amx(t) else t
+    return tile_unpack(t) if is_amx(t) else t

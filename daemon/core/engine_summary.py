@@ -97,8 +97,8 @@ class SummaryMixin:
         copy = prepacked.head_copy_bytes(self.runner.model)
         head = f" (the tied LM head's as a copy, +{copy / 2**20:.0f} MiB)" if copy else ""
         amx = prepacked.amx_count(self.runner.model)
-        kind = "for AMX tiles" if amx == packed else f"({amx} for AMX tiles, {packed - amx} for oneDNN)" if amx \
-            else "for oneDNN"
+        tiles = f"for {prepacked.tile_kernel or 'AMX tiles'}"
+        kind = tiles if amx == packed else f"({amx} {tiles}, {packed - amx} for oneDNN)" if amx else "for oneDNN"
         linears = f", linears: {packed} bf16 weights prepacked {kind}{head}" if packed else ""
         fp16, fp16_bytes = fp16_linear.packed_count(self.runner.model)
         if fp16 and self.runner.fp16_weights:

@@ -4,7 +4,8 @@ which includes the former for its attention; :func:`load_fused`), ``layer_glue.c
 or float32 layer's RMSNorm / RoPE / SwiGLU passes, :func:`load_glue`; one build for every shape) and
 ``bf16_scores.c`` (float32 attention scores of bfloat16 queries and keys, :func:`load_scores`) and
 ``kv_read.c`` (the KV-gather read ``llmd bench step`` times as a floor, :func:`load_kv_read`) and
-``amx_linear.c`` (bfloat16 linears on AMX tiles, :func:`load_amx_linear`).
+``amx_linear.c`` (bfloat16 linears on AMX tiles, :func:`load_amx_linear`), ``dp_linear.c`` (the same
+linears by VDPBF16PS where AMX is not granted, :func:`load_dp_linear`).
 
 The source ships in the package; the shared object is built on first use on the machine that
 runs it (``-march=native``: the kernel uses whatever vector units this CPU has), once per model
@@ -258,4 +259,29 @@ def load_amx_linear() -> ctypes.CDLL | None:
             log.warning("llmd: AMX linear kernel unavailable (build failed: %s); oneDNN runs the linears", e)
             lib = None
     _amx_linear["lib"] = lib
+    return lib
+
+
+_dp_linear: dict[str, ctypes.CDLL | None] = {}
+
+
+def load_dp_linear() -> ctypes.CDLL | None:
+    """The VDPBF16PS linear library (``dp_linear.c``), ``llmd_dp_linear`` and ``llmd_dp_linear_ready``
+    typed (the signature of :func:`load_amx_linear`'s), or None when unavailable (as :func:`load`).
+    On a CPU without AVX512-BF16 it loads, and ``llmd_dp_linear_ready()`` is 0."""
+    if "lib" in _dp_linear:
+        return _dp_linear["lib"]
+    lib = None
+    if load() is not None:  # the same compiler and switches; a failure there is reported there
+        try:
+            lib = ctypes.CDLL(str(_build(_compiler(), FLAGS, "dp_linear")))
+            c = ctypes
+            lib.llmd_dp_linear.argtypes = [c.c_void_p, c.c_int64, c.c_void_p, c.c_void_p, c.c_int, c.c_int, c.c_int,
+                                           c.c_int]
+            lib.llmd_dp_linear.restype = c.c_int
+            lib.llmd_dp_linear_ready.argtypes, lib.llmd_dp_linear_ready.restype = [], c.c_int
+        except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
+            log.warning("llmd: VDPBF16PS linear kernel unavailable (build failed: %s); oneDNN runs the linears", e)
+            lib = None
+    _dp_linear["lib"] = lib
     return lib

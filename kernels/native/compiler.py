@@ -26,7 +26,8 @@ SOURCES = {"paged_decode": SOURCE, "fused_decode": Path(__file__).with_name("fus
            "layer_glue": Path(__file__).with_name("layer_glue.c"),  # layer_glue.c includes paged_decode.c too
            "bf16_scores": Path(__file__).with_name("bf16_scores.c"),
            "kv_read": Path(__file__).with_name("kv_read.c"),
-           "amx_linear": Path(__file__).with_name("amx_linear.c")}
+           "amx_linear": Path(__file__).with_name("amx_linear.c"),
+           "dp_linear": Path(__file__).with_name("dp_linear.c")}
 # headers the sources include (every *.h beside them, so a new one cannot be left out): part of every build's hash
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 # no -ffast-math: with GCC < 13 linking a shared object with it adds crtfastmath.o, whose constructor

@@ -1,8 +1,8 @@
 """Prepacked bfloat16 linears (quant/prepacked.py): oneDNN's packs give the same bits as
 ``F.linear``, in the layers, in ``PackedLinear``'s dense path and through an engine built on a
-loaded model. Where an engine has installed the AMX kernel (kernels/amx_linear.py) the packs are
-AMX tiles; the model-level checks below hold for either (the kernel's own bounds:
-tests/kernels/test_amx_linear.py)."""
+loaded model. Where an engine has installed a tile-order kernel (kernels/amx_linear.py on AMX,
+kernels/dp_linear.py on AVX512-BF16) the packs are in tile order; the model-level checks below hold
+for either (the kernels' own bounds: tests/kernels/test_tile_linears.py)."""
 
 from __future__ import annotations
 
@@ -84,7 +84,8 @@ def test_engine_prepacks_bf16_model_same_tokens(tmp_path, monkeypatch):
     assert _greedy(packed, prompts) == want
     again = Engine(model, base.tokenizer, EngineConfig(**kw).resolve())
     assert again.runner.prepacked_linears == 0  # already packed
-    kind = "for AMX tiles" if prepacked.amx_count(model) == n else "for oneDNN"  # kernels/amx_linear.py
+    # kernels/amx_linear.py or kernels/dp_linear.py where the CPU has them
+    kind = f"for {prepacked.tile_kernel}" if prepacked.amx_count(model) == n else "for oneDNN"
     assert f"linears: {n} bf16 weights prepacked {kind} (the tied LM head's as a copy" in again.runtime_summary()
     from llmd.kernels.native import build
 

@@ -1,5 +1,7 @@
-"""bfloat16 linears on AMX tiles (kernels/amx_linear.py, kernels/native/amx_linear.c) against the
-float64 product and ``F.linear``; the packing; how ``prepack_model`` chooses AMX or oneDNN."""
+"""bfloat16 linears over tile-order packs: on AMX tiles (kernels/amx_linear.py,
+kernels/native/amx_linear.c) and by VDPBF16PS (kernels/dp_linear.py, kernels/native/dp_linear.c),
+each against the float64 product and ``F.linear``; the packing; how ``prepack_model`` chooses the
+tile order or oneDNN. Each test runs once per kernel this CPU has."""
 
 from __future__ import annotations
 
@@ -7,15 +9,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmd.kernels import amx_linear
+from llmd.kernels import amx_linear, dp_linear
 from llmd.quant import prepacked
 
-pytestmark = pytest.mark.skipif(not amx_linear.available(), reason="no AMX tiles here (or LLMD_AMX_LINEAR=0)")
+KERNELS = {"amx": amx_linear, "dp": dp_linear}
 
 
-@pytest.fixture(autouse=True)
-def _installed():
-    assert amx_linear.install()  # what the model runner does on a bfloat16 CPU model
+@pytest.fixture(params=list(KERNELS))
+def kernel(request, monkeypatch):
+    """The kernel module, installed as the model runner installs it (restored afterwards)."""
+    mod = KERNELS[request.param]
+    if not mod.available():
+        pytest.skip(f"no {request.param} linear kernel on this CPU (or its LLMD_*_LINEAR switch is 0)")
+    monkeypatch.setattr(prepacked, "tile_linear", prepacked.tile_linear)
+    for name in ("tile_kernel", "tile_pack", "tile_unpack"):
+        monkeypatch.setattr(prepacked, name, getattr(prepacked, name))
+    assert mod.install()
+    return mod
 
 
 ROWS = (1, 2, 15, 16, 17, 31, 32, 33, 63, 100, 257, 512)
@@ -27,17 +37,17 @@ def _ulp(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (64, 32), (3072, 576)])
-def test_rows_match_float64_and_f_linear_and_not_the_batch(n, k):
+def test_rows_match_float64_and_f_linear_and_not_the_batch(kernel, n, k):
     """Every row count from 1 to a prefill chunk: within a bfloat16 rounding (plus float32
     summation error) of the float64 product, as ``F.linear`` is, ≥ 99.9 % of the elements equal to
     ``F.linear``'s (all of them where oneDNN blocks alike), and each row equal to the same row
     computed in any other call (batch invariance)."""
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g).bfloat16()
-    p = prepacked.amx_pack(w)
+    p = prepacked.tile_pack(w)
     assert prepacked.is_amx(p) and p.shape == (n, k) and torch.equal(prepacked.dense(p), w)
     x = torch.randn(max(ROWS), k, generator=g).bfloat16()
-    full = amx_linear.linear(x, p)
+    full = kernel.linear(x, p)
     exact = x.double() @ w.double().T
     # one bfloat16 rounding of the result plus float32 summation error (2^-20 of the |terms|' sum)
     bound = _ulp(exact) + 2.0**-20 * (x.double().abs() @ w.double().abs().T)
@@ -51,25 +61,25 @@ def test_rows_match_float64_and_f_linear_and_not_the_batch(n, k):
         assert (y == ref).double().mean() >= 0.999, m  # and nearly every element is its very bits
 
 
-def test_strided_and_batched_inputs_and_other_dtypes():
+def test_strided_and_batched_inputs_and_other_dtypes(kernel):
     """A strided view, a 3-D input and a float32 input (computed in bfloat16, returned float32)."""
     g = torch.Generator().manual_seed(3)
     w = torch.randn(64, 96, generator=g).bfloat16()
-    p = prepacked.amx_pack(w)
+    p = prepacked.tile_pack(w)
     wide = torch.randn(7, 192, generator=g).bfloat16()[:, ::2]
-    assert torch.equal(amx_linear.linear(wide, p), amx_linear.linear(wide.contiguous(), p))
+    assert torch.equal(kernel.linear(wide, p), kernel.linear(wide.contiguous(), p))
     rows = torch.randn(5, 200, generator=g).bfloat16()[:, :96]  # rows with a longer stride, no copy
-    assert torch.equal(amx_linear.linear(rows, p), amx_linear.linear(rows.contiguous(), p))
+    assert torch.equal(kernel.linear(rows, p), kernel.linear(rows.contiguous(), p))
     x3 = torch.randn(2, 3, 96, generator=g).bfloat16()
-    assert torch.equal(amx_linear.linear(x3, p), amx_linear.linear(x3.reshape(6, 96), p).view(2, 3, 64))
+    assert torch.equal(kernel.linear(x3, p), kernel.linear(x3.reshape(6, 96), p).view(2, 3, 64))
     xf = torch.randn(4, 96, generator=g)
-    y = amx_linear.linear(xf, p)
-    assert y.dtype == torch.float32 and torch.equal(y, amx_linear.linear(xf.bfloat16(), p).float())
-    assert amx_linear.linear(torch.empty(0, 96, dtype=torch.bfloat16), p).shape == (0, 64)
+    y = kernel.linear(xf, p)
+    assert y.dtype == torch.float32 and torch.equal(y, kernel.linear(xf.bfloat16(), p).float())
+    assert kernel.linear(torch.empty(0, 96, dtype=torch.bfloat16), p).shape == (0, 64)
 
 
-def test_prepack_model_packs_for_amx_where_the_shape_fits_else_onednn():
-    """With the kernel installed, 32-multiple weights become AMX packs and the rest oneDNN's;
+def test_prepack_model_packs_tile_order_where_the_shape_fits_else_onednn(kernel):
+    """With a kernel installed, 32-multiple weights become tile-order packs and the rest oneDNN's;
     :func:`unpack_model` gives every weight back bit for bit."""
     from llmd.models.layers import linear
 
@@ -86,11 +96,12 @@ def test_prepack_model_packs_for_amx_where_the_shape_fits_else_onednn():
     want = layer.fits(x)
     assert prepacked.prepack_model(model) == 2
     assert prepacked.is_amx(layer.fits.weight) and layer.odd.weight.is_mkldnn and prepacked.amx_count(model) == 1
-    assert torch.equal(layer.fits(x), want)  # 3 rows: oneDNN and the tiles agree here
+    assert torch.equal(layer.fits(x), want)  # 3 rows: oneDNN and the kernels agree here
     assert prepacked.unpack_model(model) == 2
     assert torch.equal(layer.fits.weight, plain["fits"]) and torch.equal(layer.odd.weight, plain["odd"])
 
 
-def test_the_switch_turns_it_off(monkeypatch):
-    monkeypatch.setenv("LLMD_AMX_LINEAR", "0")
-    assert not amx_linear.available()
+@pytest.mark.parametrize("name,switch", [("amx", "LLMD_AMX_LINEAR"), ("dp", "LLMD_DP_LINEAR")])
+def test_the_switch_turns_it_off(monkeypatch, name, switch):
+    monkeypatch.setenv(switch, "0")
+    assert not KERNELS[name].available()
