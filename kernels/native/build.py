@@ -237,51 +237,39 @@ def load_kv_read() -> ctypes.CDLL | None:
     return _kv_read["lib"]
 
 
-_amx_linear: dict[str, ctypes.CDLL | None] = {}
+_linears: dict[str, ctypes.CDLL | None] = {}
 
 
 def load_amx_linear() -> ctypes.CDLL | None:
     """The AMX linear library (``amx_linear.c``), ``llmd_amx_linear`` and ``llmd_amx_linear_ready``
     typed, or None when unavailable (as :func:`load`: no compiler, a failed build,
     ``LLMD_NATIVE_KERNELS=0``). On a CPU without AMX it loads, and ``llmd_amx_linear_ready()`` is 0."""
-    if "lib" in _amx_linear:
-        return _amx_linear["lib"]
-    lib = None
-    if load() is not None:  # the same compiler and switches; a failure there is reported there
-        try:
-            lib = ctypes.CDLL(str(_build(_compiler(), FLAGS, "amx_linear")))
-            c = ctypes
-            lib.llmd_amx_linear.argtypes = [c.c_void_p, c.c_int64, c.c_void_p, c.c_void_p, c.c_int, c.c_int, c.c_int,
-                                            c.c_int]
-            lib.llmd_amx_linear.restype = c.c_int
-            lib.llmd_amx_linear_ready.argtypes, lib.llmd_amx_linear_ready.restype = [], c.c_int
-        except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
-            log.warning("llmd: AMX linear kernel unavailable (build failed: %s); oneDNN runs the linears", e)
-            lib = None
-    _amx_linear["lib"] = lib
-    return lib
-
-
-_dp_linear: dict[str, ctypes.CDLL | None] = {}
+    return _load_linear("amx_linear", "AMX")
 
 
 def load_dp_linear() -> ctypes.CDLL | None:
     """The VDPBF16PS linear library (``dp_linear.c``), ``llmd_dp_linear`` and ``llmd_dp_linear_ready``
     typed (the signature of :func:`load_amx_linear`'s), or None when unavailable (as :func:`load`).
     On a CPU without AVX512-BF16 it loads, and ``llmd_dp_linear_ready()`` is 0."""
-    if "lib" in _dp_linear:
-        return _dp_linear["lib"]
+    return _load_linear("dp_linear", "VDPBF16PS")
+
+
+def _load_linear(name: str, label: str) -> ctypes.CDLL | None:
+    """Build and type ``{name}.c``'s ``llmd_{name}(x, ldx, w, y, M, K, N, threads) -> int`` and
+    ``llmd_{name}_ready() -> int`` once per process; None (one warning) when the build fails."""
+    if name in _linears:
+        return _linears[name]
     lib = None
     if load() is not None:  # the same compiler and switches; a failure there is reported there
         try:
-            lib = ctypes.CDLL(str(_build(_compiler(), FLAGS, "dp_linear")))
+            lib = ctypes.CDLL(str(_build(_compiler(), FLAGS, name)))
             c = ctypes
-            lib.llmd_dp_linear.argtypes = [c.c_void_p, c.c_int64, c.c_void_p, c.c_void_p, c.c_int, c.c_int, c.c_int,
-                                           c.c_int]
-            lib.llmd_dp_linear.restype = c.c_int
-            lib.llmd_dp_linear_ready.argtypes, lib.llmd_dp_linear_ready.restype = [], c.c_int
+            product, ready = getattr(lib, f"llmd_{name}"), getattr(lib, f"llmd_{name}_ready")
+            product.argtypes = [c.c_void_p, c.c_int64, c.c_void_p, c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_int]
+            product.restype = c.c_int
+            ready.argtypes, ready.restype = [], c.c_int
         except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
-            log.warning("llmd: VDPBF16PS linear kernel unavailable (build failed: %s); oneDNN runs the linears", e)
+            log.warning("llmd: %s linear kernel unavailable (build failed: %s); oneDNN runs the linears", label, e)
             lib = None
-    _dp_linear["lib"] = lib
+    _linears[name] = lib
     return lib
