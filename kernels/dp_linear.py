@@ -13,7 +13,8 @@ brgemm on the Zen 4 runs SmolLM2's 120 layer matmuls at 32 rows in ~23 ms, this 
 Numerics: exact bfloat16 products summed in float32 in input order, rounded once to bfloat16: within
 a bfloat16 rounding of the float64 product, ≥ 99.9 % of elements equal to ``F.linear``'s, and a
 row's output never depends on the other rows of the call (``tests/kernels/test_tile_linears.py``).
-``LLMD_DP_LINEAR=0`` keeps oneDNN's packs (the A/B switch).
+The model runner installs it only where steps of at most 4 rows run dense weights (:func:`wanted`);
+``LLMD_DP_LINEAR=0`` keeps oneDNN's packs, ``1`` installs it for every bfloat16 model (the A/B switch).
 """
 
 from __future__ import annotations
@@ -44,6 +45,20 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             :func:`llmd.quant.prepacked.amx_packable` keeps out, or a build without AVX512-BF16).
     """
     return product(build.load_dp_linear().llmd_dp_linear, "dp_linear", x, w)
+
+
+def wanted(model: torch.nn.Module) -> bool:
+    """Whether the model runner should install the kernel for ``model``: when its small steps run
+    the dense weights too (no layer is a :class:`llmd.quant.packed_linear.PackedLinear`, i.e.
+    ``--weight-quant none``), where it measured 1.2-2x oneDNN at 1-4 rows and +14 % output tok/s at
+    ``--max-num-seqs 4``; not where steps of <= 4 rows run quantized weights (``--weight-quant auto``,
+    the default), since above 4 rows it is level with oneDNN (0.86-1.12x by shape). ``LLMD_DP_LINEAR=1``
+    installs it anyway (the A/B switch; ``0`` never)."""
+    from llmd.quant.packed_linear import PackedLinear
+
+    if os.environ.get("LLMD_DP_LINEAR") == "1":
+        return True
+    return not any(isinstance(m, PackedLinear) for m in model.modules())
 
 
 def install() -> bool:

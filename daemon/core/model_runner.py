@@ -90,11 +90,11 @@ class ModelRunner(CudaMixin, KVOpsMixin):
         self.block_size = block_size
         self.device = torch.device(device)
         # bfloat16 layer weights packed once: in AMX tile order where the tile unit is there
-        # (kernels/amx_linear.py) or VDPBF16PS reads it (kernels/dp_linear.py), else in oneDNN's
-        # blocked layout (quant/prepacked.py; same bits)
+        # (kernels/amx_linear.py), for VDPBF16PS where that pays (kernels/dp_linear.py: dense weights
+        # at small steps), else in oneDNN's blocked layout (quant/prepacked.py; same bits)
         emb = getattr(getattr(model, "embed_tokens", None), "weight", None)
         if self.device.type == "cpu" and emb is not None and emb.dtype == torch.bfloat16:
-            amx_linear.install() or dp_linear.install()
+            amx_linear.install() or (dp_linear.wanted(model) and dp_linear.install())
         self.prepacked_linears = prepacked.prepack_model(model) if self.device.type == "cpu" else 0
         # float32 layer weights as fp16 for fbgemm where --dtype auto chose float32 (quant/fp16_linear.py)
         self.fp16_weights = fp16_weights and self.device.type == "cpu" and fp16_linear.enabled()

@@ -105,3 +105,22 @@ def test_prepack_model_packs_tile_order_where_the_shape_fits_else_onednn(kernel)
 def test_the_switch_turns_it_off(monkeypatch, name, switch):
     monkeypatch.setenv(switch, "0")
     assert not KERNELS[name].available()
+
+
+def test_the_runner_wants_vdpbf16ps_only_where_small_steps_run_dense_weights(monkeypatch):
+    """``dp_linear.wanted``: a model without quantized small-step weights (``--weight-quant none``)
+    gets the kernel; one with a ``PackedLinear`` (``auto``: steps of <= 4 rows run int4/int8) keeps
+    oneDNN; ``LLMD_DP_LINEAR=1`` installs it anyway."""
+    from llmd.quant.packed_linear import PackedLinear
+
+    class Quantized(torch.nn.Module):  # a PackedLinear found among the modules, built without its packs
+        def __init__(self):
+            super().__init__()
+            self.proj = PackedLinear.__new__(PackedLinear)
+            torch.nn.Module.__init__(self.proj)
+
+    monkeypatch.delenv("LLMD_DP_LINEAR", raising=False)
+    plain = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    assert dp_linear.wanted(plain) and not dp_linear.wanted(Quantized())
+    monkeypatch.setenv("LLMD_DP_LINEAR", "1")
+    assert dp_linear.wanted(Quantized())

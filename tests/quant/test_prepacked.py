@@ -84,7 +84,12 @@ def test_engine_prepacks_bf16_model_same_tokens(tmp_path, monkeypatch):
     assert _greedy(packed, prompts) == want
     again = Engine(model, base.tokenizer, EngineConfig(**kw).resolve())
     assert again.runner.prepacked_linears == 0  # already packed
-    # kernels/amx_linear.py or kernels/dp_linear.py where the CPU has them
+    # kernels/amx_linear.py or kernels/dp_linear.py where the CPU has them (weight_quant none: the
+    # VDPBF16PS kernel is wanted, dp_linear.wanted)
+    from llmd.kernels import amx_linear, dp_linear
+
+    if not amx_linear.available() and dp_linear.available():
+        assert prepacked.tile_kernel == "VDPBF16PS" and prepacked.amx_count(model) == n
     kind = f"for {prepacked.tile_kernel}" if prepacked.amx_count(model) == n else "for oneDNN"
     assert f"linears: {n} bf16 weights prepacked {kind} (the tied LM head's as a copy" in again.runtime_summary()
     from llmd.kernels.native import build
