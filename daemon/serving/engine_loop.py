@@ -166,6 +166,12 @@ class EngineLoop(EngineThreadMixin):
         self._on_tokenizer(prepare).add_done_callback(queue_it)
         return fut
 
+    def compile_grammar(self, spec) -> cf.Future:
+        """Compile a structured-output constraint (a ``GrammarSpec``) on the tokenizer pool, as
+        :meth:`submit` does (cached per spec). The future raises :class:`LlmdError` (a
+        ``RequestError`` naming the field) where xgrammar refuses it or it matches no text."""
+        return self._on_tokenizer(lambda: self.engine.grammars.compile(spec))
+
     def _on_tokenizer(self, fn: Callable) -> cf.Future:
         """Run ``fn`` on the tokenizer pool (a stopped loop: a future raising LlmdError)."""
         try:

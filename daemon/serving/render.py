@@ -78,6 +78,8 @@ async def _render(request: web.Request, chat: bool) -> list[dict]:
             params = dataclasses.replace(parsed.params)
             processor.process(ids, params)
             params.validate()  # as Engine.add_request does after process(): min_tokens vs the resolved max_tokens
+            if params.structured is not None:  # the constraint's 400s too (compiled and cached, as submit does)
+                await asyncio.wrap_future(st.engine_loop.compile_grammar(params.structured))
         except LlmdError as e:
             raise engine_error(e, chat) from None
         out.append({

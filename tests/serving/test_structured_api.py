@@ -205,11 +205,13 @@ def test_chat_logprob_bytes_join_to_the_reply_where_tokens_split_characters(engi
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "scheme": {"type": "object"}}}},
      "response_format.json_schema.scheme"),
 ])
-def test_bad_constraints_are_400_naming_the_field(engine_loop, extra, param):
-    """Each malformed or uncompilable constraint is a 400 whose ``param`` names the field;
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/chat/completions/render"])
+def test_bad_constraints_are_400_naming_the_field(engine_loop, extra, param, path):
+    """Each malformed or uncompilable constraint is a 400 whose ``param`` names the field, from
+    generation and from its render endpoint alike (render compiled none before: a 200);
     nothing is queued (no request reaches the scheduler)."""
     async def scenario(client):
-        resp = await client.post("/v1/chat/completions", json=chat("Hi", **extra))
+        resp = await client.post(path, json=chat("Hi", **extra))
         return resp.status, await resp.json()
 
     admitted = engine_loop.engine.counters.requests_finished.copy()
