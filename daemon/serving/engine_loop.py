@@ -113,6 +113,7 @@ class EngineLoop(EngineThreadMixin):
         self._snapshot: dict = {}
         self._snapshot_time = 0.0
         self._changed = False  # a command changed state since the last snapshot (engine thread)
+        self._was_busy = False  # the engine had live requests when this iteration began (engine thread)
         self._tokenizers = cf.ThreadPoolExecutor(TOKENIZE_WORKERS, thread_name_prefix="llmd-tokenize")
         self.num_live = 0  # live child requests (read from any thread)
 

@@ -94,7 +94,7 @@ class EngineThreadMixin:
     def _iteration(self) -> None:
         """Run queued commands (blocking while idle or backing off after a failed step), then
         one step if anything is live."""
-        busy = self.engine.has_unfinished_requests()
+        busy = self._was_busy = self.engine.has_unfinished_requests()
         backoff = self.health.backoff_left()
         try:
             cmd = self._cmds.get(block=not busy or backoff > 0, timeout=backoff if busy else 0.5)
@@ -140,7 +140,10 @@ class EngineThreadMixin:
                 return
             else:  # abort_all
                 result = self._abort_ids(list(self._sinks))
-            self._changed |= bool(result)  # an unknown id's abort (False) changes nothing
+            # an unknown id's abort (False) changes nothing; a submit while others run waits for the
+            # next scheduled rebuild (<= snapshot_interval), so a stream of arrivals does not rebuild
+            # every live request's entry each iteration (1.2 ms at 64 running, 4.5+ ms at 256)
+            self._changed |= bool(result) and (kind != "submit" or not self._was_busy)
             if result and kind != "submit":  # read-your-writes: the caller's next /v1/stats shows the abort
                 self._publish_snapshot()
             _resolve(fut, result=result)
