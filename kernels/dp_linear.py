@@ -6,9 +6,10 @@ Its weights are :func:`llmd.quant.prepacked.dp_pack` packs (the same bytes as th
 second copy). Installed by the model runner on a bfloat16 CPU model when
 :func:`llmd.kernels.amx_linear.install` is not; :func:`llmd.quant.prepacked.prepack_model` then
 packs every weight whose sizes are multiples of 32 so, and :func:`llmd.quant.prepacked.linear` runs
-them here. Why: at decode row counts oneDNN's
-brgemm on the Zen 4 runs SmolLM2's 120 layer matmuls at 32 rows in ~23 ms, this kernel in ~18.5
-(README, "Linears by VDPBF16PS"; ``python benchmarks/prepacked_linear.py`` prints both).
+them here. Why: at 1-4 rows it streams the weights at ~24 GB/s where oneDNN's brgemm reads ~14 on
+the 2-core Zen 4 (SmolLM2's 120 layer matmuls 8.8-9.0 ms against 12.1-17.3), and above 4 rows it is
+level with oneDNN (0.86-1.12x by shape): README, "bfloat16 linears by VDPBF16PS";
+``python benchmarks/prepacked_linear.py`` prints both side by side.
 
 Numerics: exact bfloat16 products summed in float32 in input order, rounded once to bfloat16: within
 a bfloat16 rounding of the float64 product, ≥ 99.9 % of elements equal to ``F.linear``'s, and a

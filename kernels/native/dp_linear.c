@@ -18,7 +18,7 @@
  * with its batch).
  *
  * Work: each thread packs a share of x's rows, then takes a contiguous range of column groups
- * (OpenMP, static). Measured on the 2-core Zen 4: README, "Linears by VDPBF16PS".
+ * (OpenMP, static). Measured on the 2-core Zen 4: README, "bfloat16 linears by VDPBF16PS".
  * Built everywhere (-march=native); without AVX512-BF16, llmd_dp_linear_ready() is 0 and the product
  * refuses every call.
  */
