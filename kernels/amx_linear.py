@@ -52,9 +52,12 @@ def product(fn, name: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     [..., K]`` (any float dtype; rows with a stride are passed as they are) → ``[..., N]`` in x's dtype.
 
     Raises:
-        RuntimeError: ``fn`` returned -1 (``name`` in the message).
+        RuntimeError: ``fn`` returned -1 (``name`` in the message), or ``x``'s last size is not K
+            (the kernel would read K elements a row past a shorter row: out of bounds), as ``F.linear``.
     """
     n, k = w.shape
+    if x.dim() == 0 or x.shape[-1] != k:
+        raise RuntimeError(f"{name}: x of shape {list(x.shape)} for a [{n}, {k}] weight (in-features {k})")
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
     if x2.dtype is not torch.bfloat16 or x2.stride(-1) != 1 or x2.stride(0) < k:
         x2 = x2.to(torch.bfloat16).contiguous()

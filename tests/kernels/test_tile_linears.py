@@ -78,6 +78,15 @@ def test_strided_and_batched_inputs_and_other_dtypes(kernel):
     assert kernel.linear(torch.empty(0, 96, dtype=torch.bfloat16), p).shape == (0, 64)
 
 
+def test_an_input_of_other_in_features_is_refused(kernel):
+    """x's last size must be the weight's K, as for ``F.linear``: a shorter 2-D row was read past
+    its end (K elements at the row's stride) and a longer one cut to K, without an error."""
+    p = prepacked.tile_pack(torch.randn(64, 96).bfloat16())
+    for shape in ((3, 64), (5, 128), (2, 2, 48)):
+        with pytest.raises(RuntimeError, match="in-features 96"):
+            kernel.linear(torch.randn(*shape).bfloat16(), p)
+
+
 def test_prepack_model_packs_tile_order_where_the_shape_fits_else_onednn(kernel):
     """With a kernel installed, 32-multiple weights become tile-order packs and the rest oneDNN's;
     :func:`unpack_model` gives every weight back bit for bit."""
