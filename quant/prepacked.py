@@ -179,8 +179,13 @@ def _is_embedding(model: nn.Module, w: torch.Tensor) -> bool:
     return emb is not None and not packed(w) and emb.data_ptr() == w.data_ptr()
 
 
-def prepack_model(model: nn.Module) -> int:
+def prepack_model(model: nn.Module, tiles: bool = True) -> int:
     """Replace every packable layer weight of ``model`` by its oneDNN-blocked copy, in place.
+
+    ``tiles``: whether this model takes the installed tile-order kernel (:data:`tile_linear`)
+    where the shape fits; False packs for oneDNN only. The install is process-wide and stays, so
+    the model runner passes its own choice per model (``dp_linear.wanted``: a ``--weight-quant
+    auto`` model keeps oneDNN even after another engine's ``none`` model installed VDPBF16PS).
 
     Idempotent (packed weights are skipped), so engines sharing one loaded model may each call
     it. Returns the number of weights packed now (0 when :func:`enabled` is false). Takes ~0.1 s
@@ -188,20 +193,21 @@ def prepack_model(model: nn.Module) -> int:
     """
     if not enabled():
         return 0
-    n = _pack_tied_head(model)
+    n = _pack_tied_head(model, tiles)
     for mod, name in linear_params(model):
         w = mod._parameters[name]
         if packable(w):
             if _is_embedding(model, w):  # a tied head: the table stays too
                 mod.packed_copy_bytes = w.nbytes
-            mod._parameters[name] = nn.Parameter(_pack(w.data), requires_grad=False)
+            mod._parameters[name] = nn.Parameter(_pack(w.data, tiles), requires_grad=False)
             n += 1
     return n
 
 
-def _pack(w: torch.Tensor) -> torch.Tensor:
-    """``w`` for the tile-order kernel when one is installed and takes the shape, else for oneDNN."""
-    if tile_linear is not None and amx_packable(w):
+def _pack(w: torch.Tensor, tiles: bool = True) -> torch.Tensor:
+    """``w`` for the tile-order kernel when ``tiles``, one is installed and it takes the shape, else
+    for oneDNN."""
+    if tiles and tile_linear is not None and amx_packable(w):
         return tile_pack(w)
     return torch.ops.mkldnn._reorder_linear_weight(w, BATCH_HINT)
 
@@ -225,7 +231,7 @@ class TiedHeadCopy(nn.Module):
         return linear(x, self.dense)
 
 
-def _pack_tied_head(model: nn.Module) -> int:
+def _pack_tied_head(model: nn.Module, tiles: bool = True) -> int:
     """Give a tied model without a ``logits_proj`` a :class:`TiedHeadCopy` when its table is
     :func:`packable` and within :data:`HEAD_COPY_MAX_BYTES`; returns 1 if it did."""
     emb = getattr(getattr(model, "embed_tokens", None), "weight", None)
@@ -233,7 +239,7 @@ def _pack_tied_head(model: nn.Module) -> int:
         return 0
     if not packable(emb) or emb.nbytes > HEAD_COPY_MAX_BYTES:
         return 0
-    model.logits_proj = TiedHeadCopy(_pack(emb.data), emb.nbytes)
+    model.logits_proj = TiedHeadCopy(_pack(emb.data, tiles), emb.nbytes)
     return 1
 
 

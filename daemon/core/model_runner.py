@@ -91,11 +91,12 @@ class ModelRunner(CudaMixin, KVOpsMixin):
         self.device = torch.device(device)
         # bfloat16 layer weights packed once: in AMX tile order where the tile unit is there
         # (kernels/amx_linear.py), for VDPBF16PS where that pays (kernels/dp_linear.py: dense weights
-        # at small steps), else in oneDNN's blocked layout (quant/prepacked.py; same bits)
+        # at small steps), else in oneDNN's blocked layout (quant/prepacked.py; same bits). The install
+        # is process-wide: this model's own choice decides its packs (another engine's may differ)
         emb = getattr(getattr(model, "embed_tokens", None), "weight", None)
-        if self.device.type == "cpu" and emb is not None and emb.dtype == torch.bfloat16:
-            amx_linear.install() or (dp_linear.wanted(model) and dp_linear.install())
-        self.prepacked_linears = prepacked.prepack_model(model) if self.device.type == "cpu" else 0
+        tiles = self.device.type == "cpu" and emb is not None and emb.dtype == torch.bfloat16 and \
+            (amx_linear.install() or (dp_linear.wanted(model) and dp_linear.install()))
+        self.prepacked_linears = prepacked.prepack_model(model, tiles) if self.device.type == "cpu" else 0
         # float32 layer weights as fp16 for fbgemm where --dtype auto chose float32 (quant/fp16_linear.py)
         self.fp16_weights = fp16_weights and self.device.type == "cpu" and fp16_linear.enabled()
         if self.fp16_weights:

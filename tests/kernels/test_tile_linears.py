@@ -87,6 +87,27 @@ def test_an_input_of_other_in_features_is_refused(kernel):
             kernel.linear(torch.randn(*shape).bfloat16(), p)
 
 
+def test_a_model_that_does_not_want_the_kernel_keeps_onednn_after_another_installed_it(kernel, tmp_path,
+                                                                                        monkeypatch):
+    """The install is process-wide and stays: a later runner whose model does not want VDPBF16PS
+    (``dp_linear.wanted`` false: ``--weight-quant auto``) packs its weights for oneDNN. It took
+    the kernel an earlier engine had installed (order-dependent: ``llmd bench single --formats
+    none,gguf`` ran gguf's batches on VDPBF16PS, ``gguf,none`` on oneDNN)."""
+    if kernel is not dp_linear:
+        pytest.skip("the AMX kernel is installed for every bfloat16 model")
+    from tiny_engine import tiny_engine
+
+    from llmd.daemon.core.model_runner import ModelRunner
+    from llmd.models.gguf_loader import load_model
+
+    monkeypatch.delenv("LLMD_DP_LINEAR", raising=False)
+    tiny_engine(tmp_path / "t.gguf")
+    model, _ = load_model(str(tmp_path / "t.gguf"), torch.bfloat16, "cpu", weight_quant="gguf", keep_dense=True)
+    assert not dp_linear.wanted(model) and prepacked.tile_linear is not None  # installed by the fixture
+    runner = ModelRunner(model, 8, 16, torch.bfloat16, "cpu", attention_backend="cpu")
+    assert runner.prepacked_linears > 0 and prepacked.amx_count(model) == 0
+
+
 def test_prepack_model_packs_tile_order_where_the_shape_fits_else_onednn(kernel):
     """With a kernel installed, 32-multiple weights become tile-order packs and the rest oneDNN's;
     :func:`unpack_model` gives every weight back bit for bit."""
