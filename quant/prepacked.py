@@ -93,8 +93,8 @@ def amx_packable(w: torch.Tensor) -> bool:
 
 
 def amx_pack(w: torch.Tensor) -> torch.Tensor:
-    """bfloat16 ``W [N, K]`` in the AMX kernel's tile order (``kernels/native/amx_linear.c``, which
-    ``dp_linear.c`` reads too:
+    """bfloat16 ``W [N, K]`` in the AMX kernel's tile order (``kernels/native/amx_linear.c``;
+    ``dp_linear.c`` has its own order, :func:`dp_pack`:
     ``[N/32][K/32][2][16][16][2]``), returned as ``uint16 [N, K]``: the shape readers expect, and a
     dtype that no torch matmul takes by mistake. :func:`dense` undoes it bit for bit."""
     n, k = w.shape

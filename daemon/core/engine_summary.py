@@ -97,7 +97,7 @@ class SummaryMixin:
         copy = prepacked.head_copy_bytes(self.runner.model)
         head = f" (the tied LM head's as a copy, +{copy / 2**20:.0f} MiB)" if copy else ""
         amx = prepacked.amx_count(self.runner.model)
-        tiles = f"for {prepacked.tile_kernel or 'AMX tiles'}"
+        tiles = f"for {prepacked.tile_kernel}"  # set by the kernel whose install packed them
         kind = tiles if amx == packed else f"({amx} {tiles}, {packed - amx} for oneDNN)" if amx else "for oneDNN"
         linears = f", linears: {packed} bf16 weights prepacked {kind}{head}" if packed else ""
         fp16, fp16_bytes = fp16_linear.packed_count(self.runner.model)
