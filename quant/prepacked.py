@@ -93,10 +93,10 @@ def amx_packable(w: torch.Tensor) -> bool:
 
 
 def amx_pack(w: torch.Tensor) -> torch.Tensor:
-    """bfloat16 ``W [N, K]`` in the AMX kernel's tile order (``kernels/native/amx_linear.c``;
-    ``dp_linear.c`` has its own order, :func:`dp_pack`:
+    """bfloat16 ``W [N, K]`` in the AMX kernel's tile order (``kernels/native/amx_linear.c``:
     ``[N/32][K/32][2][16][16][2]``), returned as ``uint16 [N, K]``: the shape readers expect, and a
-    dtype that no torch matmul takes by mistake. :func:`dense` undoes it bit for bit."""
+    dtype that no torch matmul takes by mistake. :func:`dense` undoes it bit for bit.
+    (``dp_linear.c`` has its own order: :func:`dp_pack`.)"""
     n, k = w.shape
     t = w.contiguous().view(n // 32, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
     return t.view(torch.uint16).view(n, k)
