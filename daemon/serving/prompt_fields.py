@@ -10,8 +10,11 @@ tokens or more leave no room to generate and are refused (with ``truncate_prompt
 objects, counted before any is read; ``role`` is one of :data:`ROLES` (``developer`` is passed
 on as ``system``), ``content`` a non-empty string or a list of text parts (no images), joined;
 an assistant message with ``tool_calls`` and no content is rendered as its calls
-(``structured.tool_calls_text``). Every text must be valid UTF-8. A rejection is an
-:class:`ApiError` naming the field (``messages[3].content``) and what it allows.
+(``structured.tool_calls_text``). The fields OpenAI types as strings and the templates do not
+render (:data:`STRING_FIELDS`: ``name``, ``tool_call_id``, ``refusal``) are strings or null
+where present (on any role). Every text must be valid UTF-8. A rejection is an
+:class:`ApiError` naming the field (``messages[3].content``, ``messages[1].name``) and what it
+allows.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from llmd.daemon.serving.json_fields import ApiError, check_utf8, json_typed, js
 
 MAX_MESSAGES = 2048  # chat messages per request (OpenAI's limit)
 ROLES = ("system", "user", "assistant", "developer", "tool")
+#: message fields OpenAI types as strings that llmd reads no further (checked on any role, null allowed)
+STRING_FIELDS = ("name", "tool_call_id", "refusal")
 
 
 def _token_ids(v, name: str, vocab_size: int) -> list[int]:
@@ -80,6 +85,9 @@ def _messages(body: dict) -> list[dict]:
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
             raise ApiError(f"{where}.role must be one of {', '.join(ROLES)}, got {json_value(role)}", f"{where}.role")
+        for f in STRING_FIELDS:
+            if m.get(f) is not None and not isinstance(m[f], str):
+                raise ApiError(f"{where}.{f} must be a string, got {typed_value(m[f])}", f"{where}.{f}")
         if role == "assistant" and content in (None, "") and m.get("tool_calls"):
             from llmd.daemon.serving.structured import tool_calls_text
 

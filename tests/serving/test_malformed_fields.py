@@ -50,3 +50,33 @@ def test_a_number_field_holding_an_integer_past_floats_range_is_400(engine_loop,
     status, body = run_app(engine_loop, scenario, timeout=30)
     assert status == 400 and body["error"]["param"] == field, body
     assert "must be" in body["error"]["message"] and "100000" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("message, field", [
+    ({"role": "user", "content": "hi", "name": 5}, "name"),
+    ({"role": "system", "content": "hi", "name": ["bot"]}, "name"),
+    ({"role": "tool", "content": "22 C", "tool_call_id": 7}, "tool_call_id"),
+    ({"role": "assistant", "content": "no", "refusal": {"why": 1}}, "refusal"),
+])
+def test_a_message_field_openai_types_as_a_string_holding_another_type_is_400(engine_loop, message, field):
+    """``messages[i].name`` (and a tool message's ``tool_call_id``, an assistant's ``refusal``)
+    holding a number, array or object was accepted and ignored; OpenAI and vLLM refuse it.
+    Chat, its render and /tokenize parse messages alike; a string or null is still accepted."""
+    ok = {**message, field: None}, {**message, field: "x"}
+
+    async def scenario(client):
+        out = []
+        for path in ("/v1/chat/completions", "/v1/chat/completions/render", "/tokenize"):
+            resp = await client.post(path, json={"messages": [{"role": "user", "content": "q"}, message],
+                                                 "max_tokens": 2})
+            out.append((resp.status, await resp.json()))
+        for m in ok:
+            resp = await client.post("/tokenize", json={"messages": [{"role": "user", "content": "q"}, m]})
+            out.append((resp.status, await resp.json()))
+        return out
+
+    *bad, good_null, good_str = run_app(engine_loop, scenario, timeout=30)
+    for status, body in bad:
+        assert status == 400 and body["error"]["param"] == f"messages[1].{field}", body
+        assert f"messages[1].{field} must be a string, got" in body["error"]["message"], body
+    assert good_null[0] == 200 and good_str[0] == 200, (good_null, good_str)
