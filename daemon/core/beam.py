@@ -191,6 +191,13 @@ class BeamSearch:
     def finished(self, request_id: str) -> None:
         self._group_of.pop(request_id, None)
 
+    def members(self, request_id: str) -> list[str]:
+        """What an abort of one beam's sequence id ends: every slot of its group, in index
+        order (slots are reassigned every step, so one slot alone means nothing to the
+        caller); any other id: just that id."""
+        g = self._group_of.get(request_id)
+        return [request_id] if g is None else [r.request_id for r in g.slots]
+
     def take_reports(self, sampling: Sequence[Request], sampled: dict[str, int],
                      logprobs: dict[str, TokenLogprobs | None]) -> list[BeamGroup]:
         """Move the beams' rows out of ``sampled`` (the scheduler appends no token for them)

@@ -207,9 +207,17 @@ class Engine(StepMixin, SummaryMixin, StatsMixin, OfflineMixin):
         return self.kv_manager.reset_prefix_cache()
 
     def abort(self, request_id: str) -> bool:
-        """Abort a request (a parent id: all its live sequences) and free its blocks; returns
-        False if nothing was live."""
-        return bool(self.abort_requests(self.parallel.members(request_id)))
+        """Abort a request (:meth:`abort_members`) and free its blocks; returns False if
+        nothing was live."""
+        return bool(self.abort_requests(self.abort_members(request_id)))
+
+    def abort_members(self, request_id: str) -> list[str]:
+        """The sequences an abort of ``request_id`` ends: a parent id's live children; one
+        beam's sequence id its whole beam search (:meth:`BeamSearch.members`); a parallel-
+        sampling child or any other id just itself."""
+        if request_id in self.beams:
+            return self.beams.members(request_id)
+        return self.parallel.members(request_id)
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
         """Abort these sequences; returns the final ``finish_reason="abort"`` output of each one

@@ -13,7 +13,8 @@ Endpoints (JSON unless noted):
 * ``GET /v1/stats[?cells=K]``: the versioned snapshot of ``protocol.py``.
 * ``GET /metrics``: Prometheus text (``metrics.py``: ``llmd:`` names, plus ``vllm:`` ones
   with ``--metrics-compat vllm``); 404 when the daemon runs without metrics.
-* ``DELETE /v1/requests/{id}``: abort (404 if not live). ``POST /tokenize``: ``{"prompt"}``
+* ``DELETE /v1/requests/{id}``: abort (404 if not live; a beam's sequence id aborts its whole
+  beam search, ``Engine.abort_members``). ``POST /tokenize``: ``{"prompt"}``
   or ``{"messages"}`` → ``{"tokens", "count"}``, parsed and limited as for generation and
   tokenized by the same input processor. ``POST /v1/shutdown``: graceful stop (what
   ``llmd stop`` calls; same as SIGTERM).

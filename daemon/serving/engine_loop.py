@@ -183,7 +183,8 @@ class EngineLoop(EngineThreadMixin):
             return fut
 
     def abort(self, request_id: str) -> cf.Future:
-        """Abort a request (parent id: all its sequences). Future → True if something was live."""
+        """Abort a request (:meth:`Engine.abort_members`: a parent id all its sequences, one
+        beam's id its whole beam search). Future → True if something was live."""
         fut: cf.Future = cf.Future()
         self._cmds.put(("abort", request_id, fut))
         return fut

@@ -127,7 +127,7 @@ class EngineThreadMixin:
             if kind == "submit":
                 result = self._submit(*cmd[1:-1])
             elif kind == "abort":
-                result = self._abort_ids(self.engine.parallel.members(cmd[1]))
+                result = self._abort_ids(self.engine.abort_members(cmd[1]))
             elif kind == "rejected":  # the tokenizer pool refused a submit
                 self.engine.counters.requests_rejected += isinstance(cmd[1], LlmdError)
                 raise cmd[1]

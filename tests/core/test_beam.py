@@ -202,3 +202,32 @@ def test_abort_by_parent_frees_every_beam(tiny64):
     assert e.abort("p")
     assert e.kv_manager.num_used_blocks == 0 and not e.requests and "p-0" not in e.beams
     e.kv_manager.check_integrity()
+
+
+@pytest.mark.parametrize("target", ["p-0", "p-2"])
+def test_abort_of_one_beams_id_ends_the_whole_search(tiny64, target):
+    """Aborting one beam's sequence id (as ``llmd ps`` and ``/v1/stats`` list them) aborts the
+    whole search: slots are reassigned every step, so one slot alone means nothing. Every
+    beam leaves with its blocks and no beam reports later; parallel sampling beside it keeps
+    its per-sequence abort (the other sequences run to their end)."""
+    e = make(tiny64)
+    sp = SamplingParams(max_tokens=20, temperature=0.0, use_beam_search=True, ignore_eos=True)
+    e.add_parallel_request("abort me", sp, child_request_ids("p", 3), parent_id="p")
+    e.add_parallel_request("sample me", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                           child_request_ids("q", 3), parent_id="q")
+    for _ in range(4):
+        e.step()
+    assert e.abort(target)
+    beams = child_request_ids("p", 3)
+    assert not set(beams) & (set(e.requests) | set(e.kv_manager.req_to_blocks))
+    assert "p" not in e.parallel and not any(b in e.beams for b in beams)
+    assert e.abort("q-1") and sorted(e.requests) == ["q-0", "q-2"]
+    ends = {}
+    while e.has_unfinished_requests():
+        for o in e.step():
+            assert o.request_id in ("q-0", "q-2"), o
+            if o.finished:
+                ends[o.request_id] = o.finish_reason
+    assert ends == {"q-0": "length", "q-2": "length"}
+    assert e.kv_manager.num_used_blocks == 0
+    e.kv_manager.check_integrity()

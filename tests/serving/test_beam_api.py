@@ -1,8 +1,11 @@
 """Beam search over HTTP (vLLM's extra parameters): ``use_beam_search``, ``n`` beams,
 ``length_penalty``, ``early_stopping`` on /v1/completions and /v1/chat/completions, the n
-best beams as choices (best first), and 400s naming the field for what it does not combine with."""
+best beams as choices (best first), 400s naming the field for what it does not combine with,
+and ``DELETE`` of any of a search's ids aborting the whole search."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 from app_harness import run_app, start_loop
@@ -77,3 +80,32 @@ def test_invalid_beam_combinations_are_400s(engine_loop, extra, param):
 
     status, err = run(engine_loop, scenario)
     assert status == 400 and err["error"]["param"] == param, err
+
+
+@pytest.mark.parametrize("suffix", ["-2", "-0", ""])
+def test_delete_of_any_beams_id_aborts_the_whole_search(engine_loop, suffix):
+    """``DELETE /v1/requests/{id}-k`` (one beam's sequence id, as ``/v1/stats`` lists them)
+    ends the search as ``DELETE /v1/requests/{id}`` does: one 200 answer whose every choice
+    has ``finish_reason: "abort"``, every beam's blocks freed. Before, only slot k ended (its
+    choice "abort") and the other beams searched on to ``max_tokens``."""
+    body = {"prompt": "hello", "max_tokens": 400, "n": 4, "use_beam_search": True, "ignore_eos": True}
+
+    async def scenario(client):
+        answer = asyncio.ensure_future(client.post("/v1/completions", json=body))
+        for _ in range(1000):
+            live = [r["id"] for r in (await (await client.get("/v1/stats")).json())["requests"]]
+            if live:
+                break
+            await asyncio.sleep(0.01)
+        rid = live[0].rsplit("-", 1)[0]
+        deleted = await client.delete(f"/v1/requests/{rid}{suffix}")
+        resp = await answer
+        return rid, sorted(live), deleted.status, await deleted.json(), resp.status, await resp.json()
+
+    rid, live, status, deleted, answer_status, answer = run_app(engine_loop, scenario, timeout=120)
+    assert live == child_request_ids(rid, 4)
+    assert (status, deleted) == (200, {"id": rid + suffix, "aborted": True})
+    assert answer_status == 200 and answer["id"] == rid, answer
+    assert [(c["index"], c["finish_reason"]) for c in answer["choices"]] == [(i, "abort") for i in range(4)]
+    assert engine_loop.engine.kv_manager.num_used_blocks == 0 and not engine_loop.engine.requests
+    assert rid not in engine_loop.engine.parallel
