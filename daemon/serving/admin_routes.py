@@ -11,6 +11,10 @@ tokenize, shutdown, and the debug integrity hook.
   the cached blocks no request uses, ``{"reset": blocks dropped}``.
 * ``POST /tokenize``: the prompt parsed and limited as a generation's (``prompt_fields.py``) and
   tokenized on the same tokenizer pool, off the engine thread.
+* ``POST /detokenize`` (vLLM's): ``{"tokens": [id, ...], "model"?}`` → ``{"prompt": text}``,
+  special tokens kept; ``tokens`` checked by ``prompt_fields.parse_tokens`` (400 ``param``
+  ``tokens``), ``model`` as generation's (404 ``model_not_found``); decoded on the tokenizer pool.
+* ``GET /version``: ``{"version": the installed llmd's version}`` (vLLM reports its own).
 * ``POST /v1/shutdown``: sets the shutdown switch, 202 (what ``llmd stop`` calls; as SIGTERM).
 * ``GET /v1/debug/integrity``: the KV manager's audit, registered by ``api.make_app`` only under
   ``LLMD_DEBUG_ROUTES=1``.
@@ -25,10 +29,12 @@ import time
 from aiohttp import web
 
 from llmd.daemon.core.errors import LlmdError
+from llmd.daemon.core.kv_transfer import llmd_version
 from llmd.daemon.protocol import stats_with_cells
 from llmd.daemon.serving.http_common import STATE, check_size, engine_error, read_json
 from llmd.daemon.serving.json_fields import ApiError, json_value
-from llmd.daemon.serving.prompt_fields import parse_prompt
+from llmd.daemon.serving.prompt_fields import parse_prompt, parse_tokens
+from llmd.daemon.serving.validation import check_model
 
 
 async def health(request: web.Request) -> web.Response:
@@ -95,6 +101,27 @@ async def tokenize(request: web.Request) -> web.Response:
     except LlmdError as e:
         raise engine_error(e, chat) from None
     return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": st.max_model_len})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """``{"tokens": [id, ...]}`` → ``{"prompt": text}`` (special tokens kept), decoded on the
+    tokenizer pool. 400 naming ``tokens`` (missing, not a list of vocabulary ids, more than
+    64 × the context); 404 ``model_not_found`` for another ``model``; 503 when the engine loop
+    has stopped."""
+    st = request.app[STATE]
+    body = await read_json(request)
+    ids = parse_tokens(body, st.vocab_size, st.max_model_len)
+    check_model(body, st.model_ids)
+    try:
+        text = await asyncio.wrap_future(st.engine_loop.detokenize(ids))
+    except LlmdError as e:  # the tokenizer pool is shut down
+        raise ApiError(str(e), None, 503) from None
+    return web.json_response({"prompt": text})
+
+
+async def version(request: web.Request) -> web.Response:
+    """``{"version": "0.1.0"}``: the installed llmd's version (``importlib.metadata``)."""
+    return web.json_response({"version": llmd_version()})
 
 
 async def debug_integrity(request: web.Request) -> web.Response:

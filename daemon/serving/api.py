@@ -18,6 +18,8 @@ Endpoints (JSON unless noted):
   or ``{"messages"}`` → ``{"tokens", "count"}``, parsed and limited as for generation and
   tokenized by the same input processor. ``POST /v1/shutdown``: graceful stop (what
   ``llmd stop`` calls; same as SIGTERM).
+* ``POST /detokenize`` (vLLM's): ``{"tokens": [id, ...]}`` → ``{"prompt": text}``, special
+  tokens kept, decoded on the tokenizer pool; ``GET /version``: ``{"version"}``, llmd's.
 * ``POST /v1/completions/render``, ``POST /v1/chat/completions/render``: vLLM's render (the
   token ids and sampling parameters a request would run with, nothing generated; ``render.py``).
 * ``GET /v1/debug/integrity``: only when ``LLMD_DEBUG_ROUTES=1`` is in the daemon's
@@ -52,6 +54,7 @@ from aiohttp import web
 from llmd.daemon.serving.admin_routes import (
     abort_request,
     debug_integrity,
+    detokenize,
     health,
     metrics,
     models,
@@ -59,6 +62,7 @@ from llmd.daemon.serving.admin_routes import (
     shutdown,
     stats,
     tokenize,
+    version,
 )
 from llmd.daemon.serving.generation_routes import chat_completions, completions
 from llmd.daemon.serving.http_common import (
@@ -97,6 +101,8 @@ def make_app(state: ServerState, access=None) -> web.Application:
     app.router.add_delete("/v1/requests/{request_id}", abort_request)
     app.router.add_post("/v1/cache/reset", reset_cache)
     app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", version)
     app.router.add_post("/v1/shutdown", shutdown)
     kvt = state.kv_transfer
     if kvt is not None and kvt.role == "producer":  # serve the KV pull (kv_transfer/tcp.py)

@@ -15,6 +15,8 @@ render (:data:`STRING_FIELDS`: ``name``, ``tool_call_id``, ``refusal``) are stri
 where present (on any role). Every text must be valid UTF-8. A rejection is an
 :class:`ApiError` naming the field (``messages[3].content``, ``messages[1].name``) and what it
 allows.
+
+``POST /detokenize``'s ``tokens`` (:func:`parse_tokens`) are token ids checked as a prompt's.
 """
 
 from __future__ import annotations
@@ -111,6 +113,31 @@ def _messages(body: dict) -> list[dict]:
         out.append({"role": "system" if role == "developer" else role,
                     "content": check_utf8(content, f"{where}.content")})
     return out
+
+
+def parse_tokens(body, vocab_size: int, max_model_len: int) -> list[int]:
+    """``POST /detokenize``'s ``tokens``: a list (empty allowed) of integer token ids in
+    ``[0, vocab_size)``, at most ``MAX_CHARS_PER_TOKEN`` × ``max_model_len`` of them (the most
+    a prompt may carry, with ``truncate_prompt_tokens``; a reply under context shift runs past
+    the context too), counted before any id is checked.
+
+    Raises:
+        ApiError: the body is not an object; ``tokens`` is missing or null, not a list, too
+            long, or holds something other than an id of the vocabulary (booleans are not
+            ids); ``param`` "tokens".
+    """
+    if not isinstance(body, dict):
+        raise ApiError(f"the request body must be a JSON object, got {json_typed(body)}")
+    v = body.get("tokens")
+    if v is None:
+        raise ApiError("tokens is required (a list of token ids)", "tokens")
+    if not isinstance(v, list):
+        raise ApiError(f"tokens must be a list of token ids, got {json_typed(v)}", "tokens")
+    limit = MAX_CHARS_PER_TOKEN * max_model_len
+    if len(v) > limit:
+        raise ApiError(f"tokens has {len(v)} ids, more than the limit of {limit} ({MAX_CHARS_PER_TOKEN} x the "
+                       f"context of {max_model_len} tokens)", "tokens")
+    return _token_ids(v, "tokens", vocab_size)
 
 
 def parse_prompt(body, chat: bool, vocab_size: int, max_model_len: int | None = None) -> str | list[int] | list[dict]:

@@ -16,7 +16,7 @@ clients send extras (``user``, ``metadata``); the SDK's typed fields llmd cannot
 (``best_of`` > n, ``suffix``, ``functions``, ``echo`` with ``logprobs``, ...) are rejected
 rather than silently dropped (``request_fields.py``; ``logit_bias`` and ``stream_options``
 are parsed there too, a list of prompts and ``echo`` in ``multi_prompt.py``). An unknown
-``model`` is a 404 with OpenAI's ``code: "model_not_found"``. Output
+``model`` is a 404 with OpenAI's ``code: "model_not_found"`` (:func:`check_model`). Output
 constraints (``response_format``, ``structured_outputs`` / ``guided_*``, ``tools`` +
 ``tool_choice``) are parsed by ``structured.py``.
 
@@ -83,6 +83,15 @@ class ParsedRequest:
     continuous_usage: bool = False
 
 
+def check_model(body: dict, model_ids: tuple[str, ...]) -> None:
+    """``model``, when present and not null, is one of ``model_ids``; else a 404 with OpenAI's
+    ``code: "model_not_found"`` (generation, render, ``/detokenize``)."""
+    model = body.get("model")
+    if model is not None and model not in model_ids:
+        raise ApiError(f"model {json_value(model)} is not served here; available: {', '.join(model_ids)}", "model",
+                       404, code="model_not_found")
+
+
 def parse_request(body, chat: bool, model_ids: tuple[str, ...], vocab_size: int,
                   max_model_len: int | None = None) -> ParsedRequest:
     """Validate a /v1/completions (``chat=False``) or /v1/chat/completions body.
@@ -98,10 +107,7 @@ def parse_request(body, chat: bool, model_ids: tuple[str, ...], vocab_size: int,
     """
     if not isinstance(body, dict):
         raise ApiError(f"the request body must be a JSON object, got {json_typed(body)}")
-    model = body.get("model")
-    if model is not None and model not in model_ids:
-        raise ApiError(f"model {json_value(model)} is not served here; available: {', '.join(model_ids)}", "model",
-                       404, code="model_not_found")
+    check_model(body, model_ids)
     from llmd.daemon.serving.multi_prompt import check_echo, parse_prompts  # they import this module's ApiError
     from llmd.daemon.serving.request_fields import check_refused, parse_logit_bias, parse_stream_options
     from llmd.daemon.serving.structured import parse_structured

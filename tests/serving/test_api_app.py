@@ -181,3 +181,66 @@ def test_delete_by_parent_id_aborts_every_sequence(engine_loop):
     assert aborted == (200, {"id": rid, "aborted": True})
     assert finish == {0: "abort", 1: "abort"}
     assert engine_loop.engine.kv_manager.num_used_blocks == 0 and rid not in engine_loop.engine.parallel
+
+
+def test_detokenize_decodes_on_the_tokenizer_pool_and_version_is_the_installed_one(engine_loop, monkeypatch):
+    """``POST /detokenize`` (vLLM's): ``{"tokens"}`` → ``{"prompt"}``, special tokens kept, decoded
+    on the tokenizer pool; ``model`` checked as generation checks it; ``/tokenize``'s ids round-
+    trip. ``GET /version``: the installed llmd's version, as vLLM reports its own."""
+    import importlib.metadata
+    import threading
+
+    tok = engine_loop.engine.input_processor.tokenizer
+    calls: list[tuple[str, dict]] = []
+    orig = tok.decode
+    monkeypatch.setattr(tok, "decode", lambda ids, **k: (calls.append((threading.current_thread().name, k)),
+                                                         orig(ids, **k))[1])
+
+    async def scenario(client):
+        out = {}
+        for name, body in (("hi", {"tokens": [104, 105]}), ("alias", {"tokens": [97], "model": "tiny-alias"}),
+                           ("empty", {"tokens": []}), ("other", {"tokens": [97], "model": "other"})):
+            resp = await client.post("/detokenize", json=body)
+            out[name] = (resp.status, await resp.json())
+        ids = (await (await client.post("/tokenize", json={"prompt": "round trip"})).json())["tokens"]
+        out["round"] = await (await client.post("/detokenize", json={"tokens": ids})).json()
+        resp = await client.get("/version")
+        out["version"] = (resp.status, await resp.json())
+        return out
+
+    out = run(engine_loop, scenario)
+    assert out["hi"] == (200, {"prompt": "hi"}) and out["alias"] == (200, {"prompt": "a"})
+    assert out["empty"] == (200, {"prompt": ""}) and out["round"] == {"prompt": "round trip"}
+    assert out["other"][0] == 404 and out["other"][1]["error"]["code"] == "model_not_found"
+    assert calls and all(t.startswith("llmd-tokenize") and k == {"skip_special_tokens": False} for t, k in calls)
+    assert out["version"] == (200, {"version": importlib.metadata.version("llmd")})
+
+
+@pytest.mark.parametrize("body, words", [
+    ({}, "tokens is required"),
+    ({"tokens": None}, "tokens is required"),
+    ({"tokens": "hi"}, 'got string "hi"'),
+    ({"tokens": {"0": 1}}, "got object"),
+    ({"tokens": [1, True]}, "got boolean true in it"),
+    ({"tokens": [1, 2.5]}, "got number 2.5 in it"),
+    ({"tokens": [1, "2"]}, 'got string "2" in it'),
+    ({"tokens": [1, [2]]}, "got array"),
+    ({"tokens": [256]}, "token id 256 outside the vocabulary [0, 256)"),
+    ({"tokens": [-1]}, "token id -1 outside the vocabulary"),
+    ({"tokens": [1] * (64 * 512 + 1)}, f"{64 * 512 + 1} ids, more than the limit of {64 * 512}"),
+])
+def test_detokenize_bad_tokens_are_400s_naming_the_field(engine_loop, body, words):
+    """What ``/detokenize`` refuses, each a 400 ``param: "tokens"``: missing, not a list, an
+    element not an integer id of the vocabulary, more ids than any prompt may carry (64 × the
+    context, counted before any id is checked)."""
+
+    async def scenario(client):
+        resp = await client.post("/detokenize", json=body)
+        bad = (resp.status, await resp.json())
+        resp = await client.post("/detokenize", json=[1, 2])  # not an object: no field to name
+        return bad, (resp.status, await resp.json())
+
+    (status, err), (status2, err2) = run(engine_loop, scenario)
+    assert status == 400 and err["error"]["param"] == "tokens" and words in err["error"]["message"], err
+    assert err["error"]["type"] == "invalid_request_error" and err["error"]["code"] == 400
+    assert status2 == 400 and err2["error"]["param"] is None and "JSON object" in err2["error"]["message"]
