@@ -4,17 +4,9 @@ each is a 400 whose ``param`` names the field, never a 500 (in-process app, tiny
 from __future__ import annotations
 
 import pytest
-from app_harness import run_app, start_loop
+from app_harness import run_app
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-
-
-@pytest.fixture(scope="module")
-def engine_loop(tmp_path_factory):
-    loop = start_loop(tmp_path_factory, max_num_seqs=4)
-    yield loop
-    loop.stop()
-    assert loop.engine.kv_manager.num_used_blocks == 0 and not loop.engine.requests
 
 
 @pytest.mark.parametrize("function", ["get_weather", None, ["get_weather"], 5, {"name": 5}, {}])

@@ -14,18 +14,10 @@ import time
 
 import pytest
 from aiohttp import web
-from app_harness import run_app, sse_events, start_loop, state_of
+from app_harness import run_app, sse_events, state_of
 
 from llmd.daemon.core.faults import FaultInjector
 from llmd.daemon.serving.api import make_app
-
-
-@pytest.fixture(scope="module")
-def engine_loop(tmp_path_factory):
-    loop = start_loop(tmp_path_factory, max_num_seqs=4)
-    yield loop
-    loop.stop()
-    assert loop.engine.kv_manager.num_used_blocks == 0 and not loop.engine.requests
 
 
 def run(engine_loop, scenario, timeout=60.0):
