@@ -120,18 +120,21 @@ def chat(socket_path, prompt, system, temperature, top_k, top_p, repetition_pena
         backend = LocalBackend(build_engine(**engine_kw))
     else:
         path, serve_args = socket_path_of(socket_path), spawn.engine_args(engine_kw)
-        probe = client_for(socket_path)
+        # the one /health asked at start: 200 ok / draining, 503 loading / dead / stalled, None (nothing answers);
+        # a serving answer is handed on, so ensure_daemon and check_running_daemon do not ask again
+        health = client_for(socket_path).health(ready_only=False)
+        serving = health if (health or {}).get("status") == "ok" else None
         # a daemon of its own options: one that serves, loads, or is still starting (a draining one is waited out)
-        already = spawn.serving(probe) is not None or (probe.health(ready_only=False) or {}).get("status") == \
-            "loading" or spawn.starting_pid(path) is not None
+        already = serving is not None or (health or {}).get("status") == "loading" or \
+            spawn.starting_pid(path) is not None
         if not already:  # a daemon would be started for this model
             check_chat_template(engine_kw["model"])
-        client = spawn.ensure_daemon(path, serve_args, daemon_log)
+        client = spawn.ensure_daemon(path, serve_args, daemon_log, ready_health=serving)
         if already:
             ctx = click.get_current_context()
             given = [k for k in engine_kw if ctx.get_parameter_source(k) in (ParameterSource.COMMANDLINE,
                                                                                ParameterSource.ENVIRONMENT)]
             spawn.check_running_daemon(client, served_id(engine_kw["model"]) if "model" in given else None,
-                                       ["--" + k.replace("_", "-") for k in given if k != "model"])
+                                       ["--" + k.replace("_", "-") for k in given if k != "model"], health=serving)
         backend = repl.DaemonBackend(client, reconnect=lambda: spawn.reconnect(path, serve_args, daemon_log))
     repl.run_chat(backend, params, system=system, prompt=prompt, verbose=verbose)

@@ -154,19 +154,22 @@ def serving(client: Client) -> dict | None:
 
 def ensure_daemon(socket_path: str, serve_args: list[str], log_path: str | None = None,
                   timeout: float = STARTUP_TIMEOUT_S, echo=lambda m, nl=True: click.echo(m, err=True, nl=nl),
-                  env: dict | None = None, live_progress: bool | None = None) -> Client:
+                  env: dict | None = None, live_progress: bool | None = None,
+                  ready_health: dict | None = None) -> Client:
     """Return a client of a healthy daemon on ``socket_path``, starting one if needed.
 
     ``env`` is the spawned daemon's environment (default: this process's). ``live_progress``:
     redraw one progress line with ``\r`` (default: when stderr is a terminal; otherwise a plain
-    line every 10 s, readable in logs and pipes).
+    line every 10 s, readable in logs and pipes). ``ready_health``: a ``/health`` body the caller
+    has just read that says the daemon serves (status ``ok``; ``llmd chat``'s one ask at start):
+    the client is returned without asking again.
 
     Raises:
         LlmdError: the daemon could not start (its log's last lines are in the message) or
             did not answer ``/health`` within ``timeout`` seconds.
     """
     client = Client(socket_path)
-    if serving(client):
+    if (ready_health or {}).get("status") == "ok" or serving(client):
         return client
     old = client.health()
     if old:  # draining (SIGTERM, `llmd stop`): it refuses new requests; a new daemon follows it
@@ -243,16 +246,17 @@ def reconnect(socket_path: str, serve_args: list[str], log_path: str | None = No
 
 
 def check_running_daemon(client: Client, model: str | None, ignored: list[str],
-                         echo=lambda m: click.echo(m, err=True)) -> None:
+                         echo=lambda m: click.echo(m, err=True), health: dict | None = None) -> None:
     """Before chatting with a daemon that was already running: its engine options are fixed.
 
     Args:
         model: the ``--model`` given on this command line (None = not given).
         ignored: other engine options given on this command line (``--kv-cache-dtype`` ...).
+        health: the daemon's ``/health`` body, when the caller has just read it (else asked here).
     Raises:
         LlmdError: ``model`` is not one of the names the daemon serves (``/health`` ``model_ids``).
     """
-    health = client.health() or {}
+    health = (health if health is not None else client.health()) or {}
     served = health.get("model_ids") or [health.get("model")]
     stop = f"`llmd stop --socket {client.socket_path}`"
     if model is not None and model not in served:
