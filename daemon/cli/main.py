@@ -16,7 +16,15 @@ import importlib
 import os
 import sys
 
-import click
+from llmd.daemon.cli.startup_interrupt import HeldInterrupt
+
+#: a Ctrl-C while this module imports click (~20 ms of every start) is kept for ``main`` (below)
+IMPORTING = HeldInterrupt()
+with IMPORTING:
+    import click
+
+#: ``llmd: interrupted`` exits with this, as a command's own Ctrl-C (``common.one_line_errors``)
+INTERRUPTED_EXIT = 130
 
 #: command name → ``module:attribute`` of its click command
 COMMANDS = {
@@ -48,9 +56,19 @@ class LazyCommands(click.Group):
 
 class OneLineUsageErrors(LazyCommands):
     """click's usage errors (bad option values, unknown options) as one line
-    ``llmd: error: ...`` with click's exit code 2, instead of usage + hint + error."""
+    ``llmd: error: ...`` with click's exit code 2, instead of usage + hint + error.
+
+    A Ctrl-C before a command's body runs (while this module imported click, while click parses
+    the arguments or imports the command's module) ends as one in the body does: ``llmd:
+    interrupted``, exit 130, no traceback (it was a traceback and exit -2, or ``llmd: aborted``
+    and exit 1)."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if IMPORTING.take():  # a Ctrl-C while click was imported: act on it now
+            if not standalone_mode:
+                raise KeyboardInterrupt
+            click.echo("llmd: interrupted", err=True)
+            sys.exit(INTERRUPTED_EXIT)
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, False, **extra)
         try:
@@ -62,7 +80,10 @@ class OneLineUsageErrors(LazyCommands):
         except click.ClickException as e:
             e.show()
             sys.exit(e.exit_code)
-        except click.Abort:
+        except click.Abort as e:
+            if isinstance(e.__cause__, KeyboardInterrupt):  # click's word for a Ctrl-C outside the command
+                click.echo("llmd: interrupted", err=True)
+                sys.exit(INTERRUPTED_EXIT)
             click.echo("llmd: aborted", err=True)
             sys.exit(1)
         sys.exit(rv if isinstance(rv, int) else 0)
