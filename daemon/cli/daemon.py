@@ -174,6 +174,27 @@ def serve(socket_path, host, port, api_key_file, api_key, served_model_name, dra
                                echo=echo_err))
     finally:  # also when run_server failed before its handlers took over (a bind): not the deferral
         restore()
+    _exit_past_the_engine_thread()
+
+
+def _exit_past_the_engine_thread() -> None:
+    """Exit 0 at once, output flushed, when the engine thread still runs after ``run_server``
+    has returned (a shutdown while the model loads: a load cannot be interrupted and is not
+    waited for; the socket and lock file are gone already). Python's exit would finalize the
+    interpreter under that thread, which then ends itself inside torch's C++ frames at its next
+    GIL take and aborts the process (``terminate called without an active exception``, exit
+    -6 instead of a drain's 0)."""
+    from llmd.daemon.serving.engine_loop import THREAD_NAME
+
+    if not any(t.name == THREAD_NAME and t.is_alive() for t in threading.enumerate()):
+        return
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that left, a closed stream: nothing more to say
+            pass
+    os._exit(0)
 
 
 @click.command()

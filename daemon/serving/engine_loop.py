@@ -78,6 +78,8 @@ from llmd.daemon.serving.engine_thread import (  # noqa: F401 (re-exported: the 
 )
 
 TOKENIZE_WORKERS = 2  # a long prompt's tokenization does not hold up a short one behind it
+#: the engine thread's name (``llmd serve`` looks for it once ``run_server`` has returned)
+THREAD_NAME = "llmd-engine"
 
 
 class EngineLoop(EngineThreadMixin):
@@ -107,7 +109,7 @@ class EngineLoop(EngineThreadMixin):
         self._index: dict[str, int] = {}  # live child id → its choice index (for terminal outputs)
         self.health = EngineHealth()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="llmd-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self.started_at = time.monotonic()
         self._stats: EngineStats | None = None
         self._snapshot: dict = {}
