@@ -95,6 +95,7 @@ async def tokenize(request: web.Request) -> web.Response:
     body = await read_json(request)
     chat = isinstance(body, dict) and "messages" in body
     prompt = parse_prompt(body, chat, st.vocab_size, st.max_model_len)  # generation's limits
+    check_model(body, st.model_ids)  # as vLLM's /tokenize: another model is a 404
     check_size(prompt, st.max_model_len, chat)
     try:
         ids = await asyncio.wrap_future(st.engine_loop.tokenize(prompt))  # the tokenizer pool, as every prompt

@@ -185,8 +185,8 @@ def test_delete_by_parent_id_aborts_every_sequence(engine_loop):
 
 def test_detokenize_decodes_on_the_tokenizer_pool_and_version_is_the_installed_one(engine_loop, monkeypatch):
     """``POST /detokenize`` (vLLM's): ``{"tokens"}`` → ``{"prompt"}``, special tokens kept, decoded
-    on the tokenizer pool; ``model`` checked as generation checks it; ``/tokenize``'s ids round-
-    trip. ``GET /version``: the installed llmd's version, as vLLM reports its own."""
+    on the tokenizer pool; ``model`` checked as generation checks it (and by ``/tokenize``);
+    ``/tokenize``'s ids round-trip. ``GET /version``: the installed llmd's version, as vLLM reports its own."""
     import importlib.metadata
     import threading
 
@@ -202,7 +202,9 @@ def test_detokenize_decodes_on_the_tokenizer_pool_and_version_is_the_installed_o
                            ("empty", {"tokens": []}), ("other", {"tokens": [97], "model": "other"})):
             resp = await client.post("/detokenize", json=body)
             out[name] = (resp.status, await resp.json())
-        ids = (await (await client.post("/tokenize", json={"prompt": "round trip"})).json())["tokens"]
+        ids = (await (await client.post("/tokenize", json={"prompt": "round trip", "model": "tiny"})).json())["tokens"]
+        resp = await client.post("/tokenize", json={"prompt": "x", "model": "other"})
+        out["tokenize other"] = (resp.status, await resp.json())
         out["round"] = await (await client.post("/detokenize", json={"tokens": ids})).json()
         resp = await client.get("/version")
         out["version"] = (resp.status, await resp.json())
@@ -211,7 +213,8 @@ def test_detokenize_decodes_on_the_tokenizer_pool_and_version_is_the_installed_o
     out = run(engine_loop, scenario)
     assert out["hi"] == (200, {"prompt": "hi"}) and out["alias"] == (200, {"prompt": "a"})
     assert out["empty"] == (200, {"prompt": ""}) and out["round"] == {"prompt": "round trip"}
-    assert out["other"][0] == 404 and out["other"][1]["error"]["code"] == "model_not_found"
+    for key in ("other", "tokenize other"):
+        assert out[key][0] == 404 and out[key][1]["error"]["code"] == "model_not_found", key
     assert calls and all(t.startswith("llmd-tokenize") and k == {"skip_special_tokens": False} for t, k in calls)
     assert out["version"] == (200, {"version": importlib.metadata.version("llmd")})
 
