@@ -12,7 +12,7 @@ import socket
 
 import pytest
 from click.testing import CliRunner
-from serve_cli import one_error_line, serve
+from serve_cli import dead_socket, live_socket, refused
 
 from llmd.daemon.cli.main import main
 from llmd.daemon.serving.lifecycle import claim_socket
@@ -35,9 +35,7 @@ def test_world_writable_socket_dir_is_refused_but_a_sticky_one_is_not(tmp_path):
     d = tmp_path / "open"
     d.mkdir()
     os.chmod(d, 0o777)
-    code, out = serve("--socket", str(d / "llmd.sock"))
-    assert code == 1
-    one_error_line(out, "is writable by other users")
+    refused("--socket", str(d / "llmd.sock"), match="is writable by other users")
     assert not os.path.exists(d / "llmd.sock.lock")  # refused before anything is created there
     os.chmod(d, 0o1777)  # sticky, as /tmp: others cannot replace our files
     os.close(claim_socket(str(d / "llmd.sock")))
@@ -49,29 +47,19 @@ def test_a_second_daemon_on_a_socket_is_told_the_stop_command_for_that_socket(tm
     path = str(tmp_path / "busy.sock")
     fd = claim_socket(path)  # a daemon holding the lock (running or still starting)
     try:
-        code, out = serve("--socket", path)
-        assert code == 1
-        one_error_line(out, f"already running (or starting) on {path}; stop it with `llmd stop --socket {path}`")
+        refused("--socket", path, match=f"already running (or starting) on {path}; stop it with "
+                                        f"`llmd stop --socket {path}`")
     finally:
         os.close(fd)
-    live = socket.socket(socket.AF_UNIX)  # something serving there without the lock
-    live.bind(path)
-    live.listen(1)
-    try:
-        code, out = serve("--socket", path)
-        assert code == 1
-        one_error_line(out, f"already serving on {path}; stop it with `llmd stop --socket {path}`")
-    finally:
-        live.close()
+    with live_socket(path):  # something serving there without the lock
+        refused("--socket", path, match=f"already serving on {path}; stop it with `llmd stop --socket {path}`")
 
 
 def test_socket_dir_of_another_user_is_refused(tmp_path, foreign):
     d = tmp_path / "theirs"
     d.mkdir(mode=0o755)
     foreign(d)
-    code, out = serve("--socket", str(d / "llmd.sock"))
-    assert code == 1
-    one_error_line(out, "belongs to another user")
+    refused("--socket", str(d / "llmd.sock"), match="belongs to another user")
 
 
 def test_lock_file_of_another_user_or_a_symlink_is_refused(tmp_path, foreign):
@@ -82,14 +70,11 @@ def test_lock_file_of_another_user_or_a_symlink_is_refused(tmp_path, foreign):
     (d / "llmd.sock.lock").write_text("")
     os.chmod(d / "llmd.sock.lock", 0o666)
     foreign(d / "llmd.sock.lock")
-    code, out = serve("--socket", str(sock))
-    assert code == 1
-    one_error_line(out, "lock file")
+    refused("--socket", str(sock), match="lock file")
     os.unlink(d / "llmd.sock.lock")
     os.symlink(tmp_path / "elsewhere", d / "llmd.sock.lock")  # a planted symlink is never followed
-    code, out = serve("--socket", str(sock))
-    assert code == 1 and not os.path.exists(tmp_path / "elsewhere")
-    one_error_line(out, "symlink")
+    refused("--socket", str(sock), match="symlink")
+    assert not os.path.exists(tmp_path / "elsewhere")
 
 
 def test_stale_socket_of_another_user_is_refused(tmp_path, foreign):
@@ -98,34 +83,26 @@ def test_stale_socket_of_another_user_is_refused(tmp_path, foreign):
     d = tmp_path / "run"
     d.mkdir(mode=0o700)
     sock = str(d / "llmd.sock")
-    s = socket.socket(socket.AF_UNIX)
-    s.bind(sock)
-    s.close()
+    dead_socket(sock)
     foreign(sock)
-    code, out = serve("--socket", sock)
-    assert code == 1
-    one_error_line(out, "the socket")
+    refused("--socket", sock, match="the socket")
 
 
 def test_non_loopback_host_needs_a_key_and_the_key_is_never_printed(tmp_path):
     sock = str(tmp_path / "llmd.sock")
-    code, out = serve("--socket", sock, "--host", "0.0.0.0", "--port", "8000", env={"LLMD_API_KEY": ""})
-    assert code == 1
-    one_error_line(out, "refusing to listen on 0.0.0.0:8000 without an API key")
+    refused("--socket", sock, "--host", "0.0.0.0", "--port", "8000", env={"LLMD_API_KEY": ""},
+            match="refusing to listen on 0.0.0.0:8000 without an API key")
     assert not os.path.exists(sock + ".lock")  # refused before the socket is claimed
-    code, out = serve("--socket", sock, "--api-key", KEY)
-    assert code == 1
-    one_error_line(out, "need --port")
+    refused("--socket", sock, "--api-key", KEY, match="need --port")
     # --api-key is accepted with a warning; stop it right after (an unsafe directory) before a model loads
     d = tmp_path / "open"
     d.mkdir()
     os.chmod(d, 0o777)
-    code, out = serve("--socket", str(d / "s.sock"), "--host", "0.0.0.0", "--port", "8000", "--api-key", KEY)
-    assert code == 1 and "/proc/PID/cmdline" in out and KEY not in out
-    one_error_line(out, "writable by other users")
-    code, out = serve("--socket", sock, "--port", "8000", "--api-key-file", str(tmp_path / "nokey"))
-    assert code == 1
-    one_error_line(out, "cannot read --api-key-file")
+    out = refused("--socket", str(d / "s.sock"), "--host", "0.0.0.0", "--port", "8000", "--api-key", KEY,
+                  match="writable by other users")
+    assert "/proc/PID/cmdline" in out and KEY not in out
+    refused("--socket", sock, "--port", "8000", "--api-key-file", str(tmp_path / "nokey"),
+            match="cannot read --api-key-file")
 
 
 def test_stop_waits_for_a_daemon_that_is_already_draining(tmp_path):

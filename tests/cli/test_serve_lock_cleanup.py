@@ -7,66 +7,40 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
-import sys
 
 import pytest
-from serve_cli import one_error_line, serve
-
-HOLDER = "import sys, time\nfrom llmd.daemon.serving.socket_claim import claim_socket\nclaim_socket(sys.argv[1])\n" \
-         "print('locked', flush=True)\ntime.sleep(60)\n"
+from serve_cli import dead_socket, live_socket, lock_holder, refused, serve
 
 
 def test_a_regular_file_on_the_path_leaves_no_lock_file(tmp_path):
     path = tmp_path / "a.sock"
     path.touch()
-    code, out = serve("--socket", str(path))
-    assert code == 1
-    one_error_line(out, f"{path} exists and is not a socket")
+    refused("--socket", str(path), match=f"{path} exists and is not a socket")
     assert sorted(os.listdir(tmp_path)) == ["a.sock"]
 
 
 def test_a_live_socket_without_a_lock_leaves_no_lock_file(tmp_path):
     path = str(tmp_path / "live.sock")
-    live = socket.socket(socket.AF_UNIX)
-    live.bind(path)
-    live.listen(1)
-    try:
-        code, out = serve("--socket", path)
-        assert code == 1
-        one_error_line(out, f"already serving on {path}")
+    with live_socket(path):
+        refused("--socket", path, match=f"already serving on {path}")
         assert sorted(os.listdir(tmp_path)) == ["live.sock"]
-    finally:
-        live.close()
 
 
 def test_a_socket_of_another_user_leaves_no_lock_file(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("a socket of another uid needs root to chown")
     path = str(tmp_path / "theirs.sock")
-    s = socket.socket(socket.AF_UNIX)
-    s.bind(path)
-    s.close()
+    dead_socket(path)
     os.chown(path, 65534, 65534)
-    code, out = serve("--socket", path)
-    assert code == 1
-    one_error_line(out, f"the socket {path} belongs to another user")
+    refused("--socket", path, match=f"the socket {path} belongs to another user")
     assert sorted(os.listdir(tmp_path)) == ["theirs.sock"]
 
 
 def test_a_lock_held_by_another_process_stays(tmp_path):
     path = str(tmp_path / "busy.sock")
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, path], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
-        code, out = serve("--socket", path)
-        assert code == 1
-        one_error_line(out, "already running (or starting)")
+    with lock_holder(path) as holder:
+        refused("--socket", path, match="already running (or starting)")
         assert open(path + ".lock").read() == f"{holder.pid}\n"  # the holder's file, untouched
-    finally:
-        holder.kill()
-        holder.wait()
 
 
 def test_a_refused_claim_restores_the_callers_sigterm_handler(tmp_path):

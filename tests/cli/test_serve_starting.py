@@ -14,6 +14,7 @@ import time
 
 import pytest
 from click.testing import CliRunner
+from serve_cli import lock_holder
 
 from llmd.daemon.cli.main import main
 from llmd.daemon.client import spawn
@@ -21,9 +22,6 @@ from llmd.daemon.client.client import Client, DaemonStarting, DaemonUnavailable
 from llmd.daemon.client.spawn import starting_pid
 from llmd.daemon.core.errors import LlmdError
 from llmd.daemon.serving.socket_claim import claim_socket
-
-HOLDER = "import sys, time\nfrom llmd.daemon.serving.socket_claim import claim_socket\nclaim_socket(sys.argv[1])\n" \
-         "print('locked', flush=True)\ntime.sleep(60)\n"
 
 
 def test_claim_writes_the_pid_and_a_client_reads_it(tmp_path):
@@ -43,10 +41,8 @@ def test_claim_writes_the_pid_and_a_client_reads_it(tmp_path):
 
 def test_status_and_stop_see_a_starting_daemon(tmp_path):
     path = str(tmp_path / "d.sock")
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, path], stdout=subprocess.PIPE, text=True)
-    reaper = threading.Thread(target=holder.wait)  # reaped at once, so its pid is gone when it exits
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with lock_holder(path) as holder:
+        reaper = threading.Thread(target=holder.wait)  # reaped at once, so its pid is gone when it exits
         status = CliRunner().invoke(main, ["status", "--socket", path])
         assert status.exit_code == 0 and f"(pid {holder.pid}), starting: its socket is not up yet" in status.output, \
             status.output
@@ -58,19 +54,13 @@ def test_status_and_stop_see_a_starting_daemon(tmp_path):
         assert time.monotonic() - t0 < 10
         reaper.join(5)
         assert holder.returncode == -15  # SIGTERM
-    finally:
-        if holder.poll() is None:
-            holder.kill()
-            holder.wait()
 
 
 def test_ps_and_the_client_see_a_starting_daemon(tmp_path):
     """`llmd ps` (any command that connects: the client's error) names the starting daemon and
     says to try again, where it said "no llmd daemon ...; start one with `llmd serve`"."""
     path = str(tmp_path / "d.sock")
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, path], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with lock_holder(path) as holder:
         ps = CliRunner().invoke(main, ["ps", "--socket", path])
         assert ps.exit_code == 1 and "start one" not in ps.output, ps.output
         assert ps.output.splitlines() == [f"llmd: error: the llmd daemon on {path} (pid {holder.pid}) is starting: "
@@ -79,9 +69,6 @@ def test_ps_and_the_client_see_a_starting_daemon(tmp_path):
             Client(path).stats()
         assert e.value.pid == holder.pid and isinstance(e.value, DaemonUnavailable)  # callers that retry still do
         assert Client(path).health(ready_only=False) is None
-    finally:
-        holder.kill()
-        holder.wait()
     ps = CliRunner().invoke(main, ["ps", "--socket", path])  # gone: the usual line
     assert ps.exit_code == 1 and f"no llmd daemon on {path} (No such file or directory); start one" in ps.output
 
@@ -144,9 +131,7 @@ def test_chat_waits_for_a_starting_daemon_instead_of_starting_another(tmp_path, 
     it waits for the starting one, spawns nothing, and, if that one exits without serving, says so
     at once instead of waiting out its timeout."""
     path = str(tmp_path / "d.sock")
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, path], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with lock_holder(path) as holder:
 
         def no_spawn(*a, **k):
             raise AssertionError("a second daemon was spawned")
@@ -160,9 +145,6 @@ def test_chat_waits_for_a_starting_daemon_instead_of_starting_another(tmp_path, 
                                 echo=lambda m, nl=True: events.append(m))
         assert time.monotonic() - t0 < 10
         assert events[0] == f"llmd: the daemon on {path} (pid {holder.pid}) is starting; waiting for it", events
-    finally:
-        holder.kill()
-        holder.wait()
 
 
 def test_chat_checks_its_options_against_a_daemon_that_was_starting(tmp_path, monkeypatch):
@@ -170,9 +152,7 @@ def test_chat_checks_its_options_against_a_daemon_that_was_starting(tmp_path, mo
     daemon, so it must then check its options against it, as against one that served already
     (``spawn.check_running_daemon``: a model it does not serve is refused); it chatted on silently."""
     path = str(tmp_path / "d.sock")
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, path], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with lock_holder(path):
         monkeypatch.setattr(spawn, "ensure_daemon", lambda *a, **k: Client(path))  # as once it serves
 
         def checked(client, model, ignored, **kw):
@@ -181,6 +161,3 @@ def test_chat_checks_its_options_against_a_daemon_that_was_starting(tmp_path, mo
         monkeypatch.setattr(spawn, "check_running_daemon", checked)
         result = CliRunner().invoke(main, ["chat", "--socket", path, "--model", "other-model", "-p", "hi"])
         assert "checked against the running daemon: model other-model" in result.output, result.output
-    finally:
-        holder.kill()
-        holder.wait()
