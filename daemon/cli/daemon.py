@@ -164,30 +164,25 @@ def serve(socket_path, host, port, api_key_file, api_key, served_model_name, dra
     model_id = served_model_name or served_id(engine_kw["model"])
     # the engine loads on the engine loop's thread, the one that runs its steps (see engine_loop)
     try:
-        asyncio.run(run_server(lambda: build_engine(name=model_id, echo=echo_err, **engine_kw), path, model_id,
-                               (model_id,),
-                               host=host, port=port,
-                               drain_timeout=drain_timeout, lock_fd=lock_fd, metrics_compat=metrics_compat,
-                               api_key=key if port is not None else None, health_stall_timeout=health_stall_timeout,
-                               kv_transfer=kv_transfer, freeze_gc=True,  # this process is the daemon's own
-                               deferred_signals=deferred,
-                               echo=echo_err))
+        left_behind = asyncio.run(run_server(
+            lambda: build_engine(name=model_id, echo=echo_err, **engine_kw), path, model_id, (model_id,),
+            host=host, port=port, drain_timeout=drain_timeout, lock_fd=lock_fd, metrics_compat=metrics_compat,
+            api_key=key if port is not None else None, health_stall_timeout=health_stall_timeout,
+            kv_transfer=kv_transfer, freeze_gc=True,  # this process is the daemon's own
+            deferred_signals=deferred, echo=echo_err))
     finally:  # also when run_server failed before its handlers took over (a bind): not the deferral
         restore()
-    _exit_past_the_engine_thread()
+    if left_behind and main_thread:  # llmd serve's process (an in-process caller on the main thread exits with it)
+        _exit_past_the_engine_thread()
 
 
 def _exit_past_the_engine_thread() -> None:
-    """Exit 0 at once, output flushed, when the engine thread still runs after ``run_server``
-    has returned (a shutdown while the model loads: a load cannot be interrupted and is not
-    waited for; the socket and lock file are gone already). Python's exit would finalize the
-    interpreter under that thread, which then ends itself inside torch's C++ frames at its next
-    GIL take and aborts the process (``terminate called without an active exception``, exit
-    -6 instead of a drain's 0)."""
-    from llmd.daemon.serving.engine_loop import THREAD_NAME
-
-    if not any(t.name == THREAD_NAME and t.is_alive() for t in threading.enumerate()):
-        return
+    """Exit 0 at once, output flushed: ``run_server`` returned with its engine thread still
+    running (a shutdown while the model loads: a load cannot be interrupted and is not waited
+    for; or a step past the 10 s stop; the socket and lock file are gone already). Python's exit
+    would finalize the interpreter under that thread, which then ends itself inside torch's C++
+    frames at its next GIL take and aborts the process (``terminate called without an active
+    exception``, exit -6 instead of a drain's 0)."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -78,8 +78,6 @@ from llmd.daemon.serving.engine_thread import (  # noqa: F401 (re-exported: the 
 )
 
 TOKENIZE_WORKERS = 2  # a long prompt's tokenization does not hold up a short one behind it
-#: the engine thread's name (``llmd serve`` looks for it once ``run_server`` has returned)
-THREAD_NAME = "llmd-engine"
 
 
 class EngineLoop(EngineThreadMixin):
@@ -109,7 +107,7 @@ class EngineLoop(EngineThreadMixin):
         self._index: dict[str, int] = {}  # live child id → its choice index (for terminal outputs)
         self.health = EngineHealth()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+        self._thread = threading.Thread(target=self._run, name="llmd-engine", daemon=True)
         self.started_at = time.monotonic()
         self._stats: EngineStats | None = None
         self._snapshot: dict = {}
@@ -127,12 +125,13 @@ class EngineLoop(EngineThreadMixin):
         self._thread.start()
         return self
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Abort everything, stop the thread and wait for it (seconds)."""
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Abort everything, stop the thread and wait for it (seconds); returns whether it ended."""
         self._stop.set()
         self._cmds.put(("wake",))
         self._thread.join(timeout)
         self._tokenizers.shutdown(wait=False, cancel_futures=True)
+        return not self._thread.is_alive()
 
     def submit(self, parent_id: str, prompt: str | list[int] | list[dict], params: SamplingParams, n: int, sink: Sink,
                cache_salt: str | None = None, priority: int = 0, kv: dict | None = None) -> cf.Future:

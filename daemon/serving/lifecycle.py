@@ -74,8 +74,10 @@ async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[s
                      host: str | None = None, port: int | None = None, drain_timeout: float = 30.0,
                      lock_fd: int | None = None, metrics_compat: str | None = None, api_key: str | None = None,
                      health_stall_timeout: float = DEFAULT_STALL_TIMEOUT_S, kv_transfer=None, echo=print,
-                     freeze_gc: bool = False, deferred_signals: Sequence[int] = ()) -> None:
-    """Serve until SIGTERM/SIGINT or ``POST /v1/shutdown``; then drain and clean up.
+                     freeze_gc: bool = False, deferred_signals: Sequence[int] = ()) -> bool:
+    """Serve until SIGTERM/SIGINT or ``POST /v1/shutdown``; then drain and clean up. Returns
+    True when the engine thread was left running (a shutdown while the model loaded: a load is
+    not waited for, or a loaded engine's thread past its 10 s stop), else False.
 
     Args:
         engine: a loaded :class:`Engine`, or a zero-argument factory of one, handed to a fresh
@@ -152,33 +154,33 @@ async def run_server(engine, socket_path: str, model_id: str, model_ids: tuple[s
         on_signal()
     try:
         engine = await _until_ready(eloop, state)
-        if engine is None:  # a shutdown while loading: nothing was served
-            return
-        state.vocab_size, state.max_model_len = engine.model_config.vocab_size, engine.max_model_len
-        state.loaded = True
-        summary = f"; {engine.runtime_summary()}" if hasattr(engine, "runtime_summary") else ""
-        tcp = f" and http://{host}:{port}{' (API key required)' if api_key else ''}" if port is not None else ""
-        echo(f"llmd: serving {model_id} on {socket_path}{tcp}"
-             + f" (pid {os.getpid()}{summary})")
-        await state.shutdown.wait()
-        echo(f"llmd: shutting down; {eloop.num_live} sequence{'' if eloop.num_live == 1 else 's'} in flight "
-             f"(drain timeout {drain_timeout:.0f} s)")
-        state.draining = True  # new generation requests: 503; the listeners stay open until the drain ends
-        deadline = loop.time() + drain_timeout
-        while eloop.num_live and loop.time() < deadline and not force.is_set():
-            await asyncio.sleep(0.05)
-        if eloop.num_live:
-            why = "second signal" if force.is_set() else f"drain timeout ({drain_timeout:.0f} s)"
-            echo(f"llmd: {why}: aborting {eloop.num_live} sequence{'' if eloop.num_live == 1 else 's'} in flight")
-            await asyncio.wait_for(asyncio.wrap_future(eloop.abort_all()), 10.0)
-            await asyncio.sleep(0.2)  # let the handlers write finish_reason "abort" and [DONE]
+        if engine is not None:  # None: a shutdown while loading, nothing was served
+            state.vocab_size, state.max_model_len = engine.model_config.vocab_size, engine.max_model_len
+            state.loaded = True
+            summary = f"; {engine.runtime_summary()}" if hasattr(engine, "runtime_summary") else ""
+            tcp = f" and http://{host}:{port}{' (API key required)' if api_key else ''}" if port is not None else ""
+            echo(f"llmd: serving {model_id} on {socket_path}{tcp}"
+                 + f" (pid {os.getpid()}{summary})")
+            await state.shutdown.wait()
+            echo(f"llmd: shutting down; {eloop.num_live} sequence{'' if eloop.num_live == 1 else 's'} in flight "
+                 f"(drain timeout {drain_timeout:.0f} s)")
+            state.draining = True  # new generation requests: 503; the listeners stay open until the drain ends
+            deadline = loop.time() + drain_timeout
+            while eloop.num_live and loop.time() < deadline and not force.is_set():
+                await asyncio.sleep(0.05)
+            if eloop.num_live:
+                why = "second signal" if force.is_set() else f"drain timeout ({drain_timeout:.0f} s)"
+                echo(f"llmd: {why}: aborting {eloop.num_live} sequence{'' if eloop.num_live == 1 else 's'} in flight")
+                await asyncio.wait_for(asyncio.wrap_future(eloop.abort_all()), 10.0)
+                await asyncio.sleep(0.2)  # let the handlers write finish_reason "abort" and [DONE]
     finally:
         await runner.cleanup()
-        eloop.stop(10.0 if state.loaded else 0.0)  # a loading engine cannot be interrupted: not waited for
+        ended = eloop.stop(10.0 if state.loaded else 0.0)  # a loading engine cannot be interrupted: not waited for
         _release(socket_path, lock_fd)  # before the handlers go: a SIGTERM here would kill with the files left
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         echo("llmd: stopped")
+    return not ended
 
 
 async def _listen(runner: ServingRunner, socket_path: str, host: str, port: int | None) -> None:
