@@ -94,8 +94,9 @@ async def tokenize(request: web.Request) -> web.Response:
     st = request.app[STATE]
     body = await read_json(request)
     chat = isinstance(body, dict) and "messages" in body
+    if isinstance(body, dict):  # first, as generation and vLLM's /tokenize: another model is a 404
+        check_model(body, st.model_ids)
     prompt = parse_prompt(body, chat, st.vocab_size, st.max_model_len)  # generation's limits
-    check_model(body, st.model_ids)  # as vLLM's /tokenize: another model is a 404
     check_size(prompt, st.max_model_len, chat)
     try:
         ids = await asyncio.wrap_future(st.engine_loop.tokenize(prompt))  # the tokenizer pool, as every prompt
@@ -111,8 +112,9 @@ async def detokenize(request: web.Request) -> web.Response:
     has stopped."""
     st = request.app[STATE]
     body = await read_json(request)
+    if isinstance(body, dict):  # first, as generation checks it
+        check_model(body, st.model_ids)
     ids = parse_tokens(body, st.vocab_size, st.max_model_len)
-    check_model(body, st.model_ids)
     try:
         text = await asyncio.wrap_future(st.engine_loop.detokenize(ids))
     except LlmdError as e:  # the tokenizer pool is shut down

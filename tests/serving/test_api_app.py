@@ -203,8 +203,10 @@ def test_detokenize_decodes_on_the_tokenizer_pool_and_version_is_the_installed_o
             resp = await client.post("/detokenize", json=body)
             out[name] = (resp.status, await resp.json())
         ids = (await (await client.post("/tokenize", json={"prompt": "round trip", "model": "tiny"})).json())["tokens"]
-        resp = await client.post("/tokenize", json={"prompt": "x", "model": "other"})
+        resp = await client.post("/tokenize", json={"prompt": 5, "model": "other"})  # the model first, as generation
         out["tokenize other"] = (resp.status, await resp.json())
+        resp = await client.post("/detokenize", json={"tokens": "x", "model": "other"})
+        out["detokenize other"] = (resp.status, await resp.json())
         out["round"] = await (await client.post("/detokenize", json={"tokens": ids})).json()
         resp = await client.get("/version")
         out["version"] = (resp.status, await resp.json())
@@ -213,7 +215,7 @@ def test_detokenize_decodes_on_the_tokenizer_pool_and_version_is_the_installed_o
     out = run(engine_loop, scenario)
     assert out["hi"] == (200, {"prompt": "hi"}) and out["alias"] == (200, {"prompt": "a"})
     assert out["empty"] == (200, {"prompt": ""}) and out["round"] == {"prompt": "round trip"}
-    for key in ("other", "tokenize other"):
+    for key in ("other", "tokenize other", "detokenize other"):
         assert out[key][0] == 404 and out[key][1]["error"]["code"] == "model_not_found", key
     assert calls and all(t.startswith("llmd-tokenize") and k == {"skip_special_tokens": False} for t, k in calls)
     assert out["version"] == (200, {"version": importlib.metadata.version("llmd")})
@@ -230,7 +232,7 @@ def test_detokenize_decodes_on_the_tokenizer_pool_and_version_is_the_installed_o
     ({"tokens": [1, [2]]}, "got array"),
     ({"tokens": [256]}, "token id 256 outside the vocabulary [0, 256)"),
     ({"tokens": [-1]}, "token id -1 outside the vocabulary"),
-    ({"tokens": [1] * (64 * 512 + 1)}, f"{64 * 512 + 1} ids, more than the limit of {64 * 512}"),
+    ({"tokens": [-1] * (64 * 512 + 1)}, f"{64 * 512 + 1} ids, more than the limit of {64 * 512}"),  # count first
 ])
 def test_detokenize_bad_tokens_are_400s_naming_the_field(engine_loop, body, words):
     """What ``/detokenize`` refuses, each a 400 ``param: "tokens"``: missing, not a list, an
