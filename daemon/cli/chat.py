@@ -123,7 +123,7 @@ def chat(socket_path, prompt, system, temperature, top_k, top_p, repetition_pena
         # the one /health asked at start: 200 ok / draining, 503 loading / dead / stalled, None (nothing answers);
         # a serving answer is handed on, so ensure_daemon and check_running_daemon do not ask again
         health = client_for(socket_path).health(ready_only=False)
-        serving = health if (health or {}).get("status") == "ok" else None
+        serving = spawn.serving_body(health)
         # a daemon of its own options: one that serves, loads, or is still starting (a draining one is waited out)
         already = serving is not None or (health or {}).get("status") == "loading" or \
             spawn.starting_pid(path) is not None

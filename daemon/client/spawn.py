@@ -145,11 +145,17 @@ def _tail(path: str, n: int = 5, start: int = 0) -> str:
         return ""
 
 
+def serving_body(health: dict | None) -> dict | None:
+    """``health`` (a ``/health`` body, 200's or 503's, or None) when it says the daemon is ready
+    and takes new requests (``status`` ``ok``), else None: 200 ``draining`` (after SIGTERM /
+    ``llmd stop``), 503 ``loading`` / ``dead`` / ``stalled``, or nothing answered."""
+    return health if health and health.get("status") == "ok" else None
+
+
 def serving(client: Client) -> dict | None:
     """``/health``'s body when the daemon is ready and takes new requests, else None (nothing
-    answers, it loads, or it is draining: ``status`` ``draining`` after SIGTERM / ``llmd stop``)."""
-    health = client.health()
-    return health if health and health.get("status") != "draining" else None
+    answers, it loads, or it is draining): :func:`serving_body` of one ask."""
+    return serving_body(client.health())
 
 
 def ensure_daemon(socket_path: str, serve_args: list[str], log_path: str | None = None,
@@ -161,15 +167,15 @@ def ensure_daemon(socket_path: str, serve_args: list[str], log_path: str | None 
     ``env`` is the spawned daemon's environment (default: this process's). ``live_progress``:
     redraw one progress line with ``\r`` (default: when stderr is a terminal; otherwise a plain
     line every 10 s, readable in logs and pipes). ``ready_health``: a ``/health`` body the caller
-    has just read that says the daemon serves (status ``ok``; ``llmd chat``'s one ask at start):
-    the client is returned without asking again.
+    has just read that says the daemon serves (:func:`serving_body`'s answer; ``llmd chat``'s one
+    ask at start): the client is returned without asking again.
 
     Raises:
         LlmdError: the daemon could not start (its log's last lines are in the message) or
             did not answer ``/health`` within ``timeout`` seconds.
     """
     client = Client(socket_path)
-    if (ready_health or {}).get("status") == "ok" or serving(client):
+    if ready_health is not None or serving(client):
         return client
     old = client.health()
     if old:  # draining (SIGTERM, `llmd stop`): it refuses new requests; a new daemon follows it
