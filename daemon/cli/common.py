@@ -14,6 +14,7 @@ import time
 
 import click
 
+from llmd.daemon.cli.startup_interrupt import exit_interrupted
 from llmd.daemon.core.errors import LlmdError
 
 
@@ -28,8 +29,7 @@ def one_line_errors(fn):
             click.echo(f"llmd: error: {e}", err=True)
             sys.exit(1)
         except KeyboardInterrupt:
-            click.echo("llmd: interrupted", err=True)
-            sys.exit(130)
+            exit_interrupted()
 
     return wrapper
 

@@ -16,15 +16,12 @@ import importlib
 import os
 import sys
 
-from llmd.daemon.cli.startup_interrupt import HeldInterrupt
+from llmd.daemon.cli.startup_interrupt import HeldInterrupt, exit_interrupted
 
 #: a Ctrl-C while this module imports click (~20 ms of every start) is kept for ``main`` (below)
 IMPORTING = HeldInterrupt()
 with IMPORTING:
     import click
-
-#: ``llmd: interrupted`` exits with this, as a command's own Ctrl-C (``common.one_line_errors``)
-INTERRUPTED_EXIT = 130
 
 #: command name → ``module:attribute`` of its click command
 COMMANDS = {
@@ -67,8 +64,7 @@ class OneLineUsageErrors(LazyCommands):
         if IMPORTING.take():  # a Ctrl-C while click was imported: act on it now
             if not standalone_mode:
                 raise KeyboardInterrupt
-            click.echo("llmd: interrupted", err=True)
-            sys.exit(INTERRUPTED_EXIT)
+            exit_interrupted()
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, False, **extra)
         try:
@@ -82,8 +78,7 @@ class OneLineUsageErrors(LazyCommands):
             sys.exit(e.exit_code)
         except click.Abort as e:
             if isinstance(e.__cause__, KeyboardInterrupt):  # click's word for a Ctrl-C outside the command
-                click.echo("llmd: interrupted", err=True)
-                sys.exit(INTERRUPTED_EXIT)
+                exit_interrupted()
             click.echo("llmd: aborted", err=True)
             sys.exit(1)
         sys.exit(rv if isinstance(rv, int) else 0)

@@ -3,13 +3,27 @@
 The ``llmd`` script's first step after Python's own start is importing click (:mod:`.main`,
 ~20 ms); a SIGINT there was a ``KeyboardInterrupt`` traceback and a death by SIGINT (exit -2).
 :class:`HeldInterrupt` keeps it instead, and ``OneLineUsageErrors.main`` (:mod:`.main`) then ends
-the process as a command's own Ctrl-C does: ``llmd: interrupted``, exit 130
-(:func:`llmd.daemon.cli.common.one_line_errors`). Imported before click, so stdlib only.
+the process as a command's own Ctrl-C does (:func:`llmd.daemon.cli.common.one_line_errors`):
+:func:`exit_interrupted`, ``llmd: interrupted``, exit 130. Imported before click, so stdlib only.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
+from typing import NoReturn
+
+#: ``llmd: interrupted`` exits with this (128 + SIGINT, as a shell reports a Ctrl-C)
+INTERRUPTED_EXIT = 130
+
+
+def exit_interrupted() -> NoReturn:
+    """End ``llmd`` after a Ctrl-C: one line ``llmd: interrupted`` on stderr, exit 130 (a
+    command's body, click's argument parsing, the import of click; no traceback)."""
+    if sys.stderr is not None:  # as click.echo, which writes nowhere without a stderr
+        sys.stderr.write("llmd: interrupted\n")
+        sys.stderr.flush()
+    sys.exit(INTERRUPTED_EXIT)
 
 
 class HeldInterrupt:
