@@ -10,7 +10,7 @@ import os
 import socket
 
 import pytest
-from serve_cli import one_error_line, serve
+from serve_cli import one_error_line, refused, serve
 
 from llmd.daemon.core.errors import LlmdError
 
@@ -27,9 +27,8 @@ def busy_port():
 
 def test_a_port_in_use_is_one_line_before_the_socket_is_claimed(tmp_path, busy_port):
     sock = str(tmp_path / "e.sock")
-    code, out = serve("--socket", sock, "--port", str(busy_port))
-    assert code == 1
-    one_error_line(out, f"cannot listen on 127.0.0.1:{busy_port}: address already in use")
+    out = refused("--socket", sock, "--port", str(busy_port),
+                  match=f"cannot listen on 127.0.0.1:{busy_port}: address already in use")
     assert "loading" not in out and os.listdir(tmp_path) == []  # no socket, no lock file
 
 
@@ -48,9 +47,8 @@ def test_a_port_taken_after_the_check_is_one_line_and_cleans_up(tmp_path, busy_p
     import llmd.daemon.serving.access as access
 
     monkeypatch.setattr(access, "check_listen", lambda host, port: None)
-    code, out = serve("--socket", str(tmp_path / "e.sock"), "--port", str(busy_port))
-    assert code == 1
-    one_error_line(out, f"cannot listen on 127.0.0.1:{busy_port}: address already in use")
+    out = refused("--socket", str(tmp_path / "e.sock"), "--port", str(busy_port),
+                  match=f"cannot listen on 127.0.0.1:{busy_port}: address already in use")
     assert "loading" not in out and os.listdir(tmp_path) == []
 
 
@@ -65,10 +63,8 @@ def test_run_server_on_a_busy_port_raises_before_building_the_engine(tmp_path, b
 
 
 def test_an_address_not_of_this_machine_is_one_line(tmp_path):
-    code, out = serve("--socket", str(tmp_path / "c.sock"), "--host", "192.0.2.1", "--port", "18124",
-                      env={"LLMD_API_KEY": "x"})  # TEST-NET-1: never a local address
-    assert code == 1
-    one_error_line(out, "cannot listen on 192.0.2.1:18124: cannot assign requested address")
+    refused("--socket", str(tmp_path / "c.sock"), "--host", "192.0.2.1", "--port", "18124",  # TEST-NET-1: never local
+            env={"LLMD_API_KEY": "x"}, match="cannot listen on 192.0.2.1:18124: cannot assign requested address")
     assert os.listdir(tmp_path) == []
 
 
@@ -85,15 +81,11 @@ def test_an_address_not_of_this_machine_is_one_line(tmp_path):
                                             "--kv-role consumer"),
 ])
 def test_a_pd_flag_the_role_ignores_is_refused_before_anything(tmp_path, role, args, match):
-    code, out = serve("--socket", str(tmp_path / "c.sock"), "--kv-role", role, *args)
-    assert code == 1
-    one_error_line(out, match)
+    out = refused("--socket", str(tmp_path / "c.sock"), "--kv-role", role, *args, match=match)
     assert "loading" not in out and os.listdir(tmp_path) == []
 
 
 def test_pd_flags_of_the_role_pass_on_to_the_model_error(tmp_path):
     """The matching role accepts its flags: the start goes on to the (missing) model."""
-    code, out = serve("--socket", str(tmp_path / "c.sock"), "--kv-role", "consumer", "--kv-pull-timeout", "5",
-                      "--kv-producer", "127.0.0.1:8100")
-    assert code == 1
-    one_error_line(out, "model file not found")
+    refused("--socket", str(tmp_path / "c.sock"), "--kv-role", "consumer", "--kv-pull-timeout", "5",
+            "--kv-producer", "127.0.0.1:8100", match="model file not found")

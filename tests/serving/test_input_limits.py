@@ -12,7 +12,7 @@ import time
 
 import jinja2
 import pytest
-from app_harness import run_app, start_loop
+from app_harness import run_app
 from tiny_engine import ByteHF, tiny_engine
 
 from llmd.daemon.core.errors import LlmdError
@@ -22,13 +22,6 @@ from llmd.daemon.serving.multi_prompt import MAX_PROMPTS
 from llmd.daemon.serving.prompt_fields import MAX_MESSAGES
 from llmd.daemon.serving.validation import MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
 from llmd.models.tokenizer import Tokenizer
-
-
-@pytest.fixture(scope="module")
-def engine_loop(tmp_path_factory):
-    loop = start_loop(tmp_path_factory, max_num_seqs=4)
-    yield loop
-    loop.stop()
 
 
 def run(engine_loop, scenario):
