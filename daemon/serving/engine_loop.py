@@ -196,10 +196,10 @@ class EngineLoop(EngineThreadMixin):
         return self._on_tokenizer(lambda: self.engine.input_processor.tokenize(prompt))
 
     def detokenize(self, ids: list[int]) -> cf.Future:
-        """The text of token ids, special tokens kept (``POST /detokenize``, as vLLM's and as
-        ``echo`` decodes a token-id prompt), on the tokenizer pool: a long list takes
-        milliseconds, never on the engine thread or the event loop. The ids must already be
-        checked against the vocabulary. Future → str."""
+        """The text of token ids, special tokens kept (``POST /detokenize``, as vLLM's, and a
+        token-id prompt's ``echo``: ``multi_prompt.echo_texts``), on the tokenizer pool: a long
+        list takes milliseconds, never on the engine thread or the event loop. The ids must
+        already be checked against the vocabulary. Future → str."""
         return self._on_tokenizer(lambda: self.engine.input_processor.tokenizer.decode(ids, skip_special_tokens=False))
 
     def reset_prefix_cache(self) -> cf.Future:

@@ -80,7 +80,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         tok = st.engine_loop.engine.tokenizer.hf
         text_of = (lambda i: f"token_id:{i}") if parsed.tokens_as_ids else _token_text(tok)
         bytes_of = None if parsed.tokens_as_ids else _token_bytes(tok, text_of)
-        echo = await echo_texts(prompts, tok) if parsed.echo else None
+        echo = await echo_texts(prompts, st.engine_loop) if parsed.echo else None
         builder = ResponseBuilder(rid, st.model_id, chat, parsed.n, parsed.logprobs, text_of, parsed.tool_calling,
                                   len(prompts), echo, parsed.continuous_usage, token_bytes=bytes_of)
         builder.prompt_tokens = n_prompts

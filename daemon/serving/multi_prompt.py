@@ -73,16 +73,15 @@ def check_echo(body: dict, chat: bool, logprobs: int | None) -> bool:
     return True
 
 
-async def echo_texts(prompts: list[str | list[int]], hf_tokenizer) -> list[str]:
-    """Each prompt's text for ``echo``: strings as sent, token ids decoded (special tokens kept;
-    on a worker thread, as a long prompt takes milliseconds)."""
-    if all(isinstance(p, str) for p in prompts):
-        return list(prompts)
-
-    def decode() -> list[str]:
-        return [p if isinstance(p, str) else hf_tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
-
-    return await asyncio.to_thread(decode)
+async def echo_texts(prompts: list[str | list[int]], engine_loop) -> list[str]:
+    """Each prompt's text for ``echo``: strings as sent, token ids decoded by
+    :meth:`EngineLoop.detokenize <llmd.daemon.serving.engine_loop.EngineLoop.detokenize>` (special
+    tokens kept, on the tokenizer pool, as ``POST /detokenize``: a long prompt takes milliseconds)."""
+    texts = list(prompts)
+    decoding = {i: engine_loop.detokenize(p) for i, p in enumerate(prompts) if not isinstance(p, str)}
+    for i, fut in decoding.items():  # all queued at once, then awaited in turn
+        texts[i] = await asyncio.wrap_future(fut)
+    return texts
 
 
 class PromptBatch:
