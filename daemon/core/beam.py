@@ -198,6 +198,20 @@ class BeamSearch:
         g = self._group_of.get(request_id)
         return [request_id] if g is None else [r.request_id for r in g.slots]
 
+    def partial_answer(self, request_id: str, requests: dict[str, Request]) -> dict[str, tuple[list[int], bool]]:
+        """An aborted search's answer so far, for every live slot of ``request_id``'s group:
+        its hypotheses and its live beams (each scored at its current length, as an unfinished
+        beam is), best first, slot ``i`` the ``i``-th best (``(output tokens, ended with a stop
+        token)``; ``([], False)`` for slots past the candidates, e.g. before the first step)."""
+        g = self._group_of[request_id]
+        live = g.live(requests)
+        cands = [(h.score, h.output_token_ids, h.stopped) for h in g.hyps]
+        cands += [(beam_score(g.cum[r.request_id], r.num_tokens, False, g.length_penalty), r.output_token_ids, False)
+                  for r in live if r.request_id in g.cum]
+        cands.sort(key=lambda c: -c[0])  # stable: hypotheses first among equals
+        answer = {r.request_id: (list(toks), stopped) for r, (_, toks, stopped) in zip(live, cands)}
+        return {r.request_id: answer.get(r.request_id, ([], False)) for r in live}
+
     def take_reports(self, sampling: Sequence[Request], sampled: dict[str, int],
                      logprobs: dict[str, TokenLogprobs | None]) -> list[BeamGroup]:
         """Move the beams' rows out of ``sampled`` (the scheduler appends no token for them)

@@ -221,18 +221,29 @@ class Engine(StepMixin, SummaryMixin, StatsMixin, OfflineMixin):
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
         """Abort these sequences; returns the final ``finish_reason="abort"`` output of each one
-        that was live."""
-        outputs = []
+        that was live. A beam-search slot's output carries the search's answer so far
+        (:meth:`BeamSearch.partial_answer`: all its tokens and text, as a finished search's
+        does), since its beams stream nothing while they run."""
+        outputs, beam_answers = [], {}
         for rid in request_ids:
             req = self.scheduler.requests.get(rid)
             if req is None:
                 continue
+            if rid in self.beams and rid not in beam_answers:  # before any slot of the group leaves
+                beam_answers.update(self.beams.partial_answer(rid, self.scheduler.requests))
+            tokens, text = None, ""
+            if rid in beam_answers:
+                tokens, stopped = beam_answers[rid]
+                req.token_ids[req.num_prompt_tokens:] = tokens
+                detok = self.detokenizers[rid]
+                text = detok.update(tokens[:-1] if stopped else tokens) + detok.finish()
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
             self.detokenizers.pop(rid, None)
             self._finished(req, "abort")
             outputs.append(RequestOutput(request_id=rid, finished=True, finish_reason="abort", index=req.sibling_index,
                                          num_prompt_tokens=req.total_prompt_tokens,
-                                         num_output_tokens=req.num_output_tokens))
+                                         num_output_tokens=req.num_output_tokens, new_token_ids=tokens or [],
+                                         new_text=text, logprobs=[None] * len(tokens or [])))
         return outputs
 
     def fail_requests(self, request_ids: list[str], message: str) -> list[RequestOutput]:

@@ -217,7 +217,15 @@ def test_abort_of_one_beams_id_ends_the_whole_search(tiny64, target):
                            child_request_ids("q", 3), parent_id="q")
     for _ in range(4):
         e.step()
-    assert e.abort(target)
+    live = [e.requests[b] for b in child_request_ids("p", 3)]
+    g = e.beams._group_of[live[0].request_id]
+    ranked = sorted(live, key=lambda r: -beam_score(g.cum[r.request_id], r.num_tokens, False, g.length_penalty))
+    expected = {f"p-{i}": list(r.output_token_ids) for i, r in enumerate(ranked)}  # best first, into slot order
+    outs = e.abort_requests(e.abort_members(target))
+    # the search's answer so far: every beam's tokens and text, best first, as a finished search answers
+    assert {o.request_id: o.new_token_ids for o in outs} == expected and all(len(t) == 4 for t in expected.values())
+    assert all(o.finish_reason == "abort" and o.new_text == e.tokenizer.decode(o.new_token_ids)
+               and o.num_output_tokens == 4 for o in outs)
     beams = child_request_ids("p", 3)
     assert not set(beams) & (set(e.requests) | set(e.kv_manager.req_to_blocks))
     assert "p" not in e.parallel and not any(b in e.beams for b in beams)

@@ -86,15 +86,16 @@ def test_invalid_beam_combinations_are_400s(engine_loop, extra, param):
 def test_delete_of_any_beams_id_aborts_the_whole_search(engine_loop, suffix):
     """``DELETE /v1/requests/{id}-k`` (one beam's sequence id, as ``/v1/stats`` lists them)
     ends the search as ``DELETE /v1/requests/{id}`` does: one 200 answer whose every choice
-    has ``finish_reason: "abort"``, every beam's blocks freed. Before, only slot k ended (its
-    choice "abort") and the other beams searched on to ``max_tokens``."""
+    has ``finish_reason: "abort"`` and a beam's text so far, every beam's blocks freed. Before,
+    only slot k ended (its choice "abort") and the other beams searched on to ``max_tokens``."""
     body = {"prompt": "hello", "max_tokens": 400, "n": 4, "use_beam_search": True, "ignore_eos": True}
 
     async def scenario(client):
         answer = asyncio.ensure_future(client.post("/v1/completions", json=body))
-        for _ in range(1000):
-            live = [r["id"] for r in (await (await client.get("/v1/stats")).json())["requests"]]
-            if live:
+        for _ in range(1000):  # until every beam holds a few tokens
+            reqs = (await (await client.get("/v1/stats")).json())["requests"]
+            live = [r["id"] for r in reqs]
+            if live and min(r["generated_tokens"] for r in reqs) >= 3:
                 break
             await asyncio.sleep(0.01)
         rid = live[0].rsplit("-", 1)[0]
@@ -107,5 +108,7 @@ def test_delete_of_any_beams_id_aborts_the_whole_search(engine_loop, suffix):
     assert (status, deleted) == (200, {"id": rid + suffix, "aborted": True})
     assert answer_status == 200 and answer["id"] == rid, answer
     assert [(c["index"], c["finish_reason"]) for c in answer["choices"]] == [(i, "abort") for i in range(4)]
+    # the search's answer so far: each choice a beam's text (not "" beside a token count, as before)
+    assert all(c["text"] for c in answer["choices"]) and answer["usage"]["completion_tokens"] >= 4 * 3, answer
     assert engine_loop.engine.kv_manager.num_used_blocks == 0 and not engine_loop.engine.requests
     assert rid not in engine_loop.engine.parallel
