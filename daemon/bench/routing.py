@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import shutil
 import signal
 import socket
@@ -48,18 +49,45 @@ def find_router() -> str:
     return path
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports on 127.0.0.1 that nothing listens on now, for servers started
+    next. Drawn below the kernel's ephemeral range (``ip_local_port_range``, 32768 by default)
+    when it leaves room, so no outgoing connection's source port takes one between this pick and
+    the server's bind (a router connects to its workers before it binds its metrics port: that
+    raced once as "Address already in use"); all ``n`` sockets are held until every port is
+    drawn, so the ports differ. Else the kernel's own pick (``bind`` to port 0)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    rng, held, ports = random.Random(), [], []
+    try:
+        while len(ports) < n:
+            s = socket.socket()
+            held.append(s)
+            try:
+                s.bind(("127.0.0.1", rng.randrange(20000, low) if low > 21000 else 0))
+            except OSError:  # taken: draw again
+                continue
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in held:
+            s.close()
+    return ports
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """One port of :func:`free_ports`."""
+    return free_ports(1)[0]
 
 
 def start_replicas(n: int, serve_args: list[str], key: str, workdir: str) -> list[tuple[subprocess.Popen, str, str]]:
     """``n`` ``llmd serve`` processes; (process, base URL, log path) each."""
     env = dict(os.environ, LLMD_API_KEY=key, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     out = []
-    for i in range(n):
-        port, log = free_port(), os.path.join(workdir, f"replica{i}.log")
+    for i, port in enumerate(free_ports(n)):
+        log = os.path.join(workdir, f"replica{i}.log")
         args = [*SERVE, "--socket", os.path.join(workdir, f"r{i}.sock"), "--host", "127.0.0.1", "--port", str(port),
                 "--threads", "1", *serve_args]
         with open(log, "wb") as f:
@@ -70,9 +98,9 @@ def start_replicas(n: int, serve_args: list[str], key: str, workdir: str) -> lis
 
 def start_router(router: str, urls: list[str], policy: str, key: str, workdir: str):
     """A ``vllm-router`` with ``policy`` in front of ``urls``: (process, base URL, log path)."""
-    port, log = free_port(), os.path.join(workdir, f"router-{policy}.log")
+    (port, metrics_port), log = free_ports(2), os.path.join(workdir, f"router-{policy}.log")
     args = [router, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", policy,
-            "--api-key", key, "--prometheus-port", str(free_port()), "--worker-startup-check-interval", "1",
+            "--api-key", key, "--prometheus-port", str(metrics_port), "--worker-startup-check-interval", "1",
             "--log-level", os.environ.get("LLMD_ROUTER_LOG_LEVEL", "warning")]
     with open(log, "wb") as f:
         proc = subprocess.Popen(args, stdout=f, stderr=f, stdin=subprocess.DEVNULL)

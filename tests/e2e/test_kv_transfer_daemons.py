@@ -15,9 +15,9 @@ import time
 import urllib.request
 
 import tiny_daemon
-from daemon_harness import free_port
 from kv_pair import ROUTER_PREFILL
 
+from llmd.daemon.bench.routing import free_port
 from llmd.daemon.client.client import Client
 
 KEY = "llmd-kv-e2e-" + os.urandom(8).hex()

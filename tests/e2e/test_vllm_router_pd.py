@@ -25,7 +25,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from app_harness import start_loop, state_of
 from kv_pair import audit
 
-from llmd.daemon.bench.routing import find_router, free_port, stop, wait_healthy
+from llmd.daemon.bench.routing import find_router, free_ports, stop, wait_healthy
 from llmd.daemon.core.errors import LlmdError
 from llmd.daemon.serving.access import AccessPolicy, access_middleware
 from llmd.daemon.serving.api import make_app
@@ -74,12 +74,12 @@ def test_vllm_router_pd_mode_drives_the_handshake(router, tmp_path_factory, tmp_
         async with _workers(loops, logs) as (p, c):
             direct = await (await c.post("/v1/completions", json=body)).json()
             await c.post("/v1/cache/reset", json={})
-            port, log = free_port(), str(tmp_path / "router.log")
+            (port, metrics_port), log = free_ports(2), str(tmp_path / "router.log")
             with open(log, "wb") as f:
                 proc = subprocess.Popen(
                     [router, "--vllm-pd-disaggregation", "--prefill", str(p.make_url("")).rstrip("/"), "--decode",
                      str(c.make_url("")).rstrip("/"), "--host", "127.0.0.1", "--port", str(port), "--api-key",
-                     "router-key", "--prometheus-port", str(free_port()), "--worker-startup-check-interval", "1",
+                     "router-key", "--prometheus-port", str(metrics_port), "--worker-startup-check-interval", "1",
                      "--log-level", os.environ.get("LLMD_ROUTER_LOG_LEVEL", "warning")],
                     stdout=f, stderr=f, stdin=subprocess.DEVNULL)
             try:
