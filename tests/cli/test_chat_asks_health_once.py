@@ -75,7 +75,7 @@ def stub():
 
     def start(*states: str) -> StubDaemon:
         srv = StubDaemon(os.path.join(tmp, "d.sock"), list(states))
-        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
         servers.append(srv)
         return srv
 
