@@ -18,6 +18,7 @@ is a 400.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from llmd.daemon.protocol import error_body, error_type
 from llmd.daemon.serving.connections import ServingLimits
 from llmd.daemon.serving.engine_health import DEFAULT_STALL_TIMEOUT_S
 from llmd.daemon.serving.engine_loop import EngineLoop
-from llmd.daemon.serving.json_fields import ApiError
+from llmd.daemon.serving.json_fields import ApiError, parse_float
 
 log = logging.getLogger("llmd.server")
 MAX_BODY_BYTES = 8 * 2**20
@@ -102,9 +103,10 @@ async def loading_middleware(request: web.Request, handler):
 async def read_json(request: web.Request):
     try:
         raw = await request.read()
+        loads = functools.partial(json.loads, parse_float=parse_float)  # 1e400 quoted as written
         if len(raw) > JSON_OFF_LOOP_BYTES:  # keep the event loop (other streams' writes) moving
-            return await asyncio.get_running_loop().run_in_executor(None, json.loads, raw)
-        return json.loads(raw)
+            return await asyncio.get_running_loop().run_in_executor(None, loads, raw)
+        return loads(raw)
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer past Python's 4,300-digit limit
         raise ApiError(f"the request body is not valid JSON: {e}") from None
     except RecursionError:

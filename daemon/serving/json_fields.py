@@ -100,12 +100,29 @@ def json_typed(v) -> str:
     return t if t in ("null", "array", "object") else f"{t} {json_value(v)}"
 
 
+class OverflowFloat(float):
+    """A JSON number past float64's range (``1e400``): infinity to every check, with the
+    ``literal`` the client wrote, which :func:`json_value` quotes."""
+
+    literal: str
+
+
+def parse_float(text: str) -> float:
+    """``json.loads``' ``parse_float`` for request bodies: ``float(text)``, an
+    :class:`OverflowFloat` keeping ``text`` where it overflows."""
+    f = float(text)
+    if math.isinf(f):
+        f = OverflowFloat(f)
+        f.literal = text
+    return f
+
+
 def json_value(v, limit: int = 40) -> str:
     """A decoded request value as the client wrote it, in JSON (``true``, ``null``, ``"text"``,
-    ``NaN``), cut to ``limit`` characters with ``...``: error messages quote the client's
-    language, not Python's (``True``, ``None``, ``nan``)."""
+    ``NaN``, ``1e400``), cut to ``limit`` characters with ``...``: error messages quote the
+    client's language, not Python's (``True``, ``None``, ``nan``, ``inf``)."""
     try:
-        r = json.dumps(v, ensure_ascii=False)
+        r = v.literal if isinstance(v, OverflowFloat) else json.dumps(v, ensure_ascii=False)
     except (TypeError, ValueError):
         r = repr(v)
     return r if len(r) <= limit else r[: limit - 3] + "..."

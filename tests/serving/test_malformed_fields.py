@@ -28,6 +28,25 @@ def test_tool_choice_whose_function_is_not_an_object_with_a_name_is_400(engine_l
 BIG = "1" + "0" * 400  # a JSON integer past float's range: Python decodes it to an int
 
 
+@pytest.mark.parametrize("path,raw,param", [
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 1e400}', "max_tokens"),
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "temperature": -1e400}', "temperature"),
+    ("/detokenize", '{"tokens": [1, 1e400]}', "tokens"),
+])
+def test_a_number_past_floats_range_is_quoted_as_written(engine_loop, path, raw, param):
+    """``1e400`` decodes to infinity; the 400 quotes the number as the client wrote it, not as
+    ``Infinity`` (not JSON)."""
+    written = raw.split(": ")[-1].strip("[]}").split(", ")[-1]
+
+    async def scenario(client):
+        resp = await client.post(path, data=raw, headers={"Content-Type": "application/json"})
+        return resp.status, await resp.json()
+
+    status, body = run_app(engine_loop, scenario, timeout=30)
+    assert status == 400 and body["error"]["param"] == param, body
+    assert written in body["error"]["message"] and "Infinity" not in body["error"]["message"], body
+
+
 @pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
                                    "presence_penalty", "length_penalty", "logit_bias"])
 def test_a_number_field_holding_an_integer_past_floats_range_is_400(engine_loop, field):
