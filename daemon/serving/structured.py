@@ -153,6 +153,10 @@ def _tools(tools) -> dict[str, dict]:
         if not isinstance(params, dict):
             raise ApiError(f"tools[{i}].function.parameters must be a JSON schema object",
                            f"tools[{i}].function.parameters")
+        if params.get("type", "object") != "object":  # a call's arguments are a JSON object (OpenAI's rule)
+            raise ApiError(f"tools[{i}].function.parameters must be a JSON schema of type \"object\" (a call's "
+                           f"arguments are an object), got type {json_value(params.get('type'))}",
+                           f"tools[{i}].function.parameters")
         out[name] = params
     return out
 

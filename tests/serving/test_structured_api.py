@@ -200,6 +200,9 @@ def test_chat_logprob_bytes_join_to_the_reply_where_tokens_split_characters(engi
     # a tool whose parameters xgrammar refuses is named (it was "tools")
     ({"tools": [TOOLS[0], {"type": "function", "function": {"name": "x", "parameters": {"type": "objekt"}}}],
       "tool_choice": "required"}, "tools[1].function.parameters"),
+    # arguments that are not an object: a bare number was served as a call's arguments
+    ({"tools": [{"type": "function", "function": {"name": "b", "parameters": {"type": "integer"}}}],
+      "tool_choice": {"type": "function", "function": {"name": "b"}}}, "tools[0].function.parameters"),
     # misspelt keys: they gave unconstrained output / any JSON object with a 200
     ({"structured_outputs": {"regexp": "[0-9]"}}, "structured_outputs.regexp"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "scheme": {"type": "object"}}}},
