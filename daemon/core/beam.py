@@ -194,9 +194,8 @@ class BeamSearch:
     def members(self, request_id: str) -> list[str]:
         """What an abort of one beam's sequence id ends: every slot of its group, in index
         order (slots are reassigned every step, so one slot alone means nothing to the
-        caller); any other id: just that id."""
-        g = self._group_of.get(request_id)
-        return [request_id] if g is None else [r.request_id for r in g.slots]
+        caller). Raises KeyError for an id not of a live search (check ``in`` first)."""
+        return [r.request_id for r in self._group_of[request_id].slots]
 
     def partial_answer(self, request_id: str, requests: dict[str, Request]) -> dict[str, tuple[list[int], bool]]:
         """An aborted search's answer so far, for every live slot of ``request_id``'s group:

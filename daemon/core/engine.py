@@ -231,19 +231,17 @@ class Engine(StepMixin, SummaryMixin, StatsMixin, OfflineMixin):
                 continue
             if rid in self.beams and rid not in beam_answers:  # before any slot of the group leaves
                 beam_answers.update(self.beams.partial_answer(rid, self.scheduler.requests))
-            tokens, text = None, ""
+            tokens, text = [], ""
             if rid in beam_answers:
                 tokens, stopped = beam_answers[rid]
-                req.token_ids[req.num_prompt_tokens:] = tokens
-                detok = self.detokenizers[rid]
-                text = detok.update(tokens[:-1] if stopped else tokens) + detok.finish()
+                text = self._beam_answer(req, tokens, stopped)
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
             self.detokenizers.pop(rid, None)
             self._finished(req, "abort")
             outputs.append(RequestOutput(request_id=rid, finished=True, finish_reason="abort", index=req.sibling_index,
                                          num_prompt_tokens=req.total_prompt_tokens,
-                                         num_output_tokens=req.num_output_tokens, new_token_ids=tokens or [],
-                                         new_text=text, logprobs=[None] * len(tokens or [])))
+                                         num_output_tokens=req.num_output_tokens, new_token_ids=tokens,
+                                         new_text=text, logprobs=[None] * len(tokens)))
         return outputs
 
     def fail_requests(self, request_ids: list[str], message: str) -> list[RequestOutput]:

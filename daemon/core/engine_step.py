@@ -87,11 +87,9 @@ class StepMixin:
         for g, live in self.beams.advance(groups, self.scheduler):
             for req, hyp in final_outputs(g, live):
                 status = RequestStatus.FINISHED_STOPPED if hyp.stopped else RequestStatus.FINISHED_LENGTH
-                req.token_ids[req.num_prompt_tokens:] = hyp.output_token_ids
+                text = self._beam_answer(req, hyp.output_token_ids, hyp.stopped)
                 req.stop_reason = hyp.output_token_ids[-1] if hyp.stopped else None
                 self.scheduler.finish_request(req.request_id, status)
-                detok = self.detokenizers.pop(req.request_id)
-                text = detok.update(hyp.output_token_ids[:-1] if hyp.stopped else hyp.output_token_ids) + detok.finish()
                 self._finished(req, status.finish_reason)
                 outputs.append(RequestOutput(
                     request_id=req.request_id, new_token_ids=list(hyp.output_token_ids), new_text=text,
@@ -99,6 +97,14 @@ class StepMixin:
                     num_prompt_tokens=req.total_prompt_tokens, num_output_tokens=req.num_output_tokens,
                     num_cached_tokens=req.num_cached_tokens, index=req.sibling_index))
         return outputs
+
+    def _beam_answer(self, req: Request, tokens: list[int], stopped: bool) -> str:
+        """A beam-search slot leaving with a beam's answer (its group ended or was aborted):
+        ``tokens`` become its output, its detokenizer goes; returns their whole text (a stop
+        token's own text left out, as :meth:`_postprocess` leaves it)."""
+        req.token_ids[req.num_prompt_tokens:] = tokens
+        detok = self.detokenizers.pop(req.request_id)
+        return detok.update(tokens[:-1] if stopped else tokens) + detok.finish()
 
     def _postprocess(self, req: Request, token: int, lp: TokenLogprobs | None) -> RequestOutput:
         if self.faults is not None:
